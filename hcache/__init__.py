@@ -1,0 +1,20 @@
+"""hcache: inference caches for hybrid attention + Mamba LLMs, for runtimes without torch.
+
+Public surface: the configs, the managers, the errors and the device helpers. Kernel wrappers
+live in :mod:`hcache.ops` (with their NumPy reference in :mod:`hcache.reference`).
+"""
+
+from __future__ import annotations
+
+from .configs import (HybridCacheConfig, KVCacheConfig, KVLayerConfig, LayerType,
+                      LinearCacheConfig, MambaCacheConfig)
+from .device import Device, resolve_device
+from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
+from .errors import CacheCapacityError, KernelCompileError, KernelLaunchError
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "CacheCapacityError", "KernelCompileError", "KernelLaunchError",
+           "Device", "resolve_device", "DTYPE_NAMES", "dtype_name", "resolve_dtype",
+           "LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
+           "HybridCacheConfig", "LinearCacheConfig"]

@@ -1,0 +1,69 @@
+"""The kernel loader: the only place that calls ``cupy.RawModule``.
+
+Sources live in ``kernels/`` (shipped inside the wheel as ``hcache/kernels``); each family is
+compiled on first use, once per device, with a ``#line`` directive so that compile errors name
+the real file and line. Importing hcache compiles nothing.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from .errors import KernelCompileError
+
+__all__ = ["FAMILIES", "kernel_dir", "kernel_source", "nvrtc_options", "get_function"]
+
+# family -> exported kernel names (each .cu ends with the same list in an "Exported:" comment).
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "kv_write": ("hc_kv_write",),
+    "compact": ("hc_compaction_plan", "hc_kv_compact", "hc_slots_compact"),
+    "slot_copy": ("hc_slot_copy",),
+    "kv_capture": ("hc_kv_prefix_copy",),
+    "lengths": ("hc_lengths_add",),
+}
+
+
+def kernel_dir() -> Path:
+    """The folder holding ``*.cu``/``*.cuh``: inside the installed package, else the checkout's
+    ``kernels/``."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"hcache kernels not found next to {here}")
+
+
+def kernel_source(family: str) -> tuple[str, str]:
+    """``(path, source)`` of a family, the source prefixed with ``#line 1 "<path>"``."""
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
+    path = kernel_dir() / f"{family}.cu"
+    return str(path), f'#line 1 "{path}"\n' + path.read_text()
+
+
+def nvrtc_options() -> tuple[str, ...]:
+    return ("-std=c++17", f"-I{kernel_dir()}")
+
+
+@cache
+def _module(family: str, device_id: int):
+    import cupy
+
+    path, source = kernel_source(family)
+    with cupy.cuda.Device(device_id):
+        module = cupy.RawModule(code=source, options=nvrtc_options(),
+                                name_expressions=None)
+        try:
+            module.compile()
+        except cupy.cuda.compiler.CompileException as exc:
+            raise KernelCompileError(path, str(exc)) from None
+    return module
+
+
+@cache
+def get_function(family: str, name: str, device_id: int):
+    """The cached ``RawKernel`` ``name`` of ``family`` on CUDA device ``device_id``."""
+    if name not in FAMILIES.get(family, ()):
+        raise ValueError(f"name: expected a kernel of {family!r}, got {name!r}")
+    return _module(family, device_id).get_function(name)

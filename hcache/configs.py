@@ -1,0 +1,259 @@
+"""Frozen, validated configuration dataclasses (SPEC §4).
+
+Every field is checked in ``__post_init__``: a wrong type raises ``TypeError``, a wrong value
+``ValueError``, both with the message ``"<field>: expected X, got Y"``. Sequences are stored as
+tuples and dtypes by their SPEC §2 names, so configs are hashable and compare by value.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from .dtypes import dtype_name
+
+__all__ = ["LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
+           "HybridCacheConfig", "LinearCacheConfig"]
+
+
+def _int(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _set(obj, name, value):
+    object.__setattr__(obj, name, value)
+
+
+def _dtype(obj, name):
+    try:
+        _set(obj, name, dtype_name(getattr(obj, name)))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}: {str(exc).split(': ', 1)[-1]}") from None
+
+
+class LayerType(enum.Enum):
+    """Kind of one decoder layer."""
+
+    ATTENTION = "attention"
+    MAMBA = "mamba"
+    ATTENTION_AND_MAMBA = "attention_and_mamba"  # Falcon-H1 / Zamba2 hybrid layers
+    NONE = "none"                                # MLP/MoE-only layer: no cache
+
+    @property
+    def has_attention(self) -> bool:
+        return self in (LayerType.ATTENTION, LayerType.ATTENTION_AND_MAMBA)
+
+    @property
+    def has_mamba(self) -> bool:
+        return self in (LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA)
+
+    @classmethod
+    def coerce(cls, value, name: str = "layer_type") -> "LayerType":
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                pass
+        raise ValueError(f"{name}: expected a LayerType, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KVLayerConfig:
+    """KV shape of one attention layer; ``sliding_window`` is recorded from the model."""
+
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        _set(self, "num_kv_heads", _int("num_kv_heads", self.num_kv_heads, 1))
+        _set(self, "head_dim", _int("head_dim", self.head_dim, 1))
+        if self.sliding_window is not None:
+            _set(self, "sliding_window", _int("sliding_window", self.sliding_window, 1))
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Per-layer KV caches ``[max_batch_size, 2, H_i, max_sequence_length, D_i]``."""
+
+    max_batch_size: int
+    max_sequence_length: int
+    layer_configs: tuple = ()
+    dtype: str = "float16"
+
+    def __post_init__(self):
+        _set(self, "max_batch_size", _int("max_batch_size", self.max_batch_size, 1))
+        _set(self, "max_sequence_length",
+             _int("max_sequence_length", self.max_sequence_length, 1))
+        if isinstance(self.layer_configs, (str, bytes)) or not hasattr(self.layer_configs,
+                                                                       "__iter__"):
+            raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
+                            f"got {type(self.layer_configs).__name__}")
+        layers = tuple(self.layer_configs)
+        for i, lc in enumerate(layers):
+            if not isinstance(lc, KVLayerConfig):
+                raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
+                                f"got {type(lc).__name__}")
+        _set(self, "layer_configs", layers)
+        _dtype(self, "dtype")
+
+    @property
+    def num_attention_layers(self) -> int:
+        return len(self.layer_configs)
+
+
+@dataclass(frozen=True)
+class MambaCacheConfig:
+    """Recurrent state ``[max_batch, num_heads, head_dim, state_size]`` and conv state
+    ``[max_batch, conv_dim, conv_kernel]`` per layer. Covers Mamba-2, Mamba-1/Jamba
+    (``num_heads=1, head_dim=d_inner``) and gated delta-net (``[v_heads, k_head_dim,
+    v_head_dim]``)."""
+
+    num_layers: int
+    max_batch_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    conv_dim: int
+    conv_kernel: int
+    ssm_dtype: str = "float32"
+    conv_dtype: str = "float16"
+
+    def __post_init__(self):
+        _set(self, "num_layers", _int("num_layers", self.num_layers, 0))
+        for name in ("max_batch_size", "num_heads", "head_dim", "state_size", "conv_dim",
+                     "conv_kernel"):
+            _set(self, name, _int(name, getattr(self, name), 1))
+        _dtype(self, "ssm_dtype")
+        _dtype(self, "conv_dtype")
+
+    @property
+    def recurrent_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel)
+
+
+@dataclass(frozen=True)
+class HybridCacheConfig:
+    """Layer routing of a hybrid model by absolute decoder-layer index.
+
+    ``kv.layer_configs`` has one entry per attention layer that owns a cache (absolute order);
+    ``kv_sharing`` maps a layer to the earlier attention layer whose cache it reads.
+    """
+
+    layer_types: tuple
+    kv: KVCacheConfig
+    mamba: MambaCacheConfig | None
+    max_batch_size: int
+    kv_sharing: object = field(default=None)
+
+    def __post_init__(self):
+        if isinstance(self.layer_types, (str, bytes)) or not hasattr(self.layer_types,
+                                                                     "__iter__"):
+            raise TypeError(f"layer_types: expected a sequence of LayerType, "
+                            f"got {type(self.layer_types).__name__}")
+        types = tuple(LayerType.coerce(t, f"layer_types[{i}]")
+                      for i, t in enumerate(self.layer_types))
+        if not types:
+            raise ValueError("layer_types: expected at least one layer, got 0")
+        _set(self, "layer_types", types)
+        if not isinstance(self.kv, KVCacheConfig):
+            raise TypeError(f"kv: expected KVCacheConfig, got {type(self.kv).__name__}")
+        if self.mamba is not None and not isinstance(self.mamba, MambaCacheConfig):
+            raise TypeError(f"mamba: expected MambaCacheConfig or None, "
+                            f"got {type(self.mamba).__name__}")
+        _set(self, "max_batch_size", _int("max_batch_size", self.max_batch_size, 1))
+        sharing = dict(self.kv_sharing or {})
+        for layer, owner in sharing.items():
+            _int("kv_sharing key", layer)
+            _int("kv_sharing value", owner)
+            if not 0 <= layer < len(types) or not types[layer].has_attention:
+                raise ValueError(f"kv_sharing: expected attention layers as keys, got {layer}")
+            if not 0 <= owner < layer or not types[owner].has_attention or owner in sharing:
+                raise ValueError(f"kv_sharing[{layer}]: expected an earlier attention layer that "
+                                 f"owns its cache, got {owner}")
+        _set(self, "kv_sharing", MappingProxyType(sharing))
+        owners = sum(1 for i, t in enumerate(types) if t.has_attention and i not in sharing)
+        if owners != self.kv.num_attention_layers:
+            raise ValueError(f"kv.layer_configs: expected {owners} entries (attention layers "
+                             f"that own a cache), got {self.kv.num_attention_layers}")
+        n_mamba = sum(1 for t in types if t.has_mamba)
+        have = 0 if self.mamba is None else self.mamba.num_layers
+        if n_mamba != have:
+            raise ValueError(f"mamba.num_layers: expected {n_mamba} (Mamba layers in "
+                             f"layer_types), got {have}")
+        if self.kv.max_batch_size != self.max_batch_size:
+            raise ValueError(f"kv.max_batch_size: expected {self.max_batch_size}, "
+                             f"got {self.kv.max_batch_size}")
+        if self.mamba is not None and self.mamba.max_batch_size != self.max_batch_size:
+            raise ValueError(f"mamba.max_batch_size: expected {self.max_batch_size}, "
+                             f"got {self.mamba.max_batch_size}")
+
+    def __hash__(self):
+        return hash((self.layer_types, self.kv, self.mamba, self.max_batch_size,
+                     tuple(sorted(self.kv_sharing.items()))))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @classmethod
+    def from_hf_config(cls, config_dict, *, max_batch_size, max_sequence_length,
+                       kv_dtype="float16", ssm_dtype="float32", conv_dtype=None):
+        """Build the layout from a Hugging Face ``config.json`` dict (see
+        :func:`hcache.hf_config.hybrid_config_from_hf`)."""
+        from .hf_config import hybrid_config_from_hf
+
+        return hybrid_config_from_hf(config_dict, max_batch_size=max_batch_size,
+                                     max_sequence_length=max_sequence_length,
+                                     kv_dtype=kv_dtype, ssm_dtype=ssm_dtype,
+                                     conv_dtype=conv_dtype)
+
+
+@dataclass(frozen=True)
+class LinearCacheConfig:
+    """Uniform layout of ``LinearKVCache`` (seed 002): one ``[L, B, 2, H, S, D]`` buffer, plus
+    optional Mamba states (all Mamba fields 0 for a pure-attention model)."""
+
+    num_attention_layers: int
+    max_batch_size: int
+    max_sequence_length: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    num_mamba_layers: int = 0
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    ssm_state_size: int = 0
+    ssm_dtype: str = "float32"
+    conv_dim: int = 0
+    conv_kernel: int = 0
+    conv_dtype: str = "float16"
+
+    def __post_init__(self):
+        _set(self, "num_attention_layers",
+             _int("num_attention_layers", self.num_attention_layers, 0))
+        for name in ("max_batch_size", "max_sequence_length", "num_kv_heads", "head_dim"):
+            _set(self, name, _int(name, getattr(self, name), 1))
+        _set(self, "num_mamba_layers", _int("num_mamba_layers", self.num_mamba_layers, 0))
+        lo = 1 if self.num_mamba_layers else 0
+        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "conv_dim",
+                     "conv_kernel"):
+            _set(self, name, _int(name, getattr(self, name), lo))
+        for name in ("dtype", "ssm_dtype", "conv_dtype"):
+            _dtype(self, name)

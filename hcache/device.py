@@ -1,0 +1,165 @@
+"""Device selection, array modules and stream normalisation (SPEC §2).
+
+``device=None`` means ``$HCACHE_DEVICE`` if set, else ``"cuda"`` when CuPy is importable and a
+GPU is present, else ``"cpu"``. On ``cpu`` arrays are NumPy arrays and the NumPy reference does
+the work; on ``cuda[:N]`` arrays are CuPy arrays and the kernels of ``kernels/`` do it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+__all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
+           "array_module_of", "data_pointer"]
+
+
+@cache
+def _cupy():
+    try:
+        import cupy
+    except Exception:  # noqa: BLE001 - any import failure means "no CuPy"
+        return None
+    return cupy
+
+
+def cupy_available() -> bool:
+    """True when CuPy imports and ``cupy.cuda.is_available()`` (a driver and a GPU) holds."""
+    cp = _cupy()
+    if cp is None:
+        return False
+    try:
+        return bool(cp.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@dataclass(frozen=True)
+class Device:
+    """A resolved device: ``kind`` is ``"cpu"`` or ``"cuda"``; ``index`` is the CUDA ordinal."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @property
+    def xp(self):
+        """The array module: ``numpy`` on cpu, ``cupy`` on cuda."""
+        return _cupy() if self.is_cuda else np
+
+    def scope(self):
+        """A context manager that makes this device current (a no-op on cpu)."""
+        if self.is_cuda:
+            return _cupy().cuda.Device(self.index)
+        return contextlib.nullcontext()
+
+    def __str__(self) -> str:
+        return f"cuda:{self.index}" if self.is_cuda else "cpu"
+
+
+def resolve_device(device=None) -> Device:
+    """Resolve ``None | "cpu" | "cuda" | "cuda:N" | Device`` to a :class:`Device`.
+
+    Raises
+    ------
+    TypeError
+        ``device`` is not a string, ``None`` or a :class:`Device`.
+    ValueError
+        The string is malformed, or names ``cuda`` when no GPU is usable, or an ordinal that
+        does not exist.
+    """
+    if isinstance(device, Device):
+        return device
+    if device is None:
+        device = os.environ.get("HCACHE_DEVICE") or ("cuda" if cupy_available() else "cpu")
+    if not isinstance(device, str):
+        raise TypeError(f"device: expected None, 'cpu', 'cuda' or 'cuda:N', "
+                        f"got {type(device).__name__}")
+    text = device.strip().lower()
+    if text == "cpu":
+        return Device("cpu")
+    kind, _, ordinal = text.partition(":")
+    if kind != "cuda" or (ordinal and not ordinal.isdigit()):
+        raise ValueError(f"device: expected None, 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if not cupy_available():
+        raise ValueError(f"device: expected a usable CUDA device for {device!r}, "
+                         "got none (CuPy missing or no GPU/driver); use device='cpu'")
+    index = int(ordinal) if ordinal else _cupy().cuda.runtime.getDevice()
+    count = _cupy().cuda.runtime.getDeviceCount()
+    if index >= count:
+        raise ValueError(f"device: expected an ordinal below {count}, got {index}")
+    return Device("cuda", index)
+
+
+def array_module_of(array):
+    """``numpy`` or ``cupy``, by the array's type (anything not CuPy is treated as NumPy)."""
+    cp = _cupy()
+    if cp is not None and isinstance(array, cp.ndarray):
+        return cp
+    return np
+
+
+def data_pointer(array) -> int:
+    """The address of an array's first element (host address for NumPy, device for CuPy)."""
+    if isinstance(array, np.ndarray):
+        return int(array.ctypes.data)
+    return int(array.data.ptr)
+
+
+def stream_handle(stream) -> int:
+    """Normalise a stream argument to a raw ``cudaStream_t`` handle (an ``int``).
+
+    Accepted: ``None`` (the current CuPy stream), a ``cupy.cuda.Stream`` (or ``ExternalStream``),
+    a raw handle as ``int``, or any object implementing ``__cuda_stream__`` (which returns
+    ``(version, handle)``).
+
+    Raises
+    ------
+    TypeError
+        ``stream`` is none of these.
+    ValueError
+        An ``int`` handle is negative.
+    """
+    if stream is None:
+        return int(_cupy().cuda.get_current_stream().ptr) if cupy_available() else 0
+    if isinstance(stream, bool):
+        raise TypeError("stream: expected None, a CuPy stream, an int handle or an object with "
+                        "__cuda_stream__, got bool")
+    if isinstance(stream, (int, np.integer)):
+        if int(stream) < 0:
+            raise ValueError(f"stream: expected a non-negative handle, got {int(stream)}")
+        return int(stream)
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        value = proto() if callable(proto) else proto
+        if isinstance(value, tuple) and len(value) == 2:
+            return int(value[1])
+        raise TypeError(f"stream: expected __cuda_stream__ to give (version, handle), got {value!r}")
+    ptr = getattr(stream, "ptr", None)
+    if isinstance(ptr, (int, np.integer)):
+        return int(ptr)
+    raise TypeError("stream: expected None, a CuPy stream, an int handle or an object with "
+                    f"__cuda_stream__, got {type(stream).__name__}")
+
+
+def stream_scope(stream, device: Device):
+    """Context manager that makes ``stream`` current for CuPy work on ``device``.
+
+    On cpu the stream is validated and otherwise ignored.
+    """
+    handle = stream_handle(stream)
+    if not device.is_cuda:
+        return contextlib.nullcontext()
+    cp = _cupy()
+    if stream is None:
+        return contextlib.nullcontext()
+    if isinstance(stream, cp.cuda.Stream) or isinstance(stream, cp.cuda.ExternalStream):
+        return stream
+    return cp.cuda.ExternalStream(handle, device.index)

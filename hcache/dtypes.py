@@ -1,0 +1,83 @@
+"""The seven cache dtypes of SPEC §2 and their NumPy / ml_dtypes equivalents.
+
+Every copy, compaction, capture and restore moves bytes, so only ``itemsize`` matters to the
+kernels; the dtype is kept so that views handed to a runtime carry the right element type.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["DTYPE_NAMES", "resolve_dtype", "dtype_name", "storage_dtype"]
+
+_BY_NAME: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+}
+_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+            "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+DTYPE_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+_UINT_OF_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
+
+
+def resolve_dtype(dtype, name: str = "dtype") -> np.dtype:
+    """Return the NumPy dtype for one of the seven supported cache dtypes.
+
+    Parameters
+    ----------
+    dtype : str or numpy.dtype or type
+        A name of SPEC §2 (``"float16"``, ``"bfloat16"``, ...; short aliases such as ``"fp16"``
+        and ``"bf16"`` are accepted) or an equivalent NumPy / ml_dtypes dtype.
+    name : str
+        The argument name used in error messages.
+
+    Raises
+    ------
+    TypeError
+        ``dtype`` is neither a string nor a dtype-like object.
+    ValueError
+        ``dtype`` is not one of the seven supported dtypes.
+    """
+    if isinstance(dtype, str):
+        key = _ALIASES.get(dtype.lower(), dtype.lower())
+        if key not in _BY_NAME:
+            raise ValueError(f"{name}: expected one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+        return _BY_NAME[key]
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{name}: expected a dtype name or dtype, got {type(dtype).__name__}") \
+            from None
+    if dt not in _BY_NAME.values():
+        raise ValueError(f"{name}: expected one of {', '.join(DTYPE_NAMES)}, got {dt}")
+    return dt
+
+
+def dtype_name(dtype) -> str:
+    """The SPEC §2 name of a supported dtype (``np.float16`` → ``"float16"``)."""
+    dt = resolve_dtype(dtype)
+    return next(k for k, v in _BY_NAME.items() if v == dt)
+
+
+def storage_dtype(dtype, xp) -> np.dtype:
+    """The dtype an array module can allocate for ``dtype``.
+
+    NumPy holds all seven. CuPy may not know the ml_dtypes float8 types; for those the bytes are
+    stored as an unsigned integer of the same size (the kernels only move bytes), and views are
+    reinterpreted with ``.view(dtype)`` where the array module allows it.
+    """
+    dt = resolve_dtype(dtype)
+    if xp is np:
+        return dt
+    try:
+        xp.empty((0,), dtype=dt)
+        return dt
+    except Exception:  # noqa: BLE001 - CuPy raises several types for an unsupported dtype
+        return _UINT_OF_SIZE[dt.itemsize]

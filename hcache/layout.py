@@ -1,0 +1,184 @@
+"""Descriptors that the multi-layer kernels read: head-dim groups and slot sets.
+
+A :class:`KVGroup` is the unit of one launch for attention data (SPEC §3.1): the layers of one
+head dim, with a device array of ``KVLayerInfo {uint64 data; int32 num_kv_heads; int32
+max_seq_len}`` built once. A :class:`SlotSet` is the unit of one launch for whole-slot copies
+(Mamba states, lengths, paged blocks): a device array of ``SlotTensorInfo {uint64 src, dst;
+int64 slot_bytes; int32 src_slots, dst_slots}``. Both are stored as ``uint64`` words because
+CuPy has no structured dtypes; the byte layout is the C struct's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .device import array_module_of, data_pointer
+
+__all__ = ["KVGroup", "SlotSet", "group_layers_by_head_dim", "pack_kv_layer_infos"]
+
+_LAYOUTS = ("HND", "NHD")
+
+
+def pack_kv_layer_infos(pointers, num_kv_heads, max_seq_lens) -> np.ndarray:
+    """Host ``uint64 [n, 2]`` array with the bytes of ``KVLayerInfo[n]``."""
+    n = len(pointers)
+    out = np.zeros((n, 2), dtype=np.uint64)
+    if n:
+        out[:, 0] = np.asarray(pointers, dtype=np.uint64)
+        heads = np.asarray(num_kv_heads, dtype=np.uint64)
+        seq = np.asarray(max_seq_lens, dtype=np.uint64)
+        out[:, 1] = heads | (seq << np.uint64(32))
+    return out
+
+
+def _upload(host: np.ndarray, xp):
+    return host.copy() if xp is np else xp.asarray(host)
+
+
+class KVGroup:
+    """Attention layers sharing one head dim, launched together.
+
+    Parameters
+    ----------
+    layers : list of arrays
+        Per-layer caches, all of one dtype and one array module. ``layout="HND"``: each
+        ``[num_slots, 2, H_l, S, D]`` and C-contiguous (``H_l`` may differ between layers).
+        ``layout="NHD"``: each ``[num_slots, 2, S, H, D]``, any strides with a contiguous last
+        axis, and the same strides for every layer (the continuous-batching buffer's views).
+        For a paged pool, ``S`` is the block size and ``num_slots`` the number of blocks.
+    layout : {"HND", "NHD"}
+    layer_indices : sequence of int, optional
+        Labels of the layers (e.g. absolute decoder indices); default ``0..n-1``.
+
+    Attributes
+    ----------
+    device_layer_infos : array, uint64 [num_layers, 2]
+        The ``KVLayerInfo`` array on the layers' device (built once).
+    """
+
+    def __init__(self, layers, *, layout: str = "HND", layer_indices=None):
+        if not layers:
+            raise ValueError("layers: expected at least one layer, got 0")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
+        first = layers[0]
+        self.xp = array_module_of(first)
+        self.layout = layout
+        self.layers = list(layers)
+        self.dtype = first.dtype
+        self.head_dim = int(first.shape[-1])
+        self.num_slots = int(first.shape[0])
+        heads, seqs = [], []
+        for i, layer in enumerate(self.layers):
+            if layer.ndim != 5 or layer.shape[1] != 2:
+                raise ValueError(f"layers[{i}]: expected shape [slots, 2, ., ., D], "
+                                 f"got {tuple(layer.shape)}")
+            if layer.dtype != self.dtype or layer.shape[-1] != self.head_dim \
+                    or layer.shape[0] != self.num_slots:
+                raise ValueError(f"layers[{i}]: expected dtype {self.dtype}, {self.num_slots} "
+                                 f"slots and head dim {self.head_dim}, got {layer.dtype}, "
+                                 f"{layer.shape[0]} and {layer.shape[-1]}")
+            if array_module_of(layer) is not self.xp:
+                raise TypeError(f"layers[{i}]: expected a {self.xp.__name__} array, "
+                                f"got {type(layer).__name__}")
+            if layout == "HND":
+                if not layer.flags.c_contiguous:
+                    raise ValueError(f"layers[{i}]: expected a C-contiguous HND cache")
+                heads.append(int(layer.shape[2]))
+                seqs.append(int(layer.shape[3]))
+            else:
+                if layer.strides != first.strides or layer.shape != first.shape \
+                        or layer.strides[-1] != layer.itemsize:
+                    raise ValueError(f"layers[{i}]: expected the strides and shape of layer 0 "
+                                     "with a contiguous last axis")
+                heads.append(int(layer.shape[3]))
+                seqs.append(int(layer.shape[2]))
+        self.num_kv_heads = tuple(heads)
+        self.max_seq_lens = tuple(seqs)
+        self.layer_indices = tuple(range(len(layers)) if layer_indices is None
+                                   else (int(i) for i in layer_indices))
+        host = pack_kv_layer_infos([data_pointer(a) for a in self.layers], heads, seqs)
+        self.device_layer_infos = _upload(host, self.xp)
+        # Per-call pointer tables (write sources, capture/restore tensors) are uploaded here,
+        # so no call allocates device memory.
+        self.scratch_infos = self.xp.zeros((len(self.layers), 2), dtype=np.uint64)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_kv_heads(self) -> int:
+        return max(self.num_kv_heads)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one (token, head) row: ``head_dim * itemsize``."""
+        return self.head_dim * self.dtype.itemsize
+
+    @property
+    def byte_strides(self) -> tuple[int, int, int, int]:
+        """``(slot, kv, head, token)`` strides in bytes for NHD groups; zeros for HND (derived
+        per layer by the kernels)."""
+        if self.layout == "HND":
+            return (0, 0, 0, 0)
+        s = self.layers[0].strides
+        return (int(s[0]), int(s[1]), int(s[3]), int(s[2]))
+
+
+def group_layers_by_head_dim(head_dims) -> list[list[int]]:
+    """Positions of ``head_dims`` grouped by value, groups in first-seen order."""
+    groups: dict[int, list[int]] = {}
+    for i, d in enumerate(head_dims):
+        groups.setdefault(int(d), []).append(i)
+    return list(groups.values())
+
+
+class SlotSet:
+    """Tensors moved slot by slot in one launch (Mamba states, lengths, paged blocks).
+
+    Parameters
+    ----------
+    pairs : list of (src, dst) arrays
+        Slot ``i`` of a tensor is ``tensor[i]`` (leading axis), C-contiguous. ``src`` and
+        ``dst`` of a pair have the same dtype and per-slot shape; their slot counts may differ
+        (e.g. live states ``[max_requests, ...]`` and a cache ``[max_slots, ...]``). For an
+        in-place set (compaction) pass ``(t, t)``.
+
+    Attributes
+    ----------
+    device_infos : array, uint64 [num_tensors, 4]
+        The ``SlotTensorInfo`` array on the tensors' device (built once).
+    """
+
+    def __init__(self, pairs):
+        if not pairs:
+            raise ValueError("pairs: expected at least one (src, dst) pair, got 0")
+        self.pairs = [(s, d) for s, d in pairs]
+        self.xp = array_module_of(self.pairs[0][0])
+        host = np.zeros((len(self.pairs), 4), dtype=np.uint64)
+        for i, (src, dst) in enumerate(self.pairs):
+            for name, a in (("src", src), ("dst", dst)):
+                if array_module_of(a) is not self.xp:
+                    raise TypeError(f"pairs[{i}].{name}: expected a {self.xp.__name__} array, "
+                                    f"got {type(a).__name__}")
+                if a.ndim < 1 or not a.flags.c_contiguous:
+                    raise ValueError(f"pairs[{i}].{name}: expected a C-contiguous array with a "
+                                     "leading slot axis")
+            if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
+                raise ValueError(f"pairs[{i}]: expected src and dst of one dtype and slot shape, "
+                                 f"got {src.dtype}{tuple(src.shape[1:])} and "
+                                 f"{dst.dtype}{tuple(dst.shape[1:])}")
+            slot_bytes = int(np.prod(src.shape[1:], dtype=np.int64)) * src.itemsize
+            host[i] = (data_pointer(src), data_pointer(dst), slot_bytes,
+                       int(src.shape[0]) | (int(dst.shape[0]) << 32))
+        self.slot_bytes = tuple(int(b) for b in host[:, 2])
+        self.device_infos = _upload(host, self.xp)
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.pairs)
+
+    @property
+    def max_slot_bytes(self) -> int:
+        return max(self.slot_bytes)

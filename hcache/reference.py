@@ -1,0 +1,276 @@
+"""NumPy reference of every kernel: the ``cpu`` backend and the test oracle.
+
+Each function has the signature of its launch wrapper in :mod:`hcache.ops` and produces the
+same bytes as the kernel (including the compaction plan, word for word). They work on the
+Python-level arrays of a :class:`~hcache.layout.KVGroup` / :class:`~hcache.layout.SlotSet`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["PLAN_HEADER", "TMP", "CLEAR", "compaction_plan_size", "compaction_plan", "kv_compact",
+           "slots_compact", "slot_copy", "kv_write", "kv_prefix_copy", "lengths_add",
+           "plan_max_batch", "plan_schedule"]
+
+PLAN_HEADER = 4
+TMP = -2
+CLEAR = -3
+
+
+def compaction_plan_size(max_batch: int) -> int:
+    """int32 entries of a compaction plan for ``max_batch`` slots (see ``kernels/compact.cu``)."""
+    return PLAN_HEADER + 8 * int(max_batch)
+
+
+def plan_max_batch(plan) -> int:
+    return (int(plan.shape[0]) - PLAN_HEADER) // 8
+
+
+def plan_schedule(plan) -> np.ndarray:
+    """The plan's schedule as host int32 ``[count, 2]`` (src, dst) pairs."""
+    host = np.asarray(plan.get() if hasattr(plan, "get") else plan)
+    mb = plan_max_batch(host)
+    n = int(host[1])
+    start = PLAN_HEADER + 2 * mb
+    return host[start:start + 2 * n].reshape(n, 2)
+
+
+def _bump(status, n: int = 1):
+    if status is not None and n:
+        status[0] += n
+
+
+def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream=None):
+    """Turn ``mapping[old] = new | -1`` into an in-place move schedule, written into ``plan``.
+
+    See ``kernels/compact.cu`` for the layout. ``plan[0]`` is 0 when the mapping is injective
+    into ``[0, new_batch)``, 1 when it is not (``plan[3]`` = the first offending old index),
+    2 when the batch sizes are out of range.
+    """
+    mb = plan_max_batch(plan)
+    plan[1] = 0
+    plan[2] = 0
+    plan[3] = -1
+    if mb < 0 or not 0 <= old_batch <= mb or not 0 <= new_batch <= mb:
+        plan[0] = 2
+        return
+    m = np.asarray(mapping[:old_batch], dtype=np.int64)
+    inv = np.full(mb, -1, dtype=np.int64)
+    for old in range(old_batch):
+        dst = int(m[old])
+        if dst == -1:
+            continue
+        if dst < 0 or dst >= new_batch or inv[dst] != -1:
+            plan[0] = 1
+            plan[3] = old
+            plan[PLAN_HEADER:PLAN_HEADER + mb] = inv[:mb]  # as far as the kernel got
+            plan[PLAN_HEADER + mb:PLAN_HEADER + 2 * mb] = 0
+            return
+        inv[dst] = old
+    done = np.zeros(mb, dtype=np.int64)
+    sched: list[tuple[int, int]] = []
+    lens = None if lengths is None else np.asarray(lengths)
+    max_len = 0
+
+    def note(src):
+        nonlocal max_len
+        if lens is not None and int(lens[src]) > max_len:
+            max_len = int(lens[src])
+
+    for end in range(mb):
+        if inv[end] < 0 or inv[end] == end or (end < old_batch and m[end] != -1):
+            continue
+        cur = end
+        while inv[cur] >= 0 and inv[cur] != cur and not done[cur]:
+            src = int(inv[cur])
+            sched.append((src, cur))
+            done[cur] = 1
+            note(src)
+            cur = src
+    for start in range(old_batch):
+        dst = int(m[start])
+        if dst < 0 or dst == start or done[dst]:
+            continue
+        sched.append((start, TMP))
+        note(start)
+        cur = start
+        while inv[cur] != start:
+            src = int(inv[cur])
+            sched.append((src, cur))
+            done[cur] = 1
+            note(src)
+            cur = src
+        sched.append((TMP, cur))
+        done[cur] = 1
+    for j in range(new_batch):
+        if inv[j] == -1:
+            sched.append((CLEAR, j))
+    plan[PLAN_HEADER:PLAN_HEADER + mb] = inv
+    plan[PLAN_HEADER + mb:PLAN_HEADER + 2 * mb] = done
+    start = PLAN_HEADER + 2 * mb
+    if sched:
+        plan[start:start + 2 * len(sched)] = np.asarray(sched, dtype=np.int32).reshape(-1)
+    plan[1] = len(sched)
+    plan[2] = max_len
+    plan[0] = 0
+
+
+def kv_compact(group, plan, lengths, *, stream=None):
+    """Run the plan over every layer of ``group``: move the first ``lengths[src]`` tokens."""
+    if int(plan[0]) != 0:
+        return
+    sched = plan_schedule(plan)
+    for layer, cap in zip(group.layers, group.max_seq_lens):
+        tok_axis = 3 if group.layout == "HND" else 2
+        tmp, tmp_n = None, 0
+
+        def span(slot, n, layer=layer, tok_axis=tok_axis):
+            idx = [slot, slice(None), slice(None), slice(None)]
+            idx[tok_axis] = slice(0, n)
+            return tuple(idx)
+
+        for src, dst in sched:
+            if dst == TMP:
+                tmp_n = min(max(int(lengths[src]), 0), cap)
+                tmp = layer[span(src, tmp_n)].copy()
+            elif src == TMP:
+                layer[span(dst, tmp_n)] = tmp
+            elif src >= 0:
+                n = min(max(int(lengths[src]), 0), cap)
+                layer[span(dst, n)] = layer[span(src, n)]
+
+
+def slots_compact(slots, plan, *, stream=None):
+    """Run the plan over whole slots of every tensor of ``slots`` (src is dst); holes are
+    zeroed."""
+    if int(plan[0]) != 0:
+        return
+    sched = plan_schedule(plan)
+    for _, t in slots.pairs:
+        tmp = None
+        for src, dst in sched:
+            if dst == TMP:
+                tmp = t[src].copy()
+            elif src == TMP:
+                t[dst] = tmp
+            elif src == CLEAR:
+                t[dst] = 0
+            else:
+                t[dst] = t[src]
+
+
+def slot_copy(slots, src_idx, dst_idx, *, status=None, stream=None):
+    """``dst_t[dst_idx[i]] = src_t[src_idx[i]]`` for every tensor and pair; -1 skips, other
+    out-of-range pairs are skipped (per tensor) and counted once each in ``status[0]``."""
+    s = np.asarray(src_idx, dtype=np.int64)
+    d = np.asarray(dst_idx, dtype=np.int64)
+    pad = (s == -1) | (d == -1)
+
+    def out_of_range(src, dst):
+        return ~pad & ((s < 0) | (s >= src.shape[0]) | (d < 0) | (d >= dst.shape[0]))
+
+    _bump(status, int(np.count_nonzero(out_of_range(*slots.pairs[0]))))
+    for src, dst in slots.pairs:
+        good = ~pad & ~out_of_range(src, dst)
+        if good.any():
+            dst[d[good]] = src[s[good]]
+
+
+def _token_rows(num_tokens, batch, seq_offsets, uniform_tokens):
+    t = np.arange(num_tokens, dtype=np.int64)
+    if seq_offsets is None:
+        if uniform_tokens <= 0:
+            return np.full(num_tokens, -1), np.zeros(num_tokens, dtype=np.int64)
+        b = t // uniform_tokens
+        b[b >= batch] = -1
+        return b, np.maximum(b, 0) * uniform_tokens
+    off = np.asarray(seq_offsets, dtype=np.int64)[:batch + 1]
+    if batch <= 0:
+        return np.full(num_tokens, -1), np.zeros(num_tokens, dtype=np.int64)
+    b = np.searchsorted(off[:batch], t, side="right") - 1
+    b[(t < off[0]) | (t >= off[batch])] = -1
+    return b, off[np.maximum(b, 0)]
+
+
+def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, batch=None,
+             cache_lengths=None, positions=None, row_to_slot=None, block_table=None,
+             status=None, stream=None):
+    """Write new K/V rows into the group's caches (semantics in ``kernels/kv_write.cu``)."""
+    if layers is None:
+        idx, ks, vs = list(range(group.num_layers)), list(k), list(v)
+    else:
+        idx, ks, vs = [int(layers)], [k], [v]
+    num_tokens = int(ks[0].shape[0])
+    if batch is None:
+        batch = (len(seq_offsets) - 1) if seq_offsets is not None else (
+            num_tokens // uniform_tokens if uniform_tokens > 0 else 0)
+    b, start = _token_rows(num_tokens, batch, seq_offsets, uniform_tokens)
+    live = b >= 0
+    bb = np.maximum(b, 0)
+    t = np.arange(num_tokens, dtype=np.int64)
+    if positions is not None:
+        pos = np.asarray(positions, dtype=np.int64)[:num_tokens].copy()
+    else:
+        base = np.asarray(cache_lengths, dtype=np.int64)[bb] if cache_lengths is not None else 0
+        pos = base + (t - start)
+    live &= pos != -1
+    bad = live & (pos < 0)
+    live &= pos >= 0
+    pp = np.maximum(pos, 0)
+    reported = None
+    for j, (li, kk, vv) in enumerate(zip(idx, ks, vs)):
+        layer = group.layers[li]
+        cap = group.max_seq_lens[li]
+        if block_table is not None:
+            table = np.asarray(block_table)
+            col = pp // cap
+            wide = live & (col >= table.shape[1])
+            slot = table[bb, np.minimum(col, table.shape[1] - 1)].astype(np.int64)
+            p = pp % cap
+        else:
+            wide = np.zeros(num_tokens, dtype=bool)
+            slot = np.asarray(row_to_slot, dtype=np.int64)[bb] if row_to_slot is not None else bb
+            p = pp
+        cand = live & ~wide & (slot != -1)
+        oob = cand & ((slot < 0) | (slot >= group.num_slots) | (p >= cap))
+        go = cand & ~oob
+        if j == 0:
+            reported = bad | wide | oob
+        if go.any():
+            sl, ps, ts = slot[go], p[go], t[go]
+            if group.layout == "HND":
+                layer[sl, 0, :, ps, :] = kk[ts]
+                layer[sl, 1, :, ps, :] = vv[ts]
+            else:
+                layer[sl, 0, ps, :, :] = kk[ts]
+                layer[sl, 1, ps, :, :] = vv[ts]
+    _bump(status, int(np.count_nonzero(reported)) if reported is not None else 0)
+
+
+def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, stream=None):
+    """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer to (``to_cache=False``) or from
+    (``to_cache=True``) compact tensors ``[2, H_l, n, D]``; a layer with bad arguments is
+    skipped and counted."""
+    for layer, saved, heads, cap in zip(group.layers, compact, group.num_kv_heads,
+                                        group.max_seq_lens):
+        if not (0 <= slot < group.num_slots and 0 <= num_tokens <= cap
+                and num_tokens <= saved.shape[2] and saved.shape[1] == heads):
+            _bump(status)
+            continue
+        if to_cache:
+            layer[slot, :, :, :num_tokens] = saved[:, :, :num_tokens]
+        else:
+            saved[:, :, :num_tokens] = layer[slot, :, :, :num_tokens]
+
+
+def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None):
+    """``lengths[:n] += increment`` (int or int32 array ``[n]``), all or nothing: refused (and
+    counted in ``status``) if any result would leave ``[0, max_len]``."""
+    cur = np.asarray(lengths[:n], dtype=np.int64)
+    inc = np.asarray(increment, dtype=np.int64)
+    nxt = cur + (inc[:n] if inc.ndim else inc)
+    if n and ((nxt < 0).any() or (nxt > max_len).any()):
+        _bump(status)
+        return
+    lengths[:n] = nxt.astype(lengths.dtype)

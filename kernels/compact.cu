@@ -1,0 +1,216 @@
+// Mapping-based batch compaction (SPEC §3.3): mapping[old] = new slot, or -1 (evicted).
+//
+// Correct for any injective mapping of [0, old_batch) into [0, new_batch), in place, without
+// scratch memory. hc_compaction_plan turns the mapping into a schedule of slot moves:
+//   * a chain a1 -> a2 -> ... -> ak (ak's own content is not needed) runs from its end backwards,
+//     so every slot is read before it is overwritten;
+//   * a cycle m -> x -> ... -> m saves m into a per-thread register first (HC_TMP), moves the rest
+//     backwards, then stores the register; a monotone mapping has no cycles;
+//   * a slot below new_batch that receives nothing gets an HC_CLEAR entry (at the end).
+// The copy kernels then run the whole schedule for each chunk they own; since one thread owns a
+// chunk offset in every slot (common.cuh), program order alone orders reads before writes.
+//
+// Plan layout (int32, hc_plan_size(max_batch) entries):
+//   [0] status: 0 valid, 1 mapping not injective into [0, new_batch), 2 bad batch sizes
+//   [1] number of schedule entries      [2] max length (tokens) over moved slots
+//   [3] first offending old index, or -1
+//   [4, 4 + max_batch)                  inverse mapping: inv[new] = old, or -1
+//   [4 + max_batch, 4 + 2 max_batch)    done flags (plan construction only)
+//   [4 + 2 max_batch, ...)              schedule: (src, dst) pairs, at most 3 max_batch of them
+
+#include "common.cuh"
+
+#define HC_PLAN_STATUS 0
+#define HC_PLAN_COUNT 1
+#define HC_PLAN_MAX_LEN 2
+#define HC_PLAN_BAD_INDEX 3
+#define HC_PLAN_HEADER 4
+#define HC_TMP (-2)
+#define HC_CLEAR (-3)
+
+__device__ __forceinline__ const int* hc_plan_schedule(const int* plan, int max_batch) {
+    return plan + HC_PLAN_HEADER + 2 * max_batch;
+}
+
+// Builds the schedule. Launch: grid (1), block (1): the work is O(max_batch) and serial.
+// mapping: int32 [old_batch]; lengths: int32 [max_batch] or null (then max length = 0).
+extern "C" __global__ void hc_compaction_plan(const int* __restrict__ mapping, int old_batch,
+                                              int new_batch, int max_batch,
+                                              const int* __restrict__ lengths,
+                                              int* __restrict__ plan) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    int* inv = plan + HC_PLAN_HEADER;
+    int* done = inv + max_batch;
+    int* sched = done + max_batch;
+    plan[HC_PLAN_COUNT] = 0;
+    plan[HC_PLAN_MAX_LEN] = 0;
+    plan[HC_PLAN_BAD_INDEX] = -1;
+    if (max_batch < 0 || old_batch < 0 || old_batch > max_batch || new_batch < 0 ||
+        new_batch > max_batch) {
+        plan[HC_PLAN_STATUS] = 2;
+        return;
+    }
+    for (int i = 0; i < max_batch; ++i) {
+        inv[i] = -1;
+        done[i] = 0;
+    }
+    for (int old = 0; old < old_batch; ++old) {
+        const int dst = mapping[old];
+        if (dst == -1) continue;
+        if (dst < 0 || dst >= new_batch || inv[dst] != -1) {
+            plan[HC_PLAN_STATUS] = 1;
+            plan[HC_PLAN_BAD_INDEX] = old;
+            return;
+        }
+        inv[dst] = old;
+    }
+    int n = 0;
+    int max_len = 0;
+    // Chains, each from its end: a destination whose own content nobody reads.
+    for (int end = 0; end < max_batch; ++end) {
+        if (inv[end] < 0 || inv[end] == end) continue;
+        if (end < old_batch && mapping[end] != -1) continue;
+        int cur = end;
+        while (inv[cur] >= 0 && inv[cur] != cur && !done[cur]) {
+            const int src = inv[cur];
+            sched[2 * n] = src;
+            sched[2 * n + 1] = cur;
+            ++n;
+            done[cur] = 1;
+            if (lengths != nullptr && lengths[src] > max_len) max_len = lengths[src];
+            cur = src;
+        }
+    }
+    // What is left are cycles of length >= 2.
+    for (int m = 0; m < old_batch; ++m) {
+        const int dst = mapping[m];
+        if (dst < 0 || dst == m || done[dst]) continue;
+        sched[2 * n] = m;
+        sched[2 * n + 1] = HC_TMP;
+        ++n;
+        if (lengths != nullptr && lengths[m] > max_len) max_len = lengths[m];
+        int cur = m;
+        while (inv[cur] != m) {
+            const int src = inv[cur];
+            sched[2 * n] = src;
+            sched[2 * n + 1] = cur;
+            ++n;
+            done[cur] = 1;
+            if (lengths != nullptr && lengths[src] > max_len) max_len = lengths[src];
+            cur = src;
+        }
+        sched[2 * n] = HC_TMP;
+        sched[2 * n + 1] = cur;
+        ++n;
+        done[cur] = 1;
+    }
+    for (int j = 0; j < new_batch; ++j) {
+        if (inv[j] == -1) {
+            sched[2 * n] = HC_CLEAR;
+            sched[2 * n + 1] = j;
+            ++n;
+        }
+    }
+    plan[HC_PLAN_COUNT] = n;
+    plan[HC_PLAN_MAX_LEN] = max_len;
+    plan[HC_PLAN_STATUS] = 0;
+}
+
+__device__ __forceinline__ hc_i64 hc_span_bytes(int len, int cap, int row_bytes) {
+    const int l = len < 0 ? 0 : (len > cap ? cap : len);
+    return (hc_i64)l * row_bytes;
+}
+
+template <int W>
+__device__ void hc_kv_compact_body(char* base, hc_i64 slot_stride,
+                                   const int* sched, int count, const int* lengths, int cap,
+                                   int row_bytes, int num_slots, hc_i64 span_limit) {
+    const hc_i64 step = (hc_i64)gridDim.z * blockDim.x * W;
+    for (hc_i64 off = ((hc_i64)blockIdx.z * blockDim.x + threadIdx.x) * W; off < span_limit;
+         off += step) {
+        HcChunk tmp{};
+        hc_i64 tmp_n = 0;
+        for (int e = 0; e < count; ++e) {
+            const int src = sched[2 * e];
+            const int dst = sched[2 * e + 1];
+            if (dst == HC_TMP) {
+                if (src < 0 || src >= num_slots) continue;
+                tmp_n = hc_span_bytes(lengths[src], cap, row_bytes);
+                if (off < tmp_n) hc_load_chunk<W>(tmp, base + src * slot_stride, off, tmp_n);
+            } else if (src == HC_TMP) {
+                if (dst < 0 || dst >= num_slots) continue;
+                if (off < tmp_n) hc_store_chunk<W>(base + dst * slot_stride, tmp, off, tmp_n);
+            } else if (src >= 0 && src < num_slots && dst >= 0 && dst < num_slots) {
+                const hc_i64 n = hc_span_bytes(lengths[src], cap, row_bytes);
+                if (off < n) hc_copy_chunk<W>(base + dst * slot_stride, base + src * slot_stride,
+                                              off, n);
+            }
+        }
+    }
+}
+
+// Moves the first lengths[old] tokens of every kept slot, for every layer of a head-dim group.
+// layers: KVLayerInfo [num_layers], each cache [num_slots, 2, H_l, S_l, D] with D*itemsize ==
+// row_bytes; lengths: int32 [num_slots], read before any length is compacted.
+// Launch: grid (2 * max_kv_heads, num_layers, z), block (B); blocks past a layer's heads exit.
+extern "C" __global__ void hc_kv_compact(const KVLayerInfo* __restrict__ layers,
+                                         const int* __restrict__ plan, int max_batch,
+                                         const int* __restrict__ lengths, int row_bytes,
+                                         int num_slots) {
+    if (plan[HC_PLAN_STATUS] != 0) return;
+    const KVLayerInfo info = layers[blockIdx.y];
+    const int kvh = blockIdx.x;  // kv * H + head
+    if (kvh >= 2 * info.num_kv_heads) return;
+    const hc_i64 head_span = (hc_i64)info.max_seq_len * row_bytes;
+    const hc_i64 slot_stride = 2 * (hc_i64)info.num_kv_heads * head_span;
+    char* base = reinterpret_cast<char*>(info.data) + kvh * head_span;
+    const int w = hc_vec_width(info.data | (hc_u64)head_span | (hc_u64)slot_stride);
+    const hc_i64 limit = hc_span_bytes(plan[HC_PLAN_MAX_LEN], info.max_seq_len, row_bytes);
+    const int* sched = hc_plan_schedule(plan, max_batch);
+    const int count = plan[HC_PLAN_COUNT];
+    HC_DISPATCH_WIDTH(w, hc_kv_compact_body, base, slot_stride, sched, count,
+                      lengths, info.max_seq_len, row_bytes, num_slots, limit);
+}
+
+template <int W>
+__device__ void hc_slots_compact_body(char* base, hc_i64 slot_bytes, const int* sched, int count,
+                                      int num_slots) {
+    const hc_i64 step = (hc_i64)gridDim.x * blockDim.x * W;
+    for (hc_i64 off = ((hc_i64)blockIdx.x * blockDim.x + threadIdx.x) * W; off < slot_bytes;
+         off += step) {
+        HcChunk tmp{};
+        for (int e = 0; e < count; ++e) {
+            const int src = sched[2 * e];
+            const int dst = sched[2 * e + 1];
+            if (dst == HC_TMP) {
+                if (src >= 0 && src < num_slots)
+                    hc_load_chunk<W>(tmp, base + src * slot_bytes, off, slot_bytes);
+            } else if (dst < 0 || dst >= num_slots) {
+                continue;
+            } else if (src == HC_TMP) {
+                hc_store_chunk<W>(base + dst * slot_bytes, tmp, off, slot_bytes);
+            } else if (src == HC_CLEAR) {
+                hc_zero_chunk<W>(base + dst * slot_bytes, off, slot_bytes);
+            } else if (src >= 0 && src < num_slots) {
+                hc_copy_chunk<W>(base + dst * slot_bytes, base + src * slot_bytes, off,
+                                 slot_bytes);
+            }
+        }
+    }
+}
+
+// Moves whole slots of a set of tensors (all Mamba recurrent and conv states, and the lengths
+// array) by the plan; slots below new_batch that receive nothing are zeroed.
+// tensors: SlotTensorInfo [num_tensors] with src == dst; the slot count is min(src_slots,
+// dst_slots). Launch: grid (x, num_tensors), block (B).
+extern "C" __global__ void hc_slots_compact(const SlotTensorInfo* __restrict__ tensors,
+                                            const int* __restrict__ plan, int max_batch) {
+    if (plan[HC_PLAN_STATUS] != 0) return;
+    const SlotTensorInfo t = tensors[blockIdx.y];
+    const int num_slots = t.src_slots < t.dst_slots ? t.src_slots : t.dst_slots;
+    const int w = hc_vec_width(t.dst | (hc_u64)t.slot_bytes);
+    HC_DISPATCH_WIDTH(w, hc_slots_compact_body, reinterpret_cast<char*>(t.dst), t.slot_bytes,
+                      hc_plan_schedule(plan, max_batch), plan[HC_PLAN_COUNT], num_slots);
+}
+
+// Exported: hc_compaction_plan, hc_kv_compact, hc_slots_compact

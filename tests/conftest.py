@@ -1,0 +1,50 @@
+"""Test tiers and hypothesis profiles.
+
+Tiers: everything runs on every machine (unit, property, stateful, host-emulated kernels,
+NVRTC compile) except tests marked ``gpu``, which are skipped when no CUDA GPU is usable.
+Hypothesis profiles: ``ci`` (derandomized, default under ``CI``), ``dev`` (default locally,
+more examples), ``gpu`` (fewer examples, for the device tier); pick one with
+``HYPOTHESIS_PROFILE``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from hcache.device import cupy_available
+
+settings.register_profile("ci", derandomize=True, deadline=None, max_examples=40,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.data_too_large])
+settings.register_profile("dev", deadline=None, max_examples=150,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("gpu", deadline=None, max_examples=60,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI")
+                                                               else "dev"))
+
+HAS_GPU = cupy_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU (cupy.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    return f"hcache: GPU tier {'enabled' if HAS_GPU else 'skipped (no CUDA GPU)'}"
+
+
+@pytest.fixture
+def xp_device():
+    """``(device_name, array_module)`` for the cpu device; the GPU tier parametrizes cuda."""
+    import numpy
+
+    return "cpu", numpy

@@ -1,0 +1,72 @@
+"""Host emulation of the CUDA kernels: compiles each unchanged ``kernels/<family>.cu`` with g++
+through ``tests/cuda_emu.h`` and launches its kernels with the same argument tuples that
+:mod:`hcache.ops` gives CuPy (use ``backend=EMU`` on NumPy arrays)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from hcache._kernels import FAMILIES, kernel_dir
+
+HEADER = Path(__file__).resolve().parent / "cuda_emu.h"
+_CTYPE = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+          np.dtype(np.uint64): ctypes.c_uint64}
+
+
+def have_compiler() -> bool:
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+@cache
+def build(family: str) -> ctypes.CDLL:
+    """Compile ``family`` for the host (cached by source hash) and load it."""
+    src = kernel_dir() / f"{family}.cu"
+    exports = "".join(f"CUDA_EMU_EXPORT({name})\n" for name in FAMILIES[family])
+    wrapper = f'#include "{src}"\n{exports}'
+    digest = hashlib.sha256((wrapper + HEADER.read_text() + src.read_text()
+                             + (kernel_dir() / "common.cuh").read_text()).encode()).hexdigest()
+    out_dir = Path(tempfile.gettempdir()) / "hcache-emu"
+    out_dir.mkdir(exist_ok=True)
+    lib = out_dir / f"{family}-{digest[:16]}.so"
+    if not lib.exists():
+        cpp = out_dir / f"{family}-{digest[:16]}.cpp"
+        cpp.write_text(wrapper)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        cmd = [os.environ.get("CXX", "g++"), "-std=c++20", "-O2", "-shared", "-fPIC", "-Wall",
+               "-Werror", "-include", str(HEADER), f"-I{kernel_dir()}", str(cpp), "-o", str(tmp)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"g++ failed for {src}:\n{proc.stderr}")
+        os.replace(tmp, lib)
+    return ctypes.CDLL(str(lib))
+
+
+class EmuLauncher:
+    """``backend`` for :mod:`hcache.ops` that runs the real ``.cu`` on the CPU."""
+
+    def __init__(self):
+        self.launches: list[tuple[str, tuple, tuple]] = []
+
+    def launch(self, family, name, grid, block, args):
+        holders = []
+        for a in args:
+            if not isinstance(a, np.generic) or a.dtype not in _CTYPE:
+                raise TypeError(f"kernel argument {a!r}: expected int32/int64/uint64 scalar")
+            holders.append(_CTYPE[a.dtype](a.item()))
+        argv = (ctypes.c_void_p * len(holders))(
+            *[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
+        fn = getattr(build(family), f"emu_{name}")
+        fn.restype = None
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+        self.launches.append((name, grid, block))
+        fn(*[ctypes.c_uint(x) for x in grid + block], argv)
