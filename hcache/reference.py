@@ -207,6 +207,8 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
             num_tokens // uniform_tokens if uniform_tokens > 0 else 0)
     b, start = _token_rows(num_tokens, batch, seq_offsets, uniform_tokens)
     live = b >= 0
+    if not live.any():
+        return
     bb = np.maximum(b, 0)
     t = np.arange(num_tokens, dtype=np.int64)
     if positions is not None:
@@ -251,7 +253,9 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
 def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, stream=None):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer to (``to_cache=False``) or from
     (``to_cache=True``) compact tensors ``[2, H_l, n, D]``; a layer with bad arguments is
-    skipped and counted."""
+    skipped and counted. ``num_tokens == 0`` does nothing (no launch on the device)."""
+    if num_tokens == 0:
+        return
     for layer, saved, heads, cap in zip(group.layers, compact, group.num_kv_heads,
                                         group.max_seq_lens):
         if not (0 <= slot < group.num_slots and 0 <= num_tokens <= cap

@@ -42,7 +42,8 @@ def build(family: str) -> ctypes.CDLL:
         cpp.write_text(wrapper)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         cmd = [os.environ.get("CXX", "g++"), "-std=c++20", "-O2", "-shared", "-fPIC", "-Wall",
-               "-Werror", "-include", str(HEADER), f"-I{kernel_dir()}", str(cpp), "-o", str(tmp)]
+               "-Werror", "-fsanitize=alignment", "-fno-sanitize-recover=all",
+               "-include", str(HEADER), f"-I{kernel_dir()}", str(cpp), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"g++ failed for {src}:\n{proc.stderr}")

@@ -1,0 +1,86 @@
+"""Random kernel inputs shared by the host-emulated and GPU tiers: guarded buffers (canary bytes
+around every array), groups of layers, ragged token batches, injective mappings."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import strategies as st
+
+from hcache.dtypes import DTYPE_NAMES, resolve_dtype
+
+GUARD = 64
+HEAD_DIMS = (1, 3, 8, 36, 80, 96, 128, 512)
+dtypes = st.sampled_from(DTYPE_NAMES).map(resolve_dtype)
+
+
+class Arena:
+    """Allocates arrays inside canary-filled byte buffers, at a chosen misalignment."""
+
+    def __init__(self, rng: np.random.Generator, xp=np):
+        self.rng = rng
+        self.xp = xp
+        self.buffers: list[tuple[object, np.ndarray, slice]] = []
+
+    def array(self, shape, dtype, *, misalign=0, fill="random"):
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        host = self.rng.integers(0, 256, GUARD + misalign + nbytes + GUARD, dtype=np.uint8)
+        inner = slice(GUARD + misalign, GUARD + misalign + nbytes)
+        if fill == "zeros":
+            host[inner] = 0
+        buf = self.xp.asarray(host) if self.xp is not np else host
+        view = buf[inner].view(dtype).reshape(shape)
+        self.buffers.append((buf, host.copy(), inner))
+        return view
+
+    def check_canaries(self):
+        for buf, original, inner in self.buffers:
+            now = buf.get() if hasattr(buf, "get") else buf
+            assert np.array_equal(now[:inner.start], original[:inner.start]), "canary before"
+            assert np.array_equal(now[inner.stop:], original[inner.stop:]), "canary after"
+
+
+def as_bytes(a) -> np.ndarray:
+    a = a.get() if hasattr(a, "get") else a
+    return np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+
+
+@st.composite
+def injective_mappings(draw, max_batch_max=8):
+    """``(max_batch, old_batch, new_batch, mapping)``: mapping[old] in [0, new_batch) or -1,
+    injective; monotone compacting ones (TensorRT-Edge-LLM's) and arbitrary ones."""
+    max_batch = draw(st.integers(1, max_batch_max))
+    old_batch = draw(st.integers(0, max_batch))
+    keep = draw(st.lists(st.booleans(), min_size=old_batch, max_size=old_batch))
+    kept = [i for i, k in enumerate(keep) if k]
+    if draw(st.booleans()):  # monotone, onto [0, len(kept))
+        new_batch = len(kept)
+        targets = list(range(new_batch))
+    else:
+        new_batch = draw(st.integers(len(kept), max_batch))
+        targets = draw(st.permutations(range(new_batch)))[:len(kept)]
+    mapping = np.full(old_batch, -1, dtype=np.int32)
+    mapping[kept] = targets
+    return max_batch, old_batch, new_batch, mapping
+
+
+@st.composite
+def bad_mappings(draw):
+    """A mapping that is not injective into [0, new_batch) (duplicate, too large, < -1)."""
+    max_batch, old_batch, new_batch, mapping = draw(injective_mappings())
+    if old_batch == 0:
+        mapping = np.zeros(1, dtype=np.int32)
+        old_batch = 1
+        new_batch = 0
+        return max_batch, old_batch, new_batch, mapping
+    i = draw(st.integers(0, old_batch - 1))
+    kind = draw(st.sampled_from(["big", "neg", "dup"]))
+    mapping = mapping.copy()
+    if kind == "dup" and old_batch >= 2 and new_batch >= 1:
+        j = (i + draw(st.integers(1, old_batch - 1))) % old_batch
+        mapping[i] = mapping[j] = draw(st.integers(0, new_batch - 1))
+    elif kind == "neg":
+        mapping[i] = draw(st.integers(-50, -2))
+    else:
+        mapping[i] = new_batch + draw(st.integers(0, 5))
+    return max_batch, old_batch, new_batch, mapping
