@@ -1,0 +1,98 @@
+"""``python -m hcache {info,demo,bench}`` (SPEC §7)."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+
+def info(args) -> int:
+    """Print versions, the default device, dtype support and whether each kernel compiles."""
+    import ml_dtypes
+    import numpy as np
+
+    import hcache
+    from hcache import _kernels, _nvrtc
+    from hcache.device import cupy_available, resolve_device
+    from hcache.dtypes import DTYPE_NAMES, resolve_dtype, storage_dtype
+
+    print(f"hcache      {hcache.__version__}")
+    print(f"python      {platform.python_version()} ({sys.platform})")
+    print(f"numpy       {np.__version__}")
+    print(f"ml_dtypes   {ml_dtypes.__version__}")
+    try:
+        import cupy
+
+        print(f"cupy        {cupy.__version__} (GPU usable: {cupy_available()})")
+    except Exception as exc:  # noqa: BLE001
+        print(f"cupy        not importable ({type(exc).__name__})")
+        cupy = None
+    version = _nvrtc.nvrtc_version()
+    print(f"nvrtc       {'%d.%d' % version if version else 'not found'}")
+    device = resolve_device(args.device)
+    print(f"device      {device} (arrays: {device.xp.__name__})")
+    print(f"kernels     {_kernels.kernel_dir()}")
+    print("dtypes:")
+    for name in DTYPE_NAMES:
+        dt = resolve_dtype(name)
+        stored = storage_dtype(name, device.xp) if device.is_cuda else dt
+        note = "" if stored == dt else f" (stored as {stored})"
+        print(f"  {name:<14} itemsize {dt.itemsize}{note}")
+    print("kernels compile (NVRTC, sm_80 / sm_90):")
+    ok = True
+    for family in _kernels.FAMILIES:
+        results = []
+        for arch in ("sm_80", "sm_90"):
+            try:
+                _nvrtc.compile_family(family, arch)
+                results.append("ok")
+            except Exception as exc:  # noqa: BLE001 - report, don't crash
+                results.append(f"FAILED: {str(exc).splitlines()[0]}")
+                ok = ok and version is None
+        print(f"  {family:<11} {' / '.join(results)}")
+    if device.is_cuda:
+        for family, names in _kernels.FAMILIES.items():
+            for name in names:
+                _kernels.get_function(family, name, device.index)
+        print(f"  RawModule   all families loaded on {device}")
+    return 0 if ok else 1
+
+
+def demo(args) -> int:
+    from hcache.demo import run_demo
+
+    return run_demo(device=args.device)
+
+
+def bench(args) -> int:
+    import os
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, here)
+    try:
+        from run_bench import main as bench_main
+    except ImportError:
+        print("bench/ not found: run from a checkout of hcache", file=sys.stderr)
+        return 2
+    return bench_main(device=args.device, out_dir=args.out, quick=args.quick)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hcache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, text in (("info", info, "versions, device, dtypes, kernel compilation"),
+                           ("demo", demo, "serve a small hybrid model with every cache"),
+                           ("bench", bench, "kernel microbenchmarks")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
+        p.set_defaults(fn=fn)
+        if name == "bench":
+            p.add_argument("--out", default=None, help="results folder (default bench/results)")
+            p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
