@@ -37,13 +37,21 @@ class CupyLauncher:
     def __init__(self, stream=None):
         self.stream = stream
 
-    def launch(self, family, name, grid, block, args):
+    def _device(self):
         import cupy
 
-        device = Device("cuda", cupy.cuda.runtime.getDevice())
+        return Device("cuda", cupy.cuda.runtime.getDevice())
+
+    def launch(self, family, name, grid, block, args):
+        device = self._device()
         kernel = _kernels.get_function(family, name, device.index)
         with stream_scope(self.stream, device):
             kernel(grid, block, args)
+
+    def upload(self, scratch, host: np.ndarray):
+        """Copy a small host table into preallocated device memory, ordered on the stream."""
+        with stream_scope(self.stream, self._device()):
+            scratch[: host.shape[0]].set(host)
 
 
 def _launcher(xp, backend, stream):
@@ -99,12 +107,18 @@ def _check_status(status, xp):
         _check_index_array("status", status, xp, min_len=1)
 
 
-def _upload_table(scratch, host: np.ndarray):
-    """Copy a per-call pointer table into preallocated (device) scratch, stream-ordered."""
-    if isinstance(scratch, np.ndarray):
-        scratch[: host.shape[0]] = host
+def _upload_table(run, group, host: np.ndarray):
+    """Put a per-call pointer table into the group's preallocated scratch, stream-ordered.
+
+    Skipped when the table equals the last one uploaded (an engine that reuses its K/V
+    buffers pays for the upload once)."""
+    if group.scratch_host is not None and np.array_equal(group.scratch_host, host):
+        return
+    if isinstance(group.scratch_infos, np.ndarray):
+        group.scratch_infos[: host.shape[0]] = host
     else:
-        scratch[: host.shape[0]].set(host)
+        run.upload(group.scratch_infos, host)
+    group.scratch_host = host
 
 
 # --- compaction -----------------------------------------------------------------------------
@@ -302,7 +316,7 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
     if layers is None:
         table = np.array([[data_pointer(a), data_pointer(b)] for a, b in zip(ks, vs)],
                          dtype=np.uint64)
-        _upload_table(group.scratch_infos, table)
+        _upload_table(run, group, table)
         srcs, k_ptr, v_ptr, offset = group.scratch_infos, np.uint64(0), np.uint64(0), 0
     else:
         srcs, k_ptr, v_ptr, offset = None, _ptr(ks[0]), _ptr(vs[0]), int(layers)
@@ -356,7 +370,7 @@ def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, s
     table = pack_kv_layer_infos([data_pointer(t) for t in compact],
                                 [int(t.shape[1]) for t in compact],
                                 [int(t.shape[2]) for t in compact])
-    _upload_table(group.scratch_infos, table)
+    _upload_table(run, group, table)
     grid = (2 * group.max_kv_heads, group.num_layers, _grid_z(num_tokens * group.row_bytes))
     run.launch("kv_capture", "hc_kv_prefix_copy", grid, (BLOCK, 1, 1),
                (_ptr(group.device_layer_infos), _ptr(group.scratch_infos), _i32(slot),
