@@ -6,8 +6,14 @@ live in :mod:`hcache.ops` (with their NumPy reference in :mod:`hcache.reference`
 
 from __future__ import annotations
 
-from .configs import (HybridCacheConfig, KVCacheConfig, KVLayerConfig, LayerType,
-                      LinearCacheConfig, MambaCacheConfig)
+from .configs import (
+                      HybridCacheConfig,
+                      KVCacheConfig,
+                      KVLayerConfig,
+                      LayerType,
+                      LinearCacheConfig,
+                      MambaCacheConfig,
+)
 from .device import Device, resolve_device
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
 from .errors import CacheCapacityError, KernelCompileError, KernelLaunchError

@@ -29,7 +29,7 @@ def info(args) -> int:
         print(f"cupy        not importable ({type(exc).__name__})")
         cupy = None
     version = _nvrtc.nvrtc_version()
-    print(f"nvrtc       {'%d.%d' % version if version else 'not found'}")
+    print(f"nvrtc       {'.'.join(map(str, version)) if version else 'not found'}")
     device = resolve_device(args.device)
     print(f"device      {device} (arrays: {device.xp.__name__})")
     print(f"kernels     {_kernels.kernel_dir()}")

@@ -54,7 +54,7 @@ class LayerType(enum.Enum):
         return self in (LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA)
 
     @classmethod
-    def coerce(cls, value, name: str = "layer_type") -> "LayerType":
+    def coerce(cls, value, name: str = "layer_type") -> LayerType:
         if isinstance(value, cls):
             return value
         if isinstance(value, str):

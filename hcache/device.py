@@ -141,7 +141,8 @@ def stream_handle(stream) -> int:
         value = proto() if callable(proto) else proto
         if isinstance(value, tuple) and len(value) == 2:
             return int(value[1])
-        raise TypeError(f"stream: expected __cuda_stream__ to give (version, handle), got {value!r}")
+        raise TypeError("stream: expected __cuda_stream__ to give (version, handle), "
+                        f"got {value!r}")
     ptr = getattr(stream, "ptr", None)
     if isinstance(ptr, (int, np.integer)):
         return int(ptr)

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _kernels
 from . import reference as ref
-from .device import array_module_of, data_pointer, stream_scope, Device
+from .device import Device, array_module_of, data_pointer, stream_scope
 
 __all__ = ["BLOCK", "compaction_plan_size", "compaction_plan", "kv_compact", "slots_compact",
            "slot_copy", "kv_write", "kv_capture", "kv_restore", "kv_prefix_copy", "lengths_add",

@@ -13,8 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hcache import ops
-from hcache import reference as ref
 from hcache.layout import KVGroup, SlotSet
+
 from kernel_cases import HEAD_DIMS, Arena, as_bytes, bad_mappings, dtypes, injective_mappings
 
 emu_mod = pytest.importorskip("emu")
@@ -360,7 +360,7 @@ def test_slot_copy_matches_reference_and_model(kind, c):
     kp, ks, kd, kstat = _slot_state(k_arena, c, xp)
     expected = [d.copy() for _, d in rp]
     bad = 0
-    for i, (s, d) in enumerate(zip(c["src"], c["dst"])):
+    for s, d in zip(c["src"], c["dst"]):
         if s == -1 or d == -1:
             continue
         for j, (src, dst) in enumerate(rp):

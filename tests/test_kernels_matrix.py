@@ -13,6 +13,7 @@ import pytest
 from hcache import ops
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 from hcache.layout import KVGroup, SlotSet
+
 from kernel_cases import Arena, as_bytes
 
 emu_mod = pytest.importorskip("emu")

@@ -9,6 +9,7 @@ from hypothesis import given
 from hcache import ops
 from hcache import reference as ref
 from hcache.layout import KVGroup, SlotSet
+
 from kernel_cases import injective_mappings
 
 
