@@ -4,6 +4,7 @@ install finds and compiles them from site-packages, not from the checkout."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,8 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
+    src = tmp_path_factory.mktemp("src") / "hcache"  # a clean copy: no stale build/ folder
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", "bench"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                           "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+                           "--no-build-isolation", "-q", "-w", str(out), str(src)],
                           capture_output=True, text=True)
     if proc.returncode:
         pytest.fail(f"pip wheel failed:\n{proc.stdout}\n{proc.stderr}")
@@ -36,6 +40,10 @@ def test_wheel_contains_every_kernel_source(wheel):
     for name in sources:
         assert f"hcache/kernels/{name}" in names
     assert not any("tests/" in n for n in names)
+    modules = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "hcache").rglob("*.py")
+                     if "__pycache__" not in p.parts)
+    missing = [m for m in modules if m not in names]
+    assert not missing, f"modules left out of the wheel (setup.cfg packages): {missing}"
 
 
 def test_non_editable_install_loads_kernels_from_the_package(wheel, tmp_path):

@@ -1,0 +1,102 @@
+"""Launch plumbing shared by the wrappers: launchers, C-typed scalars, grids, validation."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _kernels
+from ..device import Device, array_module_of, data_pointer, stream_scope
+
+BLOCK = 256          # threads per block for every kernel
+MAX_GRID_X = 8192    # grid-stride loops cover the rest
+MAX_GRID_Z = 64
+
+
+class CupyLauncher:
+    """Launches through CuPy ``RawKernel`` on the current device and ``stream``."""
+
+    def __init__(self, stream=None):
+        self.stream = stream
+
+    def _device(self):
+        import cupy
+
+        return Device("cuda", cupy.cuda.runtime.getDevice())
+
+    def launch(self, family, name, grid, block, args):
+        device = self._device()
+        kernel = _kernels.get_function(family, name, device.index)
+        with stream_scope(self.stream, device):
+            kernel(grid, block, args)
+
+    def upload(self, scratch, host: np.ndarray):
+        """Copy a small host table into preallocated device memory, ordered on the stream."""
+        with stream_scope(self.stream, self._device()):
+            scratch[: host.shape[0]].set(host)
+
+
+def launcher(xp, backend, stream):
+    if backend is not None:
+        return backend
+    if xp is np:
+        return None
+    return CupyLauncher(stream)
+
+
+def ptr(a) -> np.uint64:
+    return np.uint64(0 if a is None else data_pointer(a))
+
+
+def i32(x) -> np.int32:
+    return np.int32(int(x))
+
+
+def i64(x) -> np.int64:
+    return np.int64(int(x))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def grid_x(work_items: int) -> int:
+    """Blocks along x for ``work_items`` thread-sized items (grid-stride beyond the cap)."""
+    return max(1, min(MAX_GRID_X, ceil_div(work_items, BLOCK)))
+
+
+def grid_z(span_bytes: int) -> int:
+    """Blocks along z splitting one (layer, kv, head) span of ``span_bytes`` bytes."""
+    return max(1, min(MAX_GRID_Z, ceil_div(span_bytes, 16 * BLOCK * 4)))
+
+
+def check_index_array(name, a, xp, *, min_len=0, ndim=1):
+    if a is None:
+        return
+    if array_module_of(a) is not xp:
+        raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
+    if a.dtype != np.int32:
+        raise ValueError(f"{name}: expected dtype int32, got {a.dtype}")
+    if a.ndim != ndim or (a.shape[0] if a.ndim else 0) < min_len:
+        raise ValueError(f"{name}: expected {ndim}-D with at least {min_len} rows, "
+                         f"got shape {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array")
+
+
+def check_status(status, xp):
+    if status is not None:
+        check_index_array("status", status, xp, min_len=1)
+
+
+def upload_table(run, group, host: np.ndarray):
+    """Put a per-call pointer table into the group's preallocated scratch, stream-ordered.
+
+    Skipped when the table equals the last one uploaded (an engine that reuses its K/V
+    buffers pays for the upload once)."""
+    if group.scratch_host is not None and np.array_equal(group.scratch_host, host):
+        return
+    if isinstance(group.scratch_infos, np.ndarray):
+        group.scratch_infos[: host.shape[0]] = host
+    else:
+        run.upload(group.scratch_infos, host)
+    group.scratch_host = host

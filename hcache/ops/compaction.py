@@ -1,0 +1,82 @@
+"""Batch compaction (kernels/compact.cu): plan, KV moves, whole-slot moves."""
+
+from __future__ import annotations
+
+from .. import reference as ref
+from ..device import array_module_of, data_pointer
+from ._launch import (
+    BLOCK,
+    ceil_div,
+    check_index_array,
+    grid_x,
+    grid_z,
+    i32,
+    launcher,
+    ptr,
+)
+
+
+def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream=None,
+                    backend=None):
+    """Build the in-place move schedule of a batch compaction into ``plan``.
+
+    Parameters
+    ----------
+    mapping : int32 [>= old_batch]
+        ``mapping[old]`` = new slot in ``[0, new_batch)``, or -1 (evicted).
+    old_batch, new_batch : int
+        Batch sizes, each in ``[0, max_batch]``.
+    plan : int32 [compaction_plan_size(max_batch)]
+        Written in place: ``plan[0]`` = 0 (valid), 1 (not injective into ``[0, new_batch)``) or
+        2 (bad batch sizes); the copy kernels do nothing for an invalid plan.
+    lengths : int32 [max_batch], optional
+        Current lengths, for the longest moved span (read by :func:`kv_compact`).
+    """
+    xp = array_module_of(plan)
+    check_index_array("plan", plan, xp, min_len=ref.PLAN_HEADER)
+    max_batch = ref.plan_max_batch(plan)
+    if plan.shape[0] != ref.compaction_plan_size(max_batch):
+        raise ValueError(f"plan: expected length 4 + 8 * max_batch, got {plan.shape[0]}")
+    check_index_array("mapping", mapping, xp, min_len=old_batch)
+    check_index_array("lengths", lengths, xp, min_len=max_batch)
+    run = launcher(xp, backend, stream)
+    if run is None:
+        return ref.compaction_plan(mapping, old_batch, new_batch, plan, lengths=lengths)
+    run.launch("compact", "hc_compaction_plan", (1, 1, 1), (1, 1, 1),
+               (ptr(mapping), i32(old_batch), i32(new_batch), i32(max_batch),
+                ptr(lengths), ptr(plan)))
+
+
+def kv_compact(group, plan, lengths, *, stream=None, backend=None):
+    """Move the first ``lengths[old]`` tokens of every kept slot of every layer of ``group``
+    (one launch). ``group`` must be HND. In place; ``lengths`` are the pre-compaction lengths
+    ``int32 [num_slots]``."""
+    xp = group.xp
+    if group.layout != "HND":
+        raise ValueError("group: expected an HND group for compaction, got NHD")
+    check_index_array("plan", plan, xp, min_len=ref.PLAN_HEADER)
+    check_index_array("lengths", lengths, xp, min_len=group.num_slots)
+    run = launcher(xp, backend, stream)
+    if run is None:
+        return ref.kv_compact(group, plan, lengths)
+    span = max(group.max_seq_lens) * group.row_bytes
+    grid = (2 * group.max_kv_heads, group.num_layers, grid_z(span))
+    run.launch("compact", "hc_kv_compact", grid, (BLOCK, 1, 1),
+               (ptr(group.device_layer_infos), ptr(plan), i32(ref.plan_max_batch(plan)),
+                ptr(lengths), i32(group.row_bytes), i32(group.num_slots)))
+
+
+def slots_compact(slots, plan, *, stream=None, backend=None):
+    """Move whole slots of every tensor of ``slots`` by the plan (one launch); slots below
+    ``new_batch`` that receive nothing are zeroed. In place (each pair is ``(t, t)``)."""
+    xp = slots.xp
+    check_index_array("plan", plan, xp, min_len=ref.PLAN_HEADER)
+    for i, (s, d) in enumerate(slots.pairs):
+        if s is not d and data_pointer(s) != data_pointer(d):
+            raise ValueError(f"slots.pairs[{i}]: expected an in-place pair (t, t)")
+    run = launcher(xp, backend, stream)
+    if run is None:
+        return ref.slots_compact(slots, plan)
+    grid = (grid_x(ceil_div(slots.max_slot_bytes, 16)), slots.num_tensors, 1)
+    run.launch("compact", "hc_slots_compact", grid, (BLOCK, 1, 1),
+               (ptr(slots.device_infos), ptr(plan), i32(ref.plan_max_batch(plan))))

@@ -1,0 +1,94 @@
+"""Prompt-cache capture and restore (kernels/kv_capture.cu)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import reference as ref
+from ..device import array_module_of, data_pointer
+from ..layout import pack_kv_layer_infos
+from ._launch import (
+    BLOCK,
+    check_status,
+    grid_z,
+    i32,
+    launcher,
+    ptr,
+    upload_table,
+)
+
+
+def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, stream=None,
+                   backend=None):
+    """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer of ``group`` to or from
+    ``compact`` (one ``[2, H_l, n, D]`` tensor per layer, ``n >= num_tokens``), one launch.
+    Prefer :func:`kv_capture` / :func:`kv_restore`, which validate the slot and length first.
+    """
+    xp = group.xp
+    if group.layout != "HND":
+        raise ValueError("group: expected an HND group, got NHD")
+    if len(compact) != group.num_layers:
+        raise ValueError(f"compact: expected {group.num_layers} tensors, got {len(compact)}")
+    for j, (t, heads) in enumerate(zip(compact, group.num_kv_heads)):
+        if array_module_of(t) is not xp:
+            raise TypeError(f"compact[{j}]: expected a {xp.__name__} array, "
+                            f"got {type(t).__name__}")
+        if t.ndim != 4 or t.shape[0] != 2 or t.shape[1] != heads \
+                or t.shape[3] != group.head_dim:
+            raise ValueError(f"compact[{j}]: expected shape [2, {heads}, n, {group.head_dim}], "
+                             f"got {tuple(t.shape)}")
+        if t.dtype != group.dtype:
+            raise ValueError(f"compact[{j}]: expected dtype {group.dtype}, got {t.dtype}")
+        if not t.flags.c_contiguous:
+            raise ValueError(f"compact[{j}]: expected a C-contiguous array")
+    check_status(status, xp)
+    run = launcher(xp, backend, stream)
+    if run is None:
+        return ref.kv_prefix_copy(group, slot, num_tokens, compact, to_cache=to_cache,
+                                  status=status)
+    if num_tokens == 0:
+        return
+    table = pack_kv_layer_infos([data_pointer(t) for t in compact],
+                                [int(t.shape[1]) for t in compact],
+                                [int(t.shape[2]) for t in compact])
+    upload_table(run, group, table)
+    grid = (2 * group.max_kv_heads, group.num_layers, grid_z(num_tokens * group.row_bytes))
+    run.launch("kv_capture", "hc_kv_prefix_copy", grid, (BLOCK, 1, 1),
+               (ptr(group.device_layer_infos), ptr(group.scratch_infos), i32(slot),
+                i32(num_tokens), i32(group.row_bytes), i32(group.num_slots),
+                i32(1 if to_cache else 0), ptr(status)))
+
+
+def _check_slot_and_length(group, slot, num_tokens):
+    if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+        raise TypeError(f"slot: expected an int, got {type(slot).__name__}")
+    if not 0 <= int(slot) < group.num_slots:
+        raise IndexError(f"slot: expected a slot in [0, {group.num_slots}), got {int(slot)}")
+    cap = min(group.max_seq_lens)
+    if not 0 <= int(num_tokens) <= cap:
+        raise ValueError(f"num_tokens: expected a length in [0, {cap}], got {int(num_tokens)}")
+
+
+def kv_capture(group, slot, num_tokens, out, *, stream=None, backend=None):
+    """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer into ``out`` (list of
+    ``[2, H_l, num_tokens, D]``), one launch. Raises ``IndexError`` / ``ValueError`` before
+    touching anything."""
+    _check_slot_and_length(group, slot, num_tokens)
+    for j, t in enumerate(out):
+        if t.ndim == 4 and t.shape[2] != num_tokens:
+            raise ValueError(f"out[{j}]: expected {num_tokens} tokens, got {t.shape[2]}")
+    kv_prefix_copy(group, int(slot), int(num_tokens), out, to_cache=False, stream=stream,
+                   backend=backend)
+
+
+def kv_restore(group, saved, slot, *, stream=None, backend=None):
+    """Copy every ``saved[l]`` (``[2, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)``
+    of ``slot`` of layer ``l``, one launch. Validates everything before touching anything."""
+    if len(saved) != group.num_layers:
+        raise ValueError(f"saved: expected {group.num_layers} tensors, got {len(saved)}")
+    lengths = {int(t.shape[2]) for t in saved if t.ndim == 4}
+    if len(lengths) > 1:
+        raise ValueError(f"saved: expected one token count for every layer, got {sorted(lengths)}")
+    n = lengths.pop() if lengths else 0
+    _check_slot_and_length(group, slot, n)
+    kv_prefix_copy(group, int(slot), n, saved, to_cache=True, stream=stream, backend=backend)
