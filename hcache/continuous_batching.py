@@ -1,0 +1,437 @@
+"""Continuous-batching KV cache: one block per sequence, all layers (SPEC §5, seed 004).
+
+After MAX's Mojo ``ContinuousBatchingKVCacheManager``. ``blocks_buf`` is
+``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]`` with ``num_blocks =
+max_batch_size``: block ``b`` holds one sequence's K (``[:, 0]``) and V (``[:, 1]``) of every
+layer. The call order of a request is ``claim`` -> (``fetch`` -> ``write`` per layer -> ``step``)
+for the prompt and then per generated token -> ``release``.
+
+Design decisions (where the reference is silent or not thread-safe):
+
+* **seq_ids are not block indices.** ``claim`` hands out ids from a counter that never repeats
+  and binds each to the lowest free block. A released id stays unknown forever, so a stale id
+  held by some thread can never alias a newer sequence that reuses its block.
+* **One batch in flight**, shared by all threads, as in the reference: ``fetch`` fills
+  preallocated device buffers (``lookup_table``, ``cache_lengths``) that ``step`` frees for the
+  next batch. A second ``fetch`` raises :class:`BatchInFlightError` (a ``ValueError``), or with
+  ``wait=True`` blocks until the batch is stepped (refused at once for the thread that holds it).
+* **An in-flight sequence cannot be released** (``ValueError``): its block is read by the
+  batch's kernels until ``step``. Step with zero lengths to end a batch without committing.
+* **Thread safety**: one re-entrant lock (with a condition for ``wait``) guards all bookkeeping;
+  every method validates, then mutates, under it. ``write`` holds it across the launch so that a
+  concurrent ``step`` cannot end the batch half-way. ``fetch`` and ``write`` should use one
+  stream (the index buffers are reused by the next ``fetch``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .configs import _int, _set
+from .continuous_batching_collection import ContinuousBatchingKVCacheCollection
+from .device import resolve_device, stream_scope
+from .dtypes import dtype_name, resolve_dtype, storage_dtype
+from .errors import CacheCapacityError
+from .layout import KVGroup
+
+__all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
+           "ContinuousBatchingKVCacheCollection", "BatchInFlightError"]
+
+_INT32_MAX = 2**31 - 1
+
+
+class BatchInFlightError(ValueError):
+    """``fetch`` was called while another batch is in flight (not yet stepped)."""
+
+
+@dataclass(frozen=True)
+class KVCacheStaticParams:
+    """Per-layer KV geometry: ``num_heads`` KV heads of ``head_size`` elements, both >= 1."""
+
+    num_heads: int
+    head_size: int
+
+    def __post_init__(self):
+        _set(self, "num_heads", _int("num_heads", self.num_heads, 1))
+        _set(self, "head_size", _int("head_size", self.head_size, 1))
+
+
+def _seq_id(value, name="seq_id") -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    return int(value)
+
+
+class ContinuousBatchingKVCacheManager:
+    """KV caches of up to ``max_batch_size`` live sequences, one block each.
+
+    Parameters
+    ----------
+    dtype : str or numpy.dtype
+        One of the seven cache dtypes (SPEC §2).
+    kv_params : KVCacheStaticParams
+    max_batch_size, max_seq_len, num_layers : int
+        Each >= 1; ``max_seq_len`` below 2**31.
+    device : None, "cpu", "cuda" or "cuda:N"
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument has the wrong type or value.
+    """
+
+    def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
+                 device=None):
+        if not isinstance(kv_params, KVCacheStaticParams):
+            raise TypeError(f"kv_params: expected KVCacheStaticParams, "
+                            f"got {type(kv_params).__name__}")
+        self._dtype = resolve_dtype(dtype)
+        self._kv_params = kv_params
+        self._num_blocks = _int("max_batch_size", max_batch_size, 1)
+        self._max_seq_len = _int("max_seq_len", max_seq_len, 1)
+        if self._max_seq_len > _INT32_MAX:
+            raise ValueError(f"max_seq_len: expected at most {_INT32_MAX}, got {max_seq_len}")
+        self._num_layers = _int("num_layers", num_layers, 1)
+        self._device = resolve_device(device)
+        xp = self._device.xp
+        n, heads, size = self._num_blocks, kv_params.num_heads, kv_params.head_size
+        with self._device.scope():
+            self._storage = storage_dtype(self._dtype, xp)
+            self._blocks = xp.zeros((n, 2, self._num_layers, self._max_seq_len, heads, size),
+                                       dtype=self._storage)
+            # Per-layer NHD views [num_blocks, 2, max_seq_len, H, D]: one group, one launch.
+            self._group = KVGroup([self._blocks[:, :, layer]
+                                   for layer in range(self._num_layers)], layout="NHD")
+            self._dev_lookup = xp.zeros((n,), dtype=np.int32)
+            self._dev_lengths = xp.zeros((n,), dtype=np.int32)
+        self._cond = threading.Condition(threading.RLock())
+        self._free: list[int] = list(range(n))        # a heap: claim takes the lowest block
+        self._block_of: dict[int, int] = {}            # live seq_id -> block
+        self._lengths: dict[int, int] = {}             # live seq_id -> committed tokens
+        self._next_id = 0                              # ids below it were handed out once
+        self._inflight: ContinuousBatchingKVCacheCollection | None = None
+        self._inflight_owner: int | None = None        # thread id that fetched it
+
+    # --- geometry ---------------------------------------------------------------------------
+
+    dtype = property(lambda self: self._dtype, doc="The cache dtype.")
+    kv_params = property(lambda self: self._kv_params, doc="The KV head geometry.")
+    device = property(lambda self: self._device, doc="The resolved device.")
+    num_blocks = property(lambda self: self._num_blocks, doc="Blocks (= max_batch_size).")
+    max_batch_size = property(lambda self: self._num_blocks, doc="Most live sequences.")
+    max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per block.")
+    num_layers = property(lambda self: self._num_layers, doc="Decoder layers per block.")
+
+    @property
+    def blocks_buf(self):
+        """The cache, ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]``
+        (K at ``[:, 0]``, V at ``[:, 1]``), allocated once; zero-copy on both devices."""
+        return self._blocks
+
+    # --- queries ----------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    @property
+    def num_live_sequences(self) -> int:
+        with self._cond:
+            return len(self._block_of)
+
+    @property
+    def cache_lengths(self) -> dict[int, int]:
+        """Snapshot ``{seq_id: committed tokens}`` of the live sequences."""
+        with self._cond:
+            return dict(self._lengths)
+
+    @property
+    def in_flight(self) -> ContinuousBatchingKVCacheCollection | None:
+        """The fetched batch not yet stepped, or ``None``."""
+        return self._inflight
+
+    def can_claim(self, batch_size: int) -> bool:
+        """True when ``claim(batch_size)`` would succeed now."""
+        n = _int("batch_size", batch_size, 0)
+        with self._cond:
+            return n <= len(self._free)
+
+    def block_of(self, seq_id: int) -> int:
+        """The block of a live sequence. Raises ``ValueError`` for an unknown id."""
+        sid = _seq_id(seq_id)
+        with self._cond:
+            if sid not in self._block_of:
+                raise ValueError(f"seq_id: expected a live sequence, got {sid}")
+            return self._block_of[sid]
+
+    # --- commands ---------------------------------------------------------------------------
+
+    def claim(self, batch_size: int) -> list[int]:
+        """Bind ``batch_size`` fresh sequences to free blocks, all or none.
+
+        Returns
+        -------
+        list of int
+            New seq_ids (never handed out before), each with 0 committed tokens.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``batch_size`` is not an int >= 0.
+        CacheCapacityError
+            Fewer than ``batch_size`` free blocks (``.required``, ``.available``); nothing is
+            claimed.
+        """
+        n = _int("batch_size", batch_size, 0)
+        with self._cond:
+            available = len(self._free)
+            if n > available:
+                raise CacheCapacityError(f"batch_size: expected at most {available} free blocks "
+                                         f"(of {self._num_blocks}), got {n}",
+                                         required=n, available=available)
+            ids = list(range(self._next_id, self._next_id + n))
+            for sid in ids:
+                self._block_of[sid] = heapq.heappop(self._free)
+                self._lengths[sid] = 0
+            self._next_id += n
+            return ids
+
+    def fetch(self, seq_ids, *, wait: bool = False, timeout: float | None = None,
+              stream=None) -> ContinuousBatchingKVCacheCollection:
+        """Start a batch: fill the device lookup table and lengths of ``seq_ids``.
+
+        Parameters
+        ----------
+        seq_ids : sequence of int
+            Distinct live seq_ids, one per batch row (at least one).
+        wait : bool
+            If another thread's batch is in flight, wait (up to ``timeout`` seconds) for its
+            ``step`` instead of raising.
+        stream : optional
+            Stream of the host-to-device copies of the index buffers (SPEC §2).
+
+        Returns
+        -------
+        ContinuousBatchingKVCacheCollection
+            Active until :meth:`step`. No device memory is allocated: its arrays are views of
+            buffers preallocated at construction.
+
+        Raises
+        ------
+        BatchInFlightError
+            A batch is in flight (and ``wait`` is false, the caller holds it, or ``timeout``
+            passed).
+        ValueError
+            ``seq_ids`` is empty, repeats an id or names an unknown (or released) sequence.
+        TypeError
+            An id is not an int, or ``stream`` is not a stream.
+        """
+        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
+            raise TypeError(f"seq_ids: expected a sequence of int, got {type(seq_ids).__name__}")
+        ids = [_seq_id(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
+        if not ids:
+            raise ValueError("seq_ids: expected at least one seq_id, got 0")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
+        scope = stream_scope(stream, self._device)   # validates ``stream`` first
+        with self._cond:
+            if self._inflight is not None:
+                if not wait or self._inflight_owner == threading.get_ident():
+                    raise BatchInFlightError("fetch: expected no batch in flight, got one of "
+                                             f"seq_ids {list(self._inflight.seq_ids)}; step it")
+                if not self._cond.wait_for(lambda: self._inflight is None, timeout):
+                    raise BatchInFlightError(f"fetch: expected the batch in flight to be "
+                                             f"stepped within {timeout} s, got none")
+            unknown = [s for s in ids if s not in self._block_of]
+            if unknown:
+                raise ValueError(f"seq_ids: expected live sequences, got unknown {unknown}")
+            batch = len(ids)
+            blocks = np.fromiter((self._block_of[s] for s in ids), np.int32, batch)
+            lengths = np.fromiter((self._lengths[s] for s in ids), np.int32, batch)
+            with self._device.scope(), scope:
+                self._upload(self._dev_lookup, blocks)
+                self._upload(self._dev_lengths, lengths)
+            coll = ContinuousBatchingKVCacheCollection(self, ids, self._dev_lookup[:batch],
+                                                       self._dev_lengths[:batch], blocks, lengths)
+            self._inflight, self._inflight_owner = coll, threading.get_ident()
+            return coll
+
+    def step(self, valid_lengths, collection: ContinuousBatchingKVCacheCollection) -> None:
+        """Commit ``valid_lengths[i]`` more tokens to row ``i`` and end the batch.
+
+        Raises
+        ------
+        TypeError
+            ``collection`` is not a collection, or a length is not an int.
+        ValueError
+            ``collection`` is ended or not this manager's; ``valid_lengths`` has the wrong
+            count or a negative entry; a row would pass ``max_seq_len``. Nothing changes.
+        """
+        with self._cond:
+            self._check_active(collection, "step")
+            add = self._lengths_arg(valid_lengths, collection.batch_size)
+            new = collection._lengths + add
+            over = np.flatnonzero(new > self._max_seq_len)
+            if over.size:
+                i = int(over[0])
+                raise ValueError(f"valid_lengths[{i}]: expected at most "
+                                 f"{self._max_seq_len - int(collection._lengths[i])} for seq_id "
+                                 f"{collection.seq_ids[i]}, got {int(add[i])}")
+            for sid, n in zip(collection.seq_ids, new.tolist(), strict=True):
+                self._lengths[sid] = n
+            self._inflight, self._inflight_owner = None, None
+            self._cond.notify_all()
+
+    def release(self, seq_id: int) -> None:
+        """Return a sequence's block to the pool; the id is never valid again.
+
+        Raises
+        ------
+        TypeError
+            ``seq_id`` is not an int.
+        ValueError
+            Unknown (or already released) ``seq_id``, or one in the in-flight batch.
+        """
+        sid = _seq_id(seq_id)
+        with self._cond:
+            if sid not in self._block_of:
+                raise ValueError(f"seq_id: expected a live sequence, got {sid}")
+            if self._inflight is not None and sid in self._inflight._id_set:
+                raise ValueError(f"seq_id: expected a sequence not in the batch in flight, "
+                                 f"got {sid}; step the batch first")
+            heapq.heappush(self._free, self._block_of.pop(sid))
+            del self._lengths[sid]
+
+    # --- collection support -----------------------------------------------------------------
+
+    def _upload(self, device_buf, host: np.ndarray) -> None:
+        if isinstance(device_buf, np.ndarray):
+            device_buf[: host.shape[0]] = host
+        else:   # pageable source: the driver stages it, so ``host`` may be reused at once
+            xp = self._device.xp
+            device_buf[: host.shape[0]].set(host, stream=xp.cuda.get_current_stream())
+
+    def _check_active(self, collection, what: str) -> None:
+        if not isinstance(collection, ContinuousBatchingKVCacheCollection):
+            raise TypeError(f"collection: expected a ContinuousBatchingKVCacheCollection, "
+                            f"got {type(collection).__name__}")
+        if collection._manager is not self:
+            raise ValueError(f"{what}: expected a collection of this manager, got a foreign one")
+        if self._inflight is not collection:
+            raise ValueError(f"{what}: expected the batch in flight, got an ended collection")
+
+    def _lengths_arg(self, valid_lengths, batch: int) -> np.ndarray:
+        if isinstance(valid_lengths, np.ndarray):
+            if valid_lengths.dtype.kind not in "iu" or valid_lengths.ndim != 1:
+                raise TypeError(f"valid_lengths: expected a 1-D integer array, "
+                                f"got {valid_lengths.dtype} with shape {valid_lengths.shape}")
+            values = valid_lengths.astype(np.int64)
+        elif isinstance(valid_lengths, (str, bytes)) or not hasattr(valid_lengths, "__iter__"):
+            raise TypeError(f"valid_lengths: expected a sequence of int, "
+                            f"got {type(valid_lengths).__name__}")
+        else:
+            values = np.array([_seq_id(v, f"valid_lengths[{i}]")
+                               for i, v in enumerate(valid_lengths)], dtype=np.int64)
+        if values.shape[0] != batch:
+            raise ValueError(f"valid_lengths: expected {batch} lengths, got {values.shape[0]}")
+        if values.size and values.min() < 0:
+            raise ValueError(f"valid_lengths: expected lengths >= 0, got {values.tolist()}")
+        return values
+
+    def _layer(self, layer) -> int:
+        if isinstance(layer, bool) or not hasattr(layer, "__index__"):
+            raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
+        if not 0 <= int(layer) < self._num_layers:
+            raise IndexError(f"layer: expected a layer in [0, {self._num_layers}), "
+                             f"got {int(layer)}")
+        return int(layer)
+
+    def _kv_view(self, kv: int, layer) -> object:
+        return self.blocks_buf[:, kv, self._layer(layer)]
+
+    # --- diagnostics ------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` listing every broken bookkeeping invariant.
+
+        Synchronizes the device on cuda (reads the in-flight index buffers back).
+        """
+        with self._cond:
+            p: list[str] = []
+            live = list(self._block_of.values())
+            free, total = self._free, self._num_blocks
+            if set(self._block_of) != set(self._lengths):
+                p.append("live seq_ids of blocks and of cache_lengths differ")
+            if len(set(live)) != len(live):
+                p.append(f"a block is held by two live sequences: {sorted(live)}")
+            if len(set(free)) != len(free):
+                p.append(f"a block is free twice: {sorted(free)}")
+            if set(free) & set(live):
+                p.append(f"blocks both free and live: {sorted(set(free) & set(live))}")
+            if len(free) + len(live) != total or set(free) | set(live) != set(range(total)):
+                p.append(f"free ({len(free)}) + live ({len(live)}) blocks do not make the "
+                         f"{total} blocks")
+            if any(free[(i - 1) // 2] > free[i] for i in range(1, len(free))):
+                p.append("the free list is not a heap")
+            bad = {s: n for s, n in self._lengths.items() if not 0 <= n <= self._max_seq_len}
+            if bad:
+                p.append(f"lengths outside [0, {self._max_seq_len}]: {bad}")
+            if any(not 0 <= s < self._next_id for s in self._block_of):
+                p.append("a live seq_id was never handed out")
+            coll = self._inflight
+            if coll is not None:
+                p.extend(self._inflight_problems(coll))
+            elif self._inflight_owner is not None:
+                p.append("an in-flight owner without a batch in flight")
+            if p:
+                raise RuntimeError("ContinuousBatchingKVCacheManager: broken invariants:\n- "
+                                   + "\n- ".join(p))
+
+    def _inflight_problems(self, coll) -> list[str]:
+        ids, p = coll.seq_ids, []
+        if any(s not in self._block_of for s in ids) or len(set(ids)) != len(ids):
+            return [f"in-flight batch {list(ids)} holds dead or repeated seq_ids"]
+        if [self._block_of[s] for s in ids] != list(coll.blocks):
+            p.append("in-flight blocks differ from the live sequences' blocks")
+        if [self._lengths[s] for s in ids] != list(coll.host_cache_lengths):
+            p.append("in-flight lengths differ from the committed lengths")
+        dev = [a if isinstance(a, np.ndarray) else a.get()
+               for a in (coll.lookup_table, coll.cache_lengths)]
+        if dev[0].tolist() != list(coll.blocks) or dev[1].tolist() != list(
+                coll.host_cache_lengths):
+            p.append("device lookup_table/cache_lengths differ from the batch")
+        if self._inflight_owner is None:
+            p.append("a batch in flight without an owner thread")
+        return p
+
+    def memory_report(self) -> dict:
+        """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``,
+        ``total_bytes``, ``bytes_per_block``, ``bytes_per_token`` (K and V, all layers),
+        ``num_blocks``, ``free_blocks``, ``live_sequences``, ``committed_tokens``,
+        ``capacity_tokens``, ``token_utilization``, ``dtype``, ``device``."""
+        with self._cond:
+            per_block = int(self.blocks_buf.nbytes) // self._num_blocks
+            committed = sum(self._lengths.values())
+            capacity = self._num_blocks * self._max_seq_len
+            index = int(self._dev_lookup.nbytes + self._dev_lengths.nbytes)
+            return {"device": str(self._device), "dtype": dtype_name(self._dtype),
+                    "blocks_buf_bytes": int(self.blocks_buf.nbytes),
+                    "index_buffer_bytes": index,
+                    "total_bytes": int(self.blocks_buf.nbytes) + index,
+                    "bytes_per_block": per_block,
+                    "bytes_per_token": per_block // self._max_seq_len,
+                    "num_blocks": self._num_blocks, "free_blocks": len(self._free),
+                    "live_sequences": len(self._block_of), "committed_tokens": committed,
+                    "capacity_tokens": capacity, "token_utilization": committed / capacity}
+
+    def __repr__(self) -> str:
+        return (f"ContinuousBatchingKVCacheManager(dtype={dtype_name(self._dtype)}, "
+                f"num_heads={self._kv_params.num_heads}, head_size={self._kv_params.head_size}, "
+                f"max_batch_size={self._num_blocks}, max_seq_len={self._max_seq_len}, "
+                f"num_layers={self._num_layers}, device={self._device}, "
+                f"live={self.num_live_sequences})")

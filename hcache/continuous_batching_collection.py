@@ -1,0 +1,182 @@
+"""The batch handed out by a continuous-batching ``fetch`` (SPEC §5).
+
+A :class:`ContinuousBatchingKVCacheCollection` is a non-owning view of one fetched batch: the
+rows' seq_ids, the device ``lookup_table`` (row -> block) and ``cache_lengths`` (row -> committed
+tokens at fetch time), per-layer K/V views of the manager's ``blocks_buf`` and a ``write`` that
+appends new tokens with one kernel launch. It is *active* from ``fetch`` until the manager's
+``step`` ends it; an ended collection keeps its ``key_cache`` / ``value_cache`` views (they view
+``blocks_buf``, which never moves) but refuses ``write`` and ``step``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ops
+from .device import array_module_of
+
+__all__ = ["ContinuousBatchingKVCacheCollection"]
+
+
+class ContinuousBatchingKVCacheCollection:
+    """One fetched batch of a ``ContinuousBatchingKVCacheManager``.
+
+    Built only by the manager's ``fetch``; do not construct it directly.
+
+    Attributes
+    ----------
+    seq_ids : tuple of int
+        The sequence of each batch row, in fetch order.
+    lookup_table : array, int32 [batch]
+        Device array (NumPy on cpu): ``lookup_table[row]`` = the block holding row's sequence.
+        A view of a buffer preallocated by the manager and refilled by the next ``fetch``, so it
+        is meaningful only while this collection is active.
+    cache_lengths : array, int32 [batch]
+        Device array: committed tokens of each row at fetch time (where ``write`` puts the
+        row's first new token). Same lifetime as ``lookup_table``.
+    """
+
+    __slots__ = ("_manager", "seq_ids", "lookup_table", "cache_lengths", "_blocks", "_lengths",
+                 "_id_set")
+
+    def __init__(self, manager, seq_ids, lookup_table, cache_lengths, host_blocks, host_lengths):
+        self._manager = manager
+        self.seq_ids = tuple(seq_ids)
+        self.lookup_table = lookup_table
+        self.cache_lengths = cache_lengths
+        # Host mirrors of the two device arrays: committed lengths cannot change while the
+        # batch is in flight (only ``step`` commits, and release of an in-flight seq is refused),
+        # so ``write`` validates positions against them without reading the device.
+        self._blocks = np.array(host_blocks, dtype=np.int64)
+        self._lengths = np.array(host_lengths, dtype=np.int64)
+        self._blocks.flags.writeable = False
+        self._lengths.flags.writeable = False
+        self._id_set = frozenset(self.seq_ids)
+
+    # --- queries ----------------------------------------------------------------------------
+
+    @property
+    def manager(self):
+        """The manager that fetched this batch."""
+        return self._manager
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return len(self.seq_ids)
+
+    @property
+    def is_active(self) -> bool:
+        """True from ``fetch`` until ``step`` ends the batch."""
+        return self._manager.in_flight is self
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        """Host copy of ``lookup_table``: the block of each row."""
+        return tuple(int(b) for b in self._blocks)
+
+    @property
+    def host_cache_lengths(self) -> tuple[int, ...]:
+        """Host copy of ``cache_lengths``: committed tokens of each row at fetch time."""
+        return tuple(int(n) for n in self._lengths)
+
+    @property
+    def max_cache_length(self) -> int:
+        """The longest committed length in the batch (0 for an empty cache)."""
+        return int(self._lengths.max()) if self._lengths.size else 0
+
+    @property
+    def is_context_encoding(self) -> bool:
+        """True when every row's cache is empty (the batch encodes prompts)."""
+        return not bool(self._lengths.any())
+
+    def key_cache(self, layer: int):
+        """Keys of decoder layer ``layer``: a view ``[num_blocks, max_seq_len, num_heads,
+        head_size]`` of ``blocks_buf[:, 0, layer]`` (index it with ``lookup_table``).
+
+        Raises
+        ------
+        TypeError
+            ``layer`` is not an int.
+        IndexError
+            ``layer`` is outside ``[0, num_layers)``.
+        """
+        return self._manager._kv_view(0, layer)
+
+    def value_cache(self, layer: int):
+        """Values of decoder layer ``layer``: a view of ``blocks_buf[:, 1, layer]``; see
+        :meth:`key_cache`."""
+        return self._manager._kv_view(1, layer)
+
+    # --- command ----------------------------------------------------------------------------
+
+    def write(self, layer: int, key, value, *, stream=None) -> None:
+        """Append new tokens of one layer at each row's committed length (one kernel launch).
+
+        Token ``t`` of row ``i`` lands at position ``host_cache_lengths[i] + t`` of block
+        ``blocks[i]``. Writing does not commit: ``step`` decides how many of the written tokens
+        each row keeps (``valid_lengths``), so ragged prompts are written padded to one length.
+
+        Parameters
+        ----------
+        layer : int
+            Decoder layer in ``[0, num_layers)``.
+        key, value : arrays ``[batch, new_tokens, num_heads, head_size]``
+            C-contiguous, the manager's dtype and array module (on cuda a float8 or bfloat16
+            cache that CuPy cannot type is written from arrays of its storage dtype, see
+            :func:`hcache.dtypes.storage_dtype`).
+        stream : optional
+            Stream of the launch (SPEC §2); use the stream of ``fetch``. Ignored on cpu.
+
+        Raises
+        ------
+        ValueError
+            The collection is ended or not this manager's in-flight batch; a shape or dtype
+            does not match; some row would pass ``max_seq_len``. Nothing is written.
+        TypeError
+            ``layer`` is not an int, or an array has the wrong array module.
+        IndexError
+            ``layer`` is outside ``[0, num_layers)``.
+        """
+        m = self._manager
+        with m._cond:   # held across the launch: a concurrent step cannot end the batch
+            m._check_active(self, "write")
+            layer = m._layer(layer)
+            group = m._group
+            heads, size = group.num_kv_heads[0], group.head_dim
+            for name, a in (("key", key), ("value", value)):
+                self._check_rows(name, a, heads, size, group.xp, group.dtype)
+            if key.shape != value.shape:
+                raise ValueError(f"value: expected the shape of key {tuple(key.shape)}, "
+                                 f"got {tuple(value.shape)}")
+            new_tokens = int(key.shape[1])
+            over = np.flatnonzero(self._lengths + new_tokens > m.max_seq_len)
+            if over.size:
+                i = int(over[0])
+                raise ValueError(f"key: expected at most "
+                                 f"{m.max_seq_len - int(self._lengths[i])} new tokens for row "
+                                 f"{i} (seq_id {self.seq_ids[i]}), got {new_tokens}")
+            if new_tokens == 0:
+                return
+            with m.device.scope():
+                ops.kv_write(group, key.reshape(-1, heads, size), value.reshape(-1, heads, size),
+                             layers=layer, uniform_tokens=new_tokens, batch=self.batch_size,
+                             cache_lengths=self.cache_lengths, row_to_slot=self.lookup_table,
+                             stream=stream)
+
+    def _check_rows(self, name, a, heads, size, xp, dtype) -> None:
+        if array_module_of(a) is not xp or not hasattr(a, "shape"):
+            raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
+        if a.ndim != 4 or a.shape[0] != self.batch_size or tuple(a.shape[2:]) != (heads, size):
+            raise ValueError(f"{name}: expected shape [{self.batch_size}, new_tokens, {heads}, "
+                             f"{size}], got {tuple(a.shape)}")
+        if a.dtype != dtype:
+            raise ValueError(f"{name}: expected dtype {dtype}, got {a.dtype}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous array")
+
+    def __repr__(self) -> str:
+        state = "active" if self.is_active else "ended"
+        return (f"ContinuousBatchingKVCacheCollection(seq_ids={list(self.seq_ids)}, "
+                f"blocks={list(self.blocks)}, cache_lengths={list(self.host_cache_lengths)}, "
+                f"{state})")

@@ -1,0 +1,450 @@
+"""ContinuousBatchingKVCacheManager (SPEC §5): call order, data written, errors, diagnostics.
+
+The oracle for the data is a byte model ``expected[block, kv, layer, pos, head, byte]`` updated
+by hand from the documented semantics (token ``t`` of row ``i`` lands at the row's committed
+length + ``t`` in the row's block), compared byte for byte with ``blocks_buf``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+
+from hcache.continuous_batching import (
+    BatchInFlightError,
+    ContinuousBatchingKVCacheCollection,
+    ContinuousBatchingKVCacheManager,
+    KVCacheStaticParams,
+)
+from hcache.dtypes import DTYPE_NAMES
+from hcache.errors import CacheCapacityError
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+H, D = 2, 3
+
+
+def host(a):
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
+def make(dtype="float16", n=4, s=8, layers=3, device="cpu", heads=H, size=D):
+    return ContinuousBatchingKVCacheManager(dtype, KVCacheStaticParams(heads, size), n, s,
+                                            layers, device=device)
+
+
+def raw_bytes(m) -> np.ndarray:
+    """``blocks_buf`` as bytes ``[N, 2, L, S, H, D * itemsize]`` (host copy)."""
+    b = np.ascontiguousarray(host(m.blocks_buf))
+    return b.view(np.uint8).reshape(*b.shape[:-1], -1).copy()
+
+
+def tokens(m, rng, batch, t):
+    """Random K or V rows ``[batch, t, H, D]``: (device array, host bytes)."""
+    itemsize = m.blocks_buf.dtype.itemsize
+    kp = m.kv_params
+    b = rng.integers(0, 256, size=(batch, t, kp.num_heads, kp.head_size * itemsize),
+                     dtype=np.uint8)
+    arr = b.view(np.dtype(m.blocks_buf.dtype))
+    return m.device.xp.asarray(arr), b
+
+
+class Model:
+    """Independent model: lengths per seq, blocks, expected bytes."""
+
+    def __init__(self, m):
+        self.m = m
+        self.expected = np.zeros_like(raw_bytes(m))
+        self.lengths: dict[int, int] = {}
+        self.block: dict[int, int] = {}
+
+    def write(self, seq_ids, layer, kb, vb):
+        for i, sid in enumerate(seq_ids):
+            for t in range(kb.shape[1]):
+                pos = self.lengths[sid] + t
+                self.expected[self.block[sid], 0, layer, pos] = kb[i, t]
+                self.expected[self.block[sid], 1, layer, pos] = vb[i, t]
+
+
+def state(m):
+    """Everything observable that a rejected call must leave unchanged."""
+    live = m.cache_lengths
+    return (live, {s: m.block_of(s) for s in live}, m.num_free_blocks, m.in_flight,
+            raw_bytes(m).tobytes())
+
+
+# --- construction ---------------------------------------------------------------------------
+
+def test_static_params_validated_and_frozen():
+    p = KVCacheStaticParams(8, 128)
+    assert (p.num_heads, p.head_size) == (8, 128)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.num_heads = 2
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="num_heads"):
+            KVCacheStaticParams(bad, 4)
+        with pytest.raises(ValueError, match="head_size"):
+            KVCacheStaticParams(4, bad)
+    for bad in (1.0, True, "2", None):
+        with pytest.raises(TypeError, match="num_heads"):
+            KVCacheStaticParams(bad, 4)
+    assert KVCacheStaticParams(np.int64(2), 4).num_heads == 2
+
+
+def test_constructor_validation():
+    p = KVCacheStaticParams(2, 4)
+    with pytest.raises(TypeError, match="kv_params"):
+        ContinuousBatchingKVCacheManager("float16", (2, 4), 2, 4, 1, device="cpu")
+    with pytest.raises(ValueError, match="dtype"):
+        ContinuousBatchingKVCacheManager("float64", p, 2, 4, 1, device="cpu")
+    for args, name in (((0, 4, 1), "max_batch_size"), ((2, 0, 1), "max_seq_len"),
+                       ((2, 4, 0), "num_layers"), ((2, 2**31, 1), "max_seq_len")):
+        with pytest.raises(ValueError, match=name):
+            ContinuousBatchingKVCacheManager("float16", p, *args, device="cpu")
+    with pytest.raises(TypeError, match="num_layers"):
+        ContinuousBatchingKVCacheManager("float16", p, 2, 4, 1.5, device="cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_geometry_and_views(device):
+    m = make("bfloat16", n=3, s=5, layers=4, device=device, heads=2, size=8)
+    assert m.blocks_buf.shape == (3, 2, 4, 5, 2, 8)
+    assert m.blocks_buf.dtype.itemsize == 2
+    assert m.num_blocks == m.max_batch_size == 3 and m.max_seq_len == 5 and m.num_layers == 4
+    assert not host(m.blocks_buf).view(np.uint8).any()
+    [sid] = m.claim(1)
+    c = m.fetch([sid])
+    for layer in range(4):
+        k, v = c.key_cache(layer), c.value_cache(layer)
+        assert k.shape == v.shape == (3, 5, 2, 8)
+        k[...] = 1          # zero-copy: the views alias blocks_buf at (:, kv, layer)
+        assert host(m.blocks_buf[:, 0]).view(np.uint8).any(axis=(0, 2, 3, 4)).tolist() == [
+            i == layer for i in range(4)]
+        assert not host(m.blocks_buf[:, 1]).view(np.uint8).any()
+        m.blocks_buf[:, 0, layer] = 0
+    for bad, exc in ((4, IndexError), (-1, IndexError), (1.0, TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="layer"):
+            c.key_cache(bad)
+        with pytest.raises(exc, match="layer"):
+            c.value_cache(bad)
+
+
+# --- the call order -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+def test_lifecycle_matches_model(dtype, device):
+    """claim -> fetch/write/step (prompts, padded) -> (fetch/write/step)* -> release."""
+    rng = np.random.default_rng(DTYPE_NAMES.index(dtype))
+    m = make(dtype, n=4, s=9, layers=3, device=device)
+    model = Model(m)
+    ids = m.claim(3)
+    assert len(set(ids)) == 3 and m.num_free_blocks == 1 and m.num_live_sequences == 3
+    assert m.cache_lengths == dict.fromkeys(ids, 0)
+    for sid in ids:
+        model.block[sid], model.lengths[sid] = m.block_of(sid), 0
+    assert sorted(model.block.values()) == [0, 1, 2]    # lowest free blocks first
+
+    def run_step(seq_ids, new_tokens, valid):
+        c = m.fetch(seq_ids)
+        assert c.is_active and c.seq_ids == tuple(seq_ids)
+        assert host(c.lookup_table).tolist() == [model.block[s] for s in seq_ids]
+        assert host(c.cache_lengths).tolist() == [model.lengths[s] for s in seq_ids]
+        assert c.lookup_table.dtype == c.cache_lengths.dtype == np.int32
+        assert c.is_context_encoding == all(model.lengths[s] == 0 for s in seq_ids)
+        for layer in range(m.num_layers):
+            k, kb = tokens(m, rng, len(seq_ids), new_tokens)
+            v, vb = tokens(m, rng, len(seq_ids), new_tokens)
+            c.write(layer, k, v)
+            model.write(seq_ids, layer, kb, vb)
+        m.step(valid, c)
+        for sid, n in zip(seq_ids, valid, strict=True):
+            model.lengths[sid] += n
+        assert not c.is_active and m.in_flight is None
+        assert m.cache_lengths == model.lengths
+        np.testing.assert_array_equal(raw_bytes(m), model.expected)
+        m.check_invariants()
+        return c
+
+    # context encoding: ragged prompts written padded to 4 tokens, rows in a shuffled order
+    order = [ids[2], ids[0], ids[1]]
+    run_step(order, 4, [4, 2, 3])
+    for _ in range(3):                                      # token generation
+        run_step(ids, 1, [1, 1, 1])
+    m.release(ids[1])
+    del model.lengths[ids[1]]
+    [late] = m.claim(1)                                     # joins mid-flight, gets a free block
+    model.block[late], model.lengths[late] = m.block_of(late), 0
+    assert model.block[late] in (1, 3)
+    run_step([late], 3, [3])
+    c = run_step([ids[0], late, ids[2]], 1, [1, 0, 1])      # a row may commit nothing
+    assert c.host_cache_lengths == (5, 3, 7)
+    # the views of an ended collection stay views of blocks_buf
+    assert host(c.key_cache(2)).tobytes() == host(m.blocks_buf[:, 0, 2]).tobytes()
+    for sid in (ids[0], ids[2], late):
+        m.release(sid)
+    assert m.num_free_blocks == 4 and m.num_live_sequences == 0 and m.cache_lengths == {}
+    m.check_invariants()
+
+
+def test_fetch_reuses_preallocated_buffers():
+    m = make(n=4)
+    ids = m.claim(4)
+    c1 = m.fetch(ids[:3])
+    m.step([0, 0, 0], c1)
+    c2 = m.fetch(ids[1:])
+    assert np.shares_memory(c1.lookup_table, c2.lookup_table)
+    assert np.shares_memory(c1.cache_lengths, c2.cache_lengths)
+    assert c2.lookup_table.shape == c2.cache_lengths.shape == (3,)
+    assert c2.lookup_table.tolist() == [1, 2, 3]
+
+
+def test_write_fills_exactly_the_new_positions_of_each_row():
+    """Hand-computed case: two rows at lengths 2 and 0 write 2 tokens of layer 1."""
+    m = make("float32", n=3, s=5, layers=2, heads=1, size=2)
+    a, b = m.claim(2)
+    c = m.fetch([a])
+    m.step([2], c)
+    c = m.fetch([b, a])            # row 0 -> block 1 (length 0), row 1 -> block 0 (length 2)
+    k = np.arange(1, 9, dtype=np.float32).reshape(2, 2, 1, 2)
+    c.write(1, k, -k)
+    buf = m.blocks_buf
+    assert buf[1, 0, 1, :, 0].tolist() == [[1, 2], [3, 4], [0, 0], [0, 0], [0, 0]]
+    assert buf[0, 0, 1, :, 0].tolist() == [[0, 0], [0, 0], [5, 6], [7, 8], [0, 0]]
+    assert buf[0, 1, 1, 2:4, 0].tolist() == [[-5, -6], [-7, -8]]
+    assert not buf[:, :, 0].any() and not buf[2].any()
+    c.write(1, k[:, :0], k[:, :0])         # zero new tokens: nothing happens
+    m.step([2, 2], c)
+    assert m.cache_lengths == {a: 4, b: 2}
+
+
+# --- errors leave the state unchanged -------------------------------------------------------
+
+def test_claim_errors():
+    m = make(n=3)
+    first = m.claim(2)
+    before = state(m)
+    with pytest.raises(CacheCapacityError) as info:
+        m.claim(2)
+    assert (info.value.required, info.value.available) == (2, 1)
+    with pytest.raises(CacheCapacityError) as info:
+        m.claim(7)
+    assert (info.value.required, info.value.available) == (7, 1)
+    with pytest.raises(ValueError, match="batch_size"):
+        m.claim(-1)
+    for bad in (1.0, True, "1", None):
+        with pytest.raises(TypeError, match="batch_size"):
+            m.claim(bad)
+    assert state(m) == before
+    assert m.claim(0) == [] and state(m) == before
+    assert m.can_claim(1) and not m.can_claim(2) and m.can_claim(0)
+    [third] = m.claim(1)
+    assert third not in first
+
+
+def test_fetch_errors():
+    m = make(n=4)
+    a, b, c = m.claim(3)
+    m.release(c)
+    before = state(m)
+    for bad, exc, match in (([], ValueError, "at least one"),
+                            ([a, a], ValueError, "distinct"),
+                            ([a, 99], ValueError, "unknown"),
+                            ([c], ValueError, "unknown"),          # released
+                            ([-1], ValueError, "unknown"),
+                            ([a, 1.0], TypeError, r"seq_ids\[1\]"),
+                            ([True], TypeError, "seq_ids"),
+                            (a, TypeError, "seq_ids"),
+                            ("ab", TypeError, "seq_ids")):
+        with pytest.raises(exc, match=match):
+            m.fetch(bad)
+        assert state(m) == before
+    with pytest.raises(TypeError, match="stream"):
+        m.fetch([a], stream="s")
+    assert state(m) == before
+    coll = m.fetch((b, a))                    # any iterable of ids
+    before = state(m)
+    with pytest.raises(BatchInFlightError, match="in flight"):
+        m.fetch([a])
+    with pytest.raises(ValueError, match="in flight"):
+        m.fetch([b], wait=True)               # the caller holds the batch: refused, not a hang
+    assert state(m) == before and m.in_flight is coll
+
+
+def test_step_errors():
+    m = make(n=3, s=6)
+    a, b = m.claim(2)
+    c = m.fetch([a])
+    m.step([4], c)
+    coll = m.fetch([a, b])
+    before = state(m)
+    for bad, exc, match in (([1], ValueError, "2 lengths"),
+                            ([1, 1, 1], ValueError, "2 lengths"),
+                            ([1, -1], ValueError, ">= 0"),
+                            ([3, 0], ValueError, r"valid_lengths\[0\]"),   # 4 + 3 > 6
+                            ([0, 7], ValueError, r"valid_lengths\[1\]"),
+                            ([1.0, 1], TypeError, r"valid_lengths\[0\]"),
+                            (np.array([1.0, 1.0]), TypeError, "integer"),
+                            (np.array([[1, 1]]), TypeError, "1-D"),
+                            (3, TypeError, "valid_lengths")):
+        with pytest.raises(exc, match=match):
+            m.step(bad, coll)
+        assert state(m) == before
+    with pytest.raises(TypeError, match="collection"):
+        m.step([1, 1], "batch")
+    other = make(n=3, s=6)
+    foreign = other.fetch(other.claim(2))
+    with pytest.raises(ValueError, match="foreign"):
+        m.step([1, 1], foreign)
+    assert state(m) == before and foreign.is_active
+    m.step(np.array([2, 6], dtype=np.int64), coll)
+    assert m.cache_lengths == {a: 6, b: 6}
+    after = state(m)
+    with pytest.raises(ValueError, match="ended"):
+        m.step([0, 0], coll)
+    assert state(m) == after
+
+
+def test_write_errors():
+    m = make("float16", n=3, s=6, layers=2)
+    a, b = m.claim(2)
+    c = m.fetch([a])
+    m.step([5], c)
+    coll = m.fetch([b, a])
+    ok = np.zeros((2, 1, H, D), np.float16)
+    before = state(m)
+    cases = [((2, ok, ok), IndexError, "layer"), ((-1, ok, ok), IndexError, "layer"),
+             ((1.0, ok, ok), TypeError, "layer"),
+             ((0, ok.tolist(), ok), TypeError, "key"),
+             ((0, ok, np.zeros((3, 1, H, D), np.float16)), ValueError, "value: expected shape"),
+             ((0, np.zeros((2, 1, H + 1, D), np.float16), ok), ValueError, "key"),
+             ((0, np.zeros((2, 1, H, D + 1), np.float16), ok), ValueError, "key"),
+             ((0, np.zeros((2, H, D), np.float16), ok), ValueError, "key"),
+             ((0, ok.astype(np.float32), ok), ValueError, "dtype"),
+             ((0, ok, np.zeros((2, 2, H, D), np.float16)), ValueError, "shape of key"),
+             ((0, np.zeros((2, 2, H, 2 * D), np.float16)[..., ::2], ok), ValueError,
+              "contiguous"),
+             # row 1 (seq a) is at length 5 of 6: two new tokens would pass max_seq_len
+             ((0, np.ones((2, 2, H, D), np.float16), np.ones((2, 2, H, D), np.float16)),
+              ValueError, "row 1")]
+    for args, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            coll.write(*args)
+        assert state(m) == before
+    coll.write(1, ok + 1, ok + 2)
+    m.step([1, 1], coll)
+    after = state(m)
+    with pytest.raises(ValueError, match="ended"):
+        coll.write(1, ok, ok)
+    assert state(m) == after
+
+
+def test_release_errors_and_id_freshness():
+    m = make(n=2)
+    a, b = m.claim(2)
+    coll = m.fetch([a])
+    before = state(m)
+    with pytest.raises(ValueError, match="in flight"):
+        m.release(a)
+    for bad, exc in ((7, ValueError), (-1, ValueError), (1.5, TypeError), (None, TypeError)):
+        with pytest.raises(exc, match="seq_id"):
+            m.release(bad)
+    assert state(m) == before
+    m.release(b)                                  # not in the batch: allowed while in flight
+    m.step([0], coll)
+    m.release(a)
+    with pytest.raises(ValueError, match="live sequence"):
+        m.release(a)
+    with pytest.raises(ValueError, match="live sequence"):
+        m.block_of(a)
+    new = m.claim(2)                              # blocks are reused, ids never are
+    assert not set(new) & {a, b}
+    assert sorted(m.block_of(s) for s in new) == [0, 1]
+    with pytest.raises(ValueError, match="unknown"):
+        m.fetch([a])
+
+
+# --- waiting for the batch in flight --------------------------------------------------------
+
+def test_fetch_wait_hands_over_between_threads():
+    m = make(n=4)
+    a, b = m.claim(2)
+    coll = m.fetch([a])
+    got, started = [], threading.Event()
+
+    def other():
+        started.set()
+        got.append(m.fetch([b], wait=True, timeout=10))
+
+    t = threading.Thread(target=other)
+    t.start()
+    started.wait()
+    t.join(0.05)
+    assert t.is_alive() and not got              # blocked while the batch is in flight
+    m.step([1], coll)
+    t.join(10)
+    assert not t.is_alive() and got[0].seq_ids == (b,) and m.in_flight is got[0]
+    with pytest.raises(ValueError, match="in flight"):   # the batch belongs to the thread
+        m.fetch([a], wait=True, timeout=0.01)
+    m.step([1], got[0])
+
+
+def test_fetch_wait_timeout():
+    m = make(n=4)
+    a, b = m.claim(2)
+
+    def hold():
+        m.fetch([a])
+
+    t = threading.Thread(target=hold)
+    t.start()
+    t.join()
+    before = state(m)
+    with pytest.raises(BatchInFlightError, match="within"):
+        m.fetch([b], wait=True, timeout=0.05)
+    assert state(m) == before
+
+
+# --- diagnostics ----------------------------------------------------------------------------
+
+def test_check_invariants_reports_every_broken_invariant():
+    m = make(n=4, s=5)
+    a, b, _ = m.claim(3)
+    m.check_invariants()
+    m._block_of[b] = m._block_of[a]              # two live sequences on one block
+    m._lengths[a] = 6                            # past max_seq_len
+    with pytest.raises(RuntimeError) as info:
+        m.check_invariants()
+    text = str(info.value)
+    assert "two live sequences" in text and "lengths outside" in text and "do not make" in text
+
+
+def test_check_invariants_checks_the_batch_in_flight():
+    m = make(n=4, s=5)
+    a, b = m.claim(2)
+    coll = m.fetch([a, b])
+    m.check_invariants()
+    coll.lookup_table[0] = 3                     # device table disagrees with the batch
+    with pytest.raises(RuntimeError, match="lookup_table"):
+        m.check_invariants()
+
+
+def test_memory_report():
+    m = make("bfloat16", n=4, s=8, layers=3, heads=2, size=5)
+    a, b = m.claim(2)
+    c = m.fetch([a, b])
+    m.step([3, 5], c)
+    r = m.memory_report()
+    per_token = 2 * 3 * 2 * 5 * 2                 # K and V, layers, heads, head size, bytes
+    assert r["bytes_per_token"] == per_token
+    assert r["bytes_per_block"] == per_token * 8
+    assert r["blocks_buf_bytes"] == per_token * 8 * 4
+    assert r["index_buffer_bytes"] == 2 * 4 * 4
+    assert r["total_bytes"] == r["blocks_buf_bytes"] + r["index_buffer_bytes"]
+    assert (r["free_blocks"], r["live_sequences"], r["committed_tokens"]) == (2, 2, 8)
+    assert r["capacity_tokens"] == 32 and r["token_utilization"] == 8 / 32
+    assert r["dtype"] == "bfloat16" and r["device"] == "cpu"
+    assert isinstance(repr(m), str) and isinstance(repr(c), str)
+    assert isinstance(c, ContinuousBatchingKVCacheCollection)
