@@ -95,8 +95,9 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
                  else (num_tokens // uniform_tokens if uniform_tokens > 0 else 0))
     if batch < 0:
         raise ValueError(f"batch: expected >= 0, got {batch}")
-    if seq_offsets is None and uniform_tokens <= 0 and positions is None:
-        raise ValueError("seq_offsets: expected seq_offsets, uniform_tokens > 0 or positions")
+    if seq_offsets is None and uniform_tokens <= 0:
+        raise ValueError("seq_offsets: expected seq_offsets or uniform_tokens > 0 (rows of the "
+                         f"tokens), got neither (uniform_tokens={uniform_tokens})")
     check_index_array("seq_offsets", seq_offsets, xp, min_len=batch + 1)
     check_index_array("cache_lengths", cache_lengths, xp, min_len=batch)
     check_index_array("positions", positions, xp, min_len=num_tokens)
