@@ -1,0 +1,266 @@
+"""The paged KV pool of an attention stack: per-layer block arrays written through block tables.
+
+Layer ``i`` owns ``[num_blocks, 2, H_i, block_size, D_i]`` (HND: K at ``[:, 0]``, V at
+``[:, 1]``). Block ids are shared by all layers (one :class:`KVBlockAllocator` hands them out),
+so a block table row addresses every layer. Layers of one head dim form a :class:`KVGroup`
+(groups in first-seen order), the unit of one write launch; a :class:`SlotSet` of all layers is
+the unit of one copy-on-write launch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops
+from ..configs import KVCacheConfig, KVLayerConfig, _int
+from ..device import array_module_of, resolve_device, stream_scope
+from ..dtypes import dtype_name, resolve_dtype, storage_dtype
+from ..layout import KVGroup, SlotSet, group_layers_by_head_dim
+
+__all__ = ["PagedKVPool"]
+
+
+class PagedKVPool:
+    """Per-layer paged KV caches sharing one block-id space.
+
+    Parameters
+    ----------
+    layer_configs : sequence of KVLayerConfig, or KVCacheConfig
+        One entry per attention layer (its ``num_kv_heads`` and ``head_dim``).
+    num_blocks : int
+        Blocks per layer (>= 1).
+    block_size : int
+        Tokens per block (>= 1).
+    dtype : str or dtype
+        One of the SPEC §2 dtypes. On CuPy, float8 is stored as ``uint8`` (same bytes).
+    device : None, "cpu", "cuda" or "cuda:N"
+
+    Attributes
+    ----------
+    layers : tuple of arrays [num_blocks, 2, H_i, block_size, D_i]
+        Zero-initialised at construction; zero-copy views for a runtime's attention kernels.
+    groups : tuple of KVGroup
+        One per distinct head dim, in first-seen order; ``groups[g].layer_indices`` are layer
+        positions.
+    """
+
+    def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
+                 device=None):
+        if isinstance(layer_configs, KVCacheConfig):
+            layer_configs = layer_configs.layer_configs
+        if isinstance(layer_configs, (str, bytes)) or not hasattr(layer_configs, "__iter__"):
+            raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
+                            f"got {type(layer_configs).__name__}")
+        configs = tuple(layer_configs)
+        if not configs:
+            raise ValueError("layer_configs: expected at least one attention layer, got 0")
+        for i, lc in enumerate(configs):
+            if not isinstance(lc, KVLayerConfig):
+                raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
+                                f"got {type(lc).__name__}")
+        self.layer_configs = configs
+        self.num_blocks = _int("num_blocks", num_blocks, 1)
+        self.block_size = _int("block_size", block_size, 1)
+        self.dtype = resolve_dtype(dtype)
+        self.device = resolve_device(device)
+        xp = self.xp = self.device.xp
+        self.storage_dtype = storage_dtype(self.dtype, xp)
+        with self.device.scope():
+            self.layers = tuple(
+                xp.zeros((self.num_blocks, 2, lc.num_kv_heads, self.block_size, lc.head_dim),
+                         dtype=self.storage_dtype) for lc in configs)
+            positions = group_layers_by_head_dim([lc.head_dim for lc in configs])
+            self.groups = tuple(KVGroup([self.layers[i] for i in pos], layout="HND",
+                                        layer_indices=pos) for pos in positions)
+            self._slots = SlotSet([(a, a) for a in self.layers])
+            # Host id lists for copy_blocks are uploaded here, so copies allocate nothing.
+            self._copy_ids = xp.empty((2, self.num_blocks), dtype=np.int32)
+        self._where = {}
+        for g, pos in enumerate(positions):
+            for j, i in enumerate(pos):
+                self._where[i] = (g, j)
+
+    # --- derived values -----------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id occupies across all layers (K and V)."""
+        return sum(int(a.nbytes) for a in self.layers) // self.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.layers)
+
+    def get_layer(self, i: int):
+        """The cache of attention layer ``i``, ``[num_blocks, 2, H_i, block_size, D_i]`` (a
+        view; writes through it are writes to the pool).
+
+        Raises
+        ------
+        TypeError, IndexError
+            ``i`` is not an int, or not in ``[0, num_layers)``.
+        """
+        return self.layers[self._layer_index(i)]
+
+    def memory_report(self) -> dict:
+        """Sizes in bytes: total, per block, per layer, and the head-dim groups."""
+        return {
+            "device": str(self.device),
+            "dtype": dtype_name(self.dtype),
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "num_layers": self.num_layers,
+            "bytes_per_block": self.bytes_per_block,
+            "total_bytes": self.nbytes,
+            "layer_bytes": [int(a.nbytes) for a in self.layers],
+            "groups": [{"head_dim": g.head_dim, "layers": list(g.layer_indices),
+                        "bytes": sum(int(a.nbytes) for a in g.layers)} for g in self.groups],
+        }
+
+    # --- commands -----------------------------------------------------------------------
+
+    def write(self, k, v, *, block_table, layer=None, seq_offsets=None, uniform_tokens=0,
+              batch=None, cache_lengths=None, positions=None, status=None, stream=None):
+        """Write new tokens' K and V through a block table (in place).
+
+        Parameters
+        ----------
+        k, v : arrays [num_tokens, H_i, D_i], or sequences of them
+            With ``layer=None``, one array per attention layer (one launch per head-dim group);
+            with ``layer=i``, layer ``i``'s arrays (one launch). Dtype: the pool's storage dtype.
+        block_table : int32 [batch, max_blocks_per_seq]
+            Position ``p`` of row ``b`` goes to block ``block_table[b, p // block_size]`` at
+            offset ``p % block_size``; -1 entries are skipped.
+        seq_offsets, uniform_tokens, batch, cache_lengths, positions, status, stream
+            As in :func:`hcache.ops.kv_write` (ragged rows, first position of each row, explicit
+            positions with -1 padding, count of skipped out-of-range tokens).
+
+        Raises
+        ------
+        IndexError
+            ``layer`` is out of range.
+        TypeError, ValueError
+            An array has the wrong shape, dtype, array module or contiguity (nothing written).
+        """
+        if layer is None:
+            ks, vs = self._per_layer("k", k), self._per_layer("v", v)
+            num_tokens = self._check_rows("k[0]", ks[0], 0, None)
+            for i in range(self.num_layers):
+                self._check_rows(f"k[{i}]", ks[i], i, num_tokens)
+                self._check_rows(f"v[{i}]", vs[i], i, num_tokens)
+        else:
+            i = self._layer_index(layer, "layer")
+            num_tokens = self._check_rows("k", k, i, None)
+            self._check_rows("v", v, i, num_tokens)
+        if block_table is None:
+            raise TypeError("block_table: expected an int32 [batch, max_blocks] array, got None")
+        kwargs = dict(seq_offsets=seq_offsets, uniform_tokens=uniform_tokens, batch=batch,
+                      cache_lengths=cache_lengths, positions=positions, block_table=block_table,
+                      status=status, stream=stream)
+        with self.device.scope():
+            if layer is not None:
+                g, j = self._where[i]
+                ops.kv_write(self.groups[g], k, v, layers=j, **kwargs)
+                return
+            # ops validates the shared index arrays on the first launch, before any write.
+            for group in self.groups:
+                pos = group.layer_indices
+                ops.kv_write(group, [ks[i] for i in pos], [vs[i] for i in pos], **kwargs)
+
+    def copy_blocks(self, src_ids, dst_ids, *, status=None, stream=None) -> None:
+        """Copy whole blocks of every layer, ``dst[i] <- src[i]`` (copy-on-write), one launch.
+
+        Parameters
+        ----------
+        src_ids, dst_ids : sequence of int [n], or int32 arrays of the pool's array module
+            Host sequences (and NumPy arrays) are validated: ids in range, destinations
+            distinct and disjoint from the sources. CuPy arrays are passed to the kernel as
+            they are (no synchronisation): -1 is skipped, other out-of-range pairs are skipped
+            and counted in ``status``.
+        status : int32 [1], optional
+
+        Raises
+        ------
+        IndexError
+            A host id is out of range.
+        TypeError, ValueError
+            Wrong types or lengths, repeated destinations, or a block both read and written.
+        """
+        src, dst = self._copy_index("src_ids", src_ids), self._copy_index("dst_ids", dst_ids)
+        if src.shape[0] != dst.shape[0]:
+            raise ValueError(f"dst_ids: expected {src.shape[0]} ids (one per source), "
+                             f"got {dst.shape[0]}")
+        if isinstance(src, np.ndarray) != isinstance(dst, np.ndarray):
+            raise TypeError("src_ids, dst_ids: expected both host ids or both device arrays")
+        if isinstance(src, np.ndarray):
+            live = (src != -1) & (dst != -1)
+            src, dst = src[live], dst[live]   # padding pairs are dropped on the host
+            if np.unique(dst).shape[0] != dst.shape[0]:
+                raise ValueError("dst_ids: expected distinct destination blocks, got repeats")
+            both = np.isin(dst, src)
+            if both.any():
+                raise ValueError(f"dst_ids: expected no block that is also a source, got "
+                                 f"{int(dst[both][0])}")
+            if self.xp is not np:
+                n = src.shape[0]   # <= num_blocks: destinations are distinct
+                with self.device.scope(), stream_scope(stream, self.device):
+                    self._copy_ids[0, :n].set(src)
+                    self._copy_ids[1, :n].set(dst)
+                src, dst = self._copy_ids[0, :n], self._copy_ids[1, :n]
+        with self.device.scope():
+            ops.slot_copy(self._slots, src, dst, status=status, stream=stream)
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _layer_index(self, i, name: str = "i") -> int:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(i).__name__}")
+        if not 0 <= int(i) < self.num_layers:
+            raise IndexError(f"{name}: expected a layer in [0, {self.num_layers}), got {int(i)}")
+        return int(i)
+
+    def _per_layer(self, name, arrays) -> list:
+        if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
+            return list(arrays)
+        got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
+        raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per layer), "
+                         f"got {got}")
+
+    def _check_rows(self, name, a, i, num_tokens) -> int:
+        lc = self.layer_configs[i]
+        if array_module_of(a) is not self.xp or not hasattr(a, "shape"):
+            raise TypeError(f"{name}: expected a {self.xp.__name__} array, "
+                            f"got {type(a).__name__}")
+        n = int(a.shape[0]) if a.ndim == 3 else -1
+        want = (num_tokens if num_tokens is not None else max(n, 0), lc.num_kv_heads,
+                lc.head_dim)
+        if tuple(a.shape) != want:
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(a.shape)}")
+        if a.dtype != self.storage_dtype:
+            raise ValueError(f"{name}: expected dtype {self.storage_dtype}, got {a.dtype}")
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous array")
+        return n
+
+    def _copy_index(self, name, ids):
+        if self.xp is not np and array_module_of(ids) is self.xp:
+            if ids.dtype != np.int32 or ids.ndim != 1:
+                raise ValueError(f"{name}: expected a 1-D int32 array, got {ids.dtype} "
+                                 f"{tuple(ids.shape)}")
+            return ids
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int32)
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{name}: expected integer block ids, got dtype {arr.dtype}")
+        if arr.ndim != 1:
+            raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+        if ((arr < -1) | (arr >= self.num_blocks)).any():
+            bad = arr[(arr < -1) | (arr >= self.num_blocks)]
+            raise IndexError(f"{name}: expected block ids in [0, {self.num_blocks}), "
+                             f"got {int(bad[0])}")
+        return np.ascontiguousarray(arr, dtype=np.int32)

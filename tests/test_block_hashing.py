@@ -1,0 +1,92 @@
+"""compute_block_hashes: the SHA-256 chain of SPEC §6, checked against an independent hashlib
+computation."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given
+
+from hcache.contexts import compute_block_hashes
+
+TOKENS = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40)
+
+
+def oracle(tokens, block_size):
+    """Straight from the definition, with struct packing instead of NumPy."""
+    digest, out = b"\0" * 32, []
+    for k in range(len(tokens) // block_size):
+        block = tokens[k * block_size:(k + 1) * block_size]
+        digest = hashlib.sha256(digest + struct.pack(f"<{block_size}q", *block)).digest()
+        out.append(struct.unpack("<Q", digest[:8])[0] % (2**63 - 1) + 1)
+    return out
+
+
+def test_hand_computed_hash_of_a_tiny_input():
+    # Block [1, 2]: sha256(32 zero bytes || 01 00*7 || 02 00*7).
+    payload = bytes(32) + (1).to_bytes(8, "little") + (2).to_bytes(8, "little")
+    first = hashlib.sha256(payload).digest()
+    expected0 = int.from_bytes(first[:8], "little") % (2**63 - 1) + 1
+    second = hashlib.sha256(first + (3).to_bytes(8, "little") + (4).to_bytes(8, "little"))
+    expected1 = int.from_bytes(second.digest()[:8], "little") % (2**63 - 1) + 1
+    assert compute_block_hashes([1, 2, 3, 4, 5], 2) == [expected0, expected1]
+
+
+def test_chaining_makes_a_hash_depend_on_the_whole_prefix():
+    a = compute_block_hashes([1, 2, 3, 4], 2)
+    b = compute_block_hashes([9, 9, 3, 4], 2)
+    assert a[0] != b[0] and a[1] != b[1]   # same second block, different prefix
+    assert compute_block_hashes([3, 4], 2)[0] not in (a[1], b[1])
+
+
+def test_partial_block_is_ignored_and_short_inputs_give_nothing():
+    assert compute_block_hashes([1, 2, 3], 2) == compute_block_hashes([1, 2], 2)
+    assert compute_block_hashes([1, 2, 3], 4) == []
+    assert compute_block_hashes([], 1) == []
+
+
+@given(TOKENS, st.integers(1, 6))
+def test_matches_the_definition(tokens, block_size):
+    got = compute_block_hashes(tokens, block_size)
+    assert got == oracle(tokens, block_size)
+    assert all(1 <= h <= 2**63 - 1 for h in got)
+
+
+@given(TOKENS, TOKENS, st.integers(1, 4))
+def test_equal_prefixes_give_equal_hashes(prefix, tail, block_size):
+    full = compute_block_hashes(prefix + tail, block_size)
+    head = compute_block_hashes(prefix, block_size)
+    assert full[: len(head)] == head
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint16, np.uint64])
+def test_array_inputs_of_any_integer_dtype_hash_by_value(dtype):
+    tokens = [0, 7, 65535, 3, 12, 1]
+    assert compute_block_hashes(np.array(tokens, dtype=dtype), 3) == oracle(tokens, 3)
+
+
+def test_invalid_arguments_raise():
+    with pytest.raises(ValueError, match="block_size"):
+        compute_block_hashes([1, 2], 0)
+    with pytest.raises(TypeError, match="block_size"):
+        compute_block_hashes([1, 2], 2.0)
+    with pytest.raises(TypeError, match="tokens"):
+        compute_block_hashes([1.5, 2.0], 1)
+    with pytest.raises(TypeError, match="tokens"):
+        compute_block_hashes(np.array([True, False]), 1)
+    with pytest.raises(TypeError, match="tokens"):
+        compute_block_hashes(np.array([2**64 - 1], dtype=np.uint64), 1)
+    with pytest.raises(ValueError, match="tokens"):
+        compute_block_hashes(np.zeros((2, 2), dtype=np.int64), 2)
+
+
+@pytest.mark.gpu
+def test_cupy_tokens_hash_like_host_tokens():
+    import cupy
+
+    tokens = list(range(50))
+    assert compute_block_hashes(cupy.asarray(tokens), 8) == oracle(tokens, 8)
