@@ -1,0 +1,236 @@
+"""Caches of a hybrid attention + Mamba model, routed by absolute decoder-layer index (seed 000).
+
+A :class:`HybridCacheManager` owns a :class:`~hcache.kv_cache_manager.KVCacheManager` (one cache
+per attention layer that owns one), a :class:`~hcache.mamba_cache_manager.MambaCacheManager`
+(one recurrent and conv state per Mamba layer, or none) and the shared batch state
+(:class:`~hcache.batch_state.BatchAPI`): one lengths array for every layer, compaction of KV,
+Mamba states and lengths together, prompt-cache capture and restore.
+
+Routing: an ``ATTENTION_AND_MAMBA`` layer has both a KV cache and Mamba states; a layer in
+``kv_sharing`` reads its owner's KV cache; a ``NONE`` layer holds nothing (routing it raises
+``ValueError``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .batch_state import BatchAPI, check_index, launch_scope
+from .configs import HybridCacheConfig, LayerType
+from .device import resolve_device
+from .kv_cache_manager import KVCacheManager
+from .mamba_cache_manager import MambaCacheManager
+
+__all__ = ["HybridCacheManager", "KVHeadDimGroupView"]
+
+
+@dataclass(frozen=True, eq=False)
+class KVHeadDimGroupView:
+    """What a caller needs to launch its own kernel over one head-dim group (compared and
+    hashed by identity, since it holds a device array).
+
+    Attributes
+    ----------
+    device_layer_infos : array, uint64 [num_layers, 2]
+        The group's ``KVLayerInfo`` array on the device; valid for the manager's lifetime.
+    num_layers, head_dim, max_kv_heads : int
+    layer_indices : tuple of int
+        Absolute decoder indices of the group's cache-owning layers, in array order.
+    """
+
+    device_layer_infos: object
+    num_layers: int
+    head_dim: int
+    max_kv_heads: int
+    layer_indices: tuple
+
+
+class HybridCacheManager(BatchAPI):
+    """KV caches, Mamba states and batch state of a hybrid model.
+
+    Parameters
+    ----------
+    config : HybridCacheConfig
+    stream : stream, optional
+        Stream of the construction work.
+    device : None, "cpu", "cuda" or "cuda:N"
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a :class:`HybridCacheConfig`.
+    """
+
+    def __init__(self, config, stream=None, *, device=None):
+        if not isinstance(config, HybridCacheConfig):
+            raise TypeError(f"config: expected HybridCacheConfig, got {type(config).__name__}")
+        self._config = config
+        device = resolve_device(device)
+        self._kv = KVCacheManager(config.kv, stream, device=device)
+        self._mamba = (MambaCacheManager(config.mamba, stream, device=device)
+                       if config.mamba is not None else None)
+        self._kv_local: list[int | None] = [None] * config.num_layers
+        self._mamba_local: list[int | None] = [None] * config.num_layers
+        owners, n_mamba = [], 0
+        for i, t in enumerate(config.layer_types):
+            if t.has_attention:
+                owner = config.kv_sharing.get(i)
+                if owner is None:
+                    self._kv_local[i] = len(owners)
+                    owners.append(i)
+                else:
+                    self._kv_local[i] = self._kv_local[owner]
+            if t.has_mamba:
+                self._mamba_local[i] = n_mamba
+                n_mamba += 1
+        self._kv_owners = tuple(owners)   # local KV index -> absolute index
+        self._group_views = tuple(
+            KVHeadDimGroupView(g.device_layer_infos, g.num_layers, g.head_dim, g.max_kv_heads,
+                               tuple(owners[j] for j in g.layer_indices))
+            for g in self._kv.groups)
+        states = self._mamba.state_tensors if self._mamba is not None else ()
+        with launch_scope(device, stream):
+            self._setup_batch(device, config.max_batch_size, config.kv.max_sequence_length,
+                              kv_groups=self._kv.groups, slot_tensors=states)
+
+    # --- routing ----------------------------------------------------------------------------
+
+    @property
+    def config(self) -> HybridCacheConfig:
+        return self._config
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers, cache-less ones included."""
+        return self._config.num_layers
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        """The KV sub-manager (indexed by local attention index)."""
+        return self._kv
+
+    @property
+    def mamba_cache_manager(self) -> MambaCacheManager | None:
+        """The Mamba sub-manager (local Mamba index), or ``None`` without Mamba layers."""
+        return self._mamba
+
+    def get_layer_type(self, i) -> LayerType:
+        """Kind of decoder layer ``i``. Raises ``IndexError``."""
+        return self._config.layer_types[check_index("layer", i, self.num_layers)]
+
+    def _kv_index(self, i) -> int:
+        i = check_index("layer", i, self.num_layers)
+        local = self._kv_local[i]
+        if local is None:
+            raise ValueError(f"layer {i}: expected an attention layer, "
+                             f"got {self._config.layer_types[i].name}")
+        return local
+
+    def _mamba_index(self, i) -> int:
+        i = check_index("layer", i, self.num_layers)
+        local = self._mamba_local[i]
+        if local is None:
+            raise ValueError(f"layer {i}: expected a Mamba layer, "
+                             f"got {self._config.layer_types[i].name}")
+        return local
+
+    def get_combined_kv_cache(self, i):
+        """KV cache read by decoder layer ``i`` (its owner's for a shared layer), a view
+        ``[max_batch, 2, H, S, D]``.
+
+        Raises
+        ------
+        IndexError
+            ``i`` out of range.
+        ValueError
+            Layer ``i`` has no attention.
+        """
+        return self._kv.get_combined_kv_cache(self._kv_index(i))
+
+    def get_separate_kv_cache(self, i):
+        """K and V caches of decoder layer ``i``: strided views ``[max_batch, H, S, D]``.
+        Raises like :meth:`get_combined_kv_cache`."""
+        return self._kv.get_separate_kv_cache(self._kv_index(i))
+
+    def get_recurrent_state(self, i):
+        """Recurrent state of decoder layer ``i``, a view ``[max_batch, heads, head_dim,
+        state_size]``. Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer)."""
+        local = self._mamba_index(i)   # raises before the sub-manager is touched
+        return self._mamba.get_recurrent_state(local)
+
+    def get_conv_state(self, i):
+        """Conv state of decoder layer ``i``, a view ``[max_batch, conv_dim, conv_kernel]``.
+        Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer)."""
+        local = self._mamba_index(i)
+        return self._mamba.get_conv_state(local)
+
+    def get_kv_head_dim_groups(self) -> list:
+        """One :class:`KVHeadDimGroupView` per head dim, in first-seen order."""
+        return list(self._group_views)
+
+    def memory_report(self) -> dict:
+        """Device bytes per component (``kv_cache``, ``recurrent``, ``conv``, ``metadata``:
+        lengths, plan and descriptor tables), ``total``, and ``layers``: per decoder layer, the
+        cache bytes it owns (0 for shared and cache-less layers)."""
+        kv = self._kv.memory_report()
+        mamba = self._mamba.memory_report() if self._mamba is not None else \
+            {"recurrent": 0, "conv": 0, "layers": ()}
+        layers = []
+        for i in range(self.num_layers):
+            own = 0
+            local = self._kv_local[i]
+            if local is not None and self._kv_owners[local] == i:
+                own += kv["layers"][local]
+            if self._mamba_local[i] is not None:
+                own += mamba["layers"][self._mamba_local[i]]
+            layers.append(own)
+        metadata = kv["layer_infos"] + self.batch_state_nbytes
+        report = {"kv_cache": kv["kv_cache"], "recurrent": mamba["recurrent"],
+                  "conv": mamba["conv"], "metadata": metadata}
+        report["total"] = sum(report.values())
+        report["layers"] = tuple(layers)
+        return report
+
+    # --- prompt cache -----------------------------------------------------------------------
+
+    def capture_kv_cache(self, b, sequence_length, stream=None) -> list:
+        """Tokens ``[0, sequence_length)`` of slot ``b``, one **new** ``[2, H_i, n, D_i]`` array
+        per cache-owning attention layer (absolute order; one launch per head-dim group).
+        See :meth:`KVCacheManager.capture_kv_cache`."""
+        return self._kv.capture_kv_cache(b, sequence_length, stream)
+
+    def restore_kv_cache(self, saved, b, stream=None) -> None:
+        """Inverse of :meth:`capture_kv_cache` into slot ``b`` (lengths untouched; validates
+        everything first). See :meth:`KVCacheManager.restore_kv_cache`."""
+        self._kv.restore_kv_cache(saved, b, stream)
+
+    def capture_recurrent_states(self, b, stream=None) -> list:
+        """Slot ``b``'s recurrent state per Mamba layer (**new** ``[1, ...]`` arrays; empty
+        without Mamba layers). Raises ``IndexError`` for a bad slot."""
+        if self._mamba is None:
+            check_index("slot", b, self._config.max_batch_size)
+            return []
+        return self._mamba.capture_recurrent_states(b, stream)
+
+    def capture_conv_states(self, b, stream=None) -> list:
+        """Slot ``b``'s conv state per Mamba layer (**new** ``[1, ...]`` arrays; empty without
+        Mamba layers). Raises ``IndexError`` for a bad slot."""
+        if self._mamba is None:
+            check_index("slot", b, self._config.max_batch_size)
+            return []
+        return self._mamba.capture_conv_states(b, stream)
+
+    def restore_mamba_states(self, recurrent, conv, b, stream=None) -> None:
+        """Write saved recurrent and conv states into slot ``b`` of every Mamba layer (one
+        launch; validates everything first). See :meth:`MambaCacheManager.restore_states`."""
+        if self._mamba is None:
+            check_index("slot", b, self._config.max_batch_size)
+            for name, t in (("recurrent", recurrent), ("conv", conv)):
+                if len(t):
+                    raise ValueError(f"{name}: expected 0 tensors, got {len(t)}")
+            return
+        self._mamba.restore_states(recurrent, conv, b, stream)

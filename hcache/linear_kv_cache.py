@@ -1,0 +1,138 @@
+"""One monolithic KV buffer for uniform models, plus optional Mamba states (seed 002, SPEC §4).
+
+``kv [L, max_batch, 2, H, S, D]``: decoder layer ``l``'s cache is the C-contiguous view
+``kv[l]``. Mamba states, when the config has Mamba layers, live in a
+:class:`~hcache.mamba_cache_manager.MambaCacheManager`. The batch API is shared with the hybrid
+manager; compaction moves the KV tokens, the Mamba states and the lengths.
+"""
+
+from __future__ import annotations
+
+from .batch_state import BatchAPI, check_index, launch_scope
+from .configs import LinearCacheConfig, MambaCacheConfig
+from .device import resolve_device
+from .dtypes import storage_dtype
+from .layout import KVGroup
+from .mamba_cache_manager import MambaCacheManager
+
+__all__ = ["LinearKVCache"]
+
+
+class LinearKVCache(BatchAPI):
+    """KV caches of ``L`` identical attention layers in one buffer, and Mamba states.
+
+    Parameters
+    ----------
+    config : LinearCacheConfig
+    stream : stream, optional
+        Stream of the construction work.
+    device : None, "cpu", "cuda" or "cuda:N"
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a :class:`LinearCacheConfig`.
+    """
+
+    def __init__(self, config, stream=None, *, device=None):
+        if not isinstance(config, LinearCacheConfig):
+            raise TypeError(f"config: expected LinearCacheConfig, got {type(config).__name__}")
+        self._config = config
+        device = resolve_device(device)
+        xp = device.xp
+        c = config
+        self._mamba = None
+        if c.num_mamba_layers:
+            self._mamba = MambaCacheManager(
+                MambaCacheConfig(c.num_mamba_layers, c.max_batch_size, c.mamba_num_heads,
+                                 c.mamba_head_dim, c.ssm_state_size, c.conv_dim, c.conv_kernel,
+                                 ssm_dtype=c.ssm_dtype, conv_dtype=c.conv_dtype),
+                stream, device=device)
+        with launch_scope(device, stream):
+            self._buffer = xp.zeros((c.num_attention_layers, c.max_batch_size, 2, c.num_kv_heads,
+                                     c.max_sequence_length, c.head_dim),
+                                    dtype=storage_dtype(c.dtype, xp))
+            self._layers = tuple(self._buffer[i] for i in range(c.num_attention_layers))
+            groups = (KVGroup(list(self._layers)),) if self._layers else ()
+            states = self._mamba.state_tensors if self._mamba is not None else ()
+            self._setup_batch(device, c.max_batch_size, c.max_sequence_length,
+                              kv_groups=groups, slot_tensors=states)
+
+    # --- queries ----------------------------------------------------------------------------
+
+    @property
+    def config(self) -> LinearCacheConfig:
+        return self._config
+
+    @property
+    def device(self):
+        return self._device
+
+    def get_kv_cache_buffer(self):
+        """The whole KV buffer, a view ``[L, max_batch, 2, H, S, D]``."""
+        return self._buffer
+
+    def get_combined_kv_cache_for_decoder_layer(self, i):
+        """Layer ``i``'s cache, a C-contiguous view ``[max_batch, 2, H, S, D]``.
+        Raises ``IndexError`` for a bad layer."""
+        return self._layers[check_index("layer", i, len(self._layers))]
+
+    def get_separate_kv_cache_for_decoder_layer(self, i):
+        """Layer ``i``'s K and V caches, strided views ``[max_batch, H, S, D]`` of the combined
+        layout. Raises ``IndexError`` for a bad layer."""
+        cache = self.get_combined_kv_cache_for_decoder_layer(i)
+        return cache[:, 0], cache[:, 1]
+
+    def get_ssm_state_for_layer(self, i):
+        """Mamba layer ``i``'s SSM state, a view ``[max_batch, heads, head_dim, state_size]``.
+        Raises ``IndexError`` for a bad layer (any ``i`` without Mamba layers)."""
+        check_index("layer", i, self._config.num_mamba_layers)
+        return self._mamba.get_recurrent_state(i)
+
+    def get_conv_state_for_layer(self, i):
+        """Mamba layer ``i``'s conv state, a view ``[max_batch, conv_dim, conv_kernel]``.
+        Raises ``IndexError`` for a bad layer (any ``i`` without Mamba layers)."""
+        check_index("layer", i, self._config.num_mamba_layers)
+        return self._mamba.get_conv_state(i)
+
+    def memory_report(self) -> dict:
+        """Device bytes: ``kv_cache``, ``recurrent``, ``conv``, ``metadata`` (lengths, plan,
+        descriptors) and ``total``."""
+        mamba = self._mamba.memory_report() if self._mamba is not None else \
+            {"recurrent": 0, "conv": 0}
+        metadata = self.batch_state_nbytes + sum(
+            int(g.device_layer_infos.nbytes + g.scratch_infos.nbytes) for g in self._kv_groups)
+        report = {"kv_cache": int(self._buffer.nbytes), "recurrent": mamba["recurrent"],
+                  "conv": mamba["conv"], "metadata": metadata}
+        report["total"] = sum(report.values())
+        return report
+
+    # --- Mamba states -----------------------------------------------------------------------
+
+    def clear_mamba_states(self, stream=None) -> None:
+        """Zero every SSM and conv state (a no-op without Mamba layers)."""
+        if self._mamba is not None:
+            self._mamba.clear_states(stream)
+
+    def capture_ssm_states(self, b, stream=None) -> list:
+        """Slot ``b``'s SSM state per Mamba layer: **new** ``[1, heads, head_dim,
+        state_size]`` arrays (empty without Mamba layers). Raises ``IndexError``."""
+        check_index("slot", b, self._config.max_batch_size)
+        return self._mamba.capture_recurrent_states(b, stream) if self._mamba is not None else []
+
+    def capture_conv_states(self, b, stream=None) -> list:
+        """Slot ``b``'s conv state per Mamba layer: **new** ``[1, conv_dim, conv_kernel]``
+        arrays (empty without Mamba layers). Raises ``IndexError``."""
+        check_index("slot", b, self._config.max_batch_size)
+        return self._mamba.capture_conv_states(b, stream) if self._mamba is not None else []
+
+    def restore_mamba_states(self, ssm, conv, b, stream=None) -> None:
+        """Write saved SSM and conv states into slot ``b`` (one launch; validates everything
+        first). See :meth:`MambaCacheManager.restore_states`."""
+        check_index("slot", b, self._config.max_batch_size)
+        if self._mamba is None:
+            for name, t in (("ssm", ssm), ("conv", conv)):
+                if len(t):
+                    raise ValueError(f"{name}: expected 0 tensors, got {len(t)}")
+            return
+        self._mamba.restore_states(ssm, conv, b, stream)

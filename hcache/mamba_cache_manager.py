@@ -1,0 +1,218 @@
+"""Recurrent (Mamba / state-space / gated delta-net) states of every slot (SPEC §4).
+
+One buffer per kind, ``recurrent [L, max_batch, num_heads, head_dim, state_size]`` and
+``conv [L, max_batch, conv_dim, conv_kernel]``, zeroed at construction; layer ``l``'s state is
+the C-contiguous view ``buffer[l]``. Every multi-layer copy (compaction, capture, restore) is one
+:func:`hcache.ops` launch over a :class:`~hcache.layout.SlotSet` of all layers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ops
+from .batch_state import check_index, launch_scope
+from .configs import MambaCacheConfig
+from .device import array_module_of, data_pointer, resolve_device
+from .dtypes import storage_dtype
+from .layout import SlotSet
+
+__all__ = ["MambaCacheManager"]
+
+
+class _RebindableSlotSet(SlotSet):
+    """A :class:`SlotSet` whose tensors change per call while its device table is reused.
+
+    ``bind`` takes pairs with the per-slot shapes and dtypes of the construction pairs (the
+    caller validates them) and rewrites the ``SlotTensorInfo`` table in place, so a capture or
+    restore allocates no descriptor memory.
+    """
+
+    def bind(self, pairs) -> None:
+        host = np.zeros((len(pairs), 4), dtype=np.uint64)
+        for i, (src, dst) in enumerate(pairs):
+            host[i] = (data_pointer(src), data_pointer(dst), self.slot_bytes[i],
+                       int(src.shape[0]) | (int(dst.shape[0]) << 32))
+        self.pairs = list(pairs)
+        if isinstance(self.device_infos, np.ndarray):
+            self.device_infos[...] = host
+        else:
+            self.device_infos.set(host)   # stream-ordered on the current stream
+
+
+class MambaCacheManager:
+    """Per-layer recurrent and conv states ``[max_batch, ...]``, zeroed at construction.
+
+    Parameters
+    ----------
+    config : MambaCacheConfig
+    stream : stream, optional
+        Stream of the construction work (zeroing, descriptor uploads).
+    device : None, "cpu", "cuda" or "cuda:N"
+
+    Raises
+    ------
+    TypeError
+        ``config`` is not a :class:`MambaCacheConfig`.
+    """
+
+    def __init__(self, config, stream=None, *, device=None):
+        if not isinstance(config, MambaCacheConfig):
+            raise TypeError(f"config: expected MambaCacheConfig, got {type(config).__name__}")
+        self._config = config
+        self._device = resolve_device(device)
+        xp = self._device.xp
+        n, b = config.num_layers, config.max_batch_size
+        with launch_scope(self._device, stream):
+            self._recurrent = xp.zeros((n, b) + config.recurrent_state_shape,
+                                       dtype=storage_dtype(config.ssm_dtype, xp))
+            self._conv = xp.zeros((n, b) + config.conv_state_shape,
+                                  dtype=storage_dtype(config.conv_dtype, xp))
+            self._recurrent_views = tuple(self._recurrent[i] for i in range(n))
+            self._conv_views = tuple(self._conv[i] for i in range(n))
+            self._slot_idx = xp.zeros(1, dtype=np.int32)
+            self._zero_idx = xp.zeros(1, dtype=np.int32)
+            if n:
+                self._capture_sets = {
+                    kind: _RebindableSlotSet([(v, v) for v in views])
+                    for kind, views in (("recurrent", self._recurrent_views),
+                                        ("conv", self._conv_views))}
+                self._restore_set = _RebindableSlotSet([(v, v) for v in self.state_tensors])
+
+    # --- queries ----------------------------------------------------------------------------
+
+    @property
+    def config(self) -> MambaCacheConfig:
+        return self._config
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def num_layers(self) -> int:
+        return self._config.num_layers
+
+    @property
+    def state_tensors(self) -> tuple:
+        """Every per-layer state view, recurrent then conv (``[max_batch, ...]`` each)."""
+        return self._recurrent_views + self._conv_views
+
+    def get_recurrent_state(self, i):
+        """Layer ``i``'s recurrent state, a view ``[max_batch, num_heads, head_dim,
+        state_size]`` (``ssm_dtype``). Raises ``IndexError`` for a bad layer."""
+        return self._recurrent_views[check_index("layer", i, self.num_layers)]
+
+    def get_conv_state(self, i):
+        """Layer ``i``'s conv state, a view ``[max_batch, conv_dim, conv_kernel]``
+        (``conv_dtype``). Raises ``IndexError`` for a bad layer."""
+        return self._conv_views[check_index("layer", i, self.num_layers)]
+
+    def memory_report(self) -> dict:
+        """Device bytes: ``recurrent``, ``conv``, ``total`` and ``layers`` (per layer)."""
+        n = self.num_layers
+        per_layer = (self._recurrent.nbytes + self._conv.nbytes) // n if n else 0
+        return {"recurrent": int(self._recurrent.nbytes), "conv": int(self._conv.nbytes),
+                "total": int(self._recurrent.nbytes + self._conv.nbytes),
+                "layers": (int(per_layer),) * n}
+
+    # --- commands ---------------------------------------------------------------------------
+
+    def clear_states(self, stream=None) -> None:
+        """Zero every state of every layer and slot (in place)."""
+        with launch_scope(self._device, stream):
+            self._recurrent.fill(0)
+            self._conv.fill(0)
+
+    def clear_slot(self, b, stream=None) -> None:
+        """Zero slot ``b`` of every layer (in place). Raises ``IndexError`` for a bad slot."""
+        b = check_index("slot", b, self._config.max_batch_size)
+        with launch_scope(self._device, stream):
+            self._recurrent[:, b] = 0
+            self._conv[:, b] = 0
+
+    def capture_recurrent_states(self, b, stream=None) -> list:
+        """Copy slot ``b``'s recurrent state of every layer (one launch).
+
+        Returns
+        -------
+        list of arrays ``[1, num_heads, head_dim, state_size]``
+            One per layer: views of one **newly allocated** ``[L, 1, ...]`` array.
+        """
+        return self._capture("recurrent", self._recurrent_views, b, stream)
+
+    def capture_conv_states(self, b, stream=None) -> list:
+        """Copy slot ``b``'s conv state of every layer (one launch).
+
+        Returns
+        -------
+        list of arrays ``[1, conv_dim, conv_kernel]``
+            One per layer: views of one **newly allocated** ``[L, 1, ...]`` array.
+        """
+        return self._capture("conv", self._conv_views, b, stream)
+
+    def _capture(self, kind, views, b, stream) -> list:
+        b = check_index("slot", b, self._config.max_batch_size)
+        buffer = self._recurrent if kind == "recurrent" else self._conv
+        n = self.num_layers
+        with launch_scope(self._device, stream):
+            out = self._device.xp.empty((n, 1) + buffer.shape[2:], dtype=buffer.dtype)
+            if n:
+                slots = self._capture_sets[kind]
+                slots.bind([(src, out[i]) for i, src in enumerate(views)])
+                self._slot_idx.fill(b)
+                ops.slot_copy(slots, self._slot_idx, self._zero_idx, stream=stream)
+        return [out[i] for i in range(n)]
+
+    def restore_states(self, recurrent, conv, b, stream=None) -> None:
+        """Write saved states into slot ``b`` of every layer (one launch, in place).
+
+        Parameters
+        ----------
+        recurrent, conv : sequences of ``num_layers`` arrays
+            Each ``[1, *slot_shape]`` (as captured) or ``[*slot_shape]``, C-contiguous, of this
+            device and of the state's dtype.
+        b : int
+            Target slot.
+
+        Raises
+        ------
+        IndexError
+            ``b`` out of range.
+        TypeError, ValueError
+            A wrong count, array module, shape, dtype or layout in any tensor; every tensor is
+            checked before anything is written.
+        """
+        b = check_index("slot", b, self._config.max_batch_size)
+        saved = (self._check_saved("recurrent", recurrent, self._recurrent_views)
+                 + self._check_saved("conv", conv, self._conv_views))
+        if not saved:
+            return
+        with launch_scope(self._device, stream):
+            self._restore_set.bind([(s, d) for s, d in zip(saved, self.state_tensors, strict=True)])
+            self._slot_idx.fill(b)
+            ops.slot_copy(self._restore_set, self._zero_idx, self._slot_idx, stream=stream)
+
+    def _check_saved(self, name, tensors, views) -> list:
+        if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__len__"):
+            raise TypeError(f"{name}: expected a sequence of arrays, got "
+                            f"{type(tensors).__name__}")
+        if len(tensors) != len(views):
+            raise ValueError(f"{name}: expected {len(views)} tensors, got {len(tensors)}")
+        xp = self._device.xp
+        out = []
+        for i, (t, view) in enumerate(zip(tensors, views, strict=True)):
+            where = f"{name}[{i}]"
+            if array_module_of(t) is not xp or not hasattr(t, "shape"):
+                raise TypeError(f"{where}: expected a {xp.__name__} array, got "
+                                f"{type(t).__name__}")
+            slot_shape = tuple(view.shape[1:])
+            if tuple(t.shape) not in ((1,) + slot_shape, slot_shape):
+                raise ValueError(f"{where}: expected shape {(1,) + slot_shape}, "
+                                 f"got {tuple(t.shape)}")
+            if t.dtype != view.dtype:
+                raise ValueError(f"{where}: expected dtype {view.dtype}, got {t.dtype}")
+            if not t.flags.c_contiguous:
+                raise ValueError(f"{where}: expected a C-contiguous array")
+            out.append(t.reshape((1,) + slot_shape))
+        return out
