@@ -14,13 +14,38 @@ from .configs import (
                       LinearCacheConfig,
                       MambaCacheConfig,
 )
+from .contexts import (
+                      DynamicInferenceContext,
+                      KVBlockAllocator,
+                      MambaSlotAllocator,
+                      MambaSlotCapacityError,
+                      PagedKVPool,
+                      compute_block_hashes,
+)
+from .continuous_batching import (
+                      BatchInFlightError,
+                      ContinuousBatchingKVCacheCollection,
+                      ContinuousBatchingKVCacheManager,
+                      KVCacheStaticParams,
+)
 from .device import Device, resolve_device
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
 from .errors import CacheCapacityError, KernelCompileError, KernelLaunchError
+from .hybrid_cache_manager import HybridCacheManager, KVHeadDimGroupView
+from .kv_cache_manager import KVCacheManager
+from .linear_kv_cache import LinearKVCache
+from .mamba_cache_manager import MambaCacheManager
 
 __version__ = "0.1.0"
 
 __all__ = ["__version__", "CacheCapacityError", "KernelCompileError", "KernelLaunchError",
+           "MambaSlotCapacityError", "BatchInFlightError",
            "Device", "resolve_device", "DTYPE_NAMES", "dtype_name", "resolve_dtype",
            "LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
-           "HybridCacheConfig", "LinearCacheConfig"]
+           "HybridCacheConfig", "LinearCacheConfig",
+           "KVCacheManager", "MambaCacheManager", "HybridCacheManager", "KVHeadDimGroupView",
+           "LinearKVCache",
+           "KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
+           "ContinuousBatchingKVCacheCollection",
+           "compute_block_hashes", "KVBlockAllocator", "PagedKVPool", "MambaSlotAllocator",
+           "DynamicInferenceContext"]

@@ -157,8 +157,14 @@ class SlotSet:
             raise ValueError("pairs: expected at least one (src, dst) pair, got 0")
         self.pairs = [(s, d) for s, d in pairs]
         self.xp = array_module_of(self.pairs[0][0])
-        host = np.zeros((len(self.pairs), 4), dtype=np.uint64)
-        for i, (src, dst) in enumerate(self.pairs):
+        host = self._table(self.pairs)
+        self.slot_bytes = tuple(int(b) for b in host[:, 2])
+        self.device_infos = _upload(host, self.xp)
+
+    def _table(self, pairs) -> np.ndarray:
+        """Validate ``pairs`` and return their host ``SlotTensorInfo`` table."""
+        host = np.zeros((len(pairs), 4), dtype=np.uint64)
+        for i, (src, dst) in enumerate(pairs):
             for name, a in (("src", src), ("dst", dst)):
                 if array_module_of(a) is not self.xp:
                     raise TypeError(f"pairs[{i}].{name}: expected a {self.xp.__name__} array, "
@@ -173,8 +179,35 @@ class SlotSet:
             slot_bytes = int(np.prod(src.shape[1:], dtype=np.int64)) * src.itemsize
             host[i] = (data_pointer(src), data_pointer(dst), slot_bytes,
                        int(src.shape[0]) | (int(dst.shape[0]) << 32))
-        self.slot_bytes = tuple(int(b) for b in host[:, 2])
-        self.device_infos = _upload(host, self.xp)
+        return host
+
+    def rebind(self, pairs, *, stream=None) -> None:
+        """Point the set at other tensors of the same per-slot sizes, reusing its device table.
+
+        For per-call sets (captures into fresh arrays, restores from saved ones): the table is
+        rewritten in place, ordered on ``stream``, so no descriptor memory is allocated.
+
+        Raises
+        ------
+        ValueError
+            A different number of pairs, or a pair whose slot size differs from the original.
+        """
+        pairs = [(s, d) for s, d in pairs]
+        if len(pairs) != len(self.pairs):
+            raise ValueError(f"pairs: expected {len(self.pairs)} pairs, got {len(pairs)}")
+        host = self._table(pairs)
+        if tuple(int(b) for b in host[:, 2]) != self.slot_bytes:
+            raise ValueError(f"pairs: expected slot sizes {self.slot_bytes}, "
+                             f"got {tuple(int(b) for b in host[:, 2])}")
+        if isinstance(self.device_infos, np.ndarray):
+            self.device_infos[...] = host
+        else:
+            from .device import resolve_device, stream_scope
+
+            device = resolve_device(f"cuda:{self.device_infos.device.id}")
+            with stream_scope(stream, device):
+                self.device_infos.set(host)
+        self.pairs = pairs
 
     @property
     def num_tensors(self) -> int:

@@ -13,31 +13,11 @@ import numpy as np
 from . import ops
 from .batch_state import check_index, launch_scope
 from .configs import MambaCacheConfig
-from .device import array_module_of, data_pointer, resolve_device
+from .device import array_module_of, resolve_device
 from .dtypes import storage_dtype
 from .layout import SlotSet
 
 __all__ = ["MambaCacheManager"]
-
-
-class _RebindableSlotSet(SlotSet):
-    """A :class:`SlotSet` whose tensors change per call while its device table is reused.
-
-    ``bind`` takes pairs with the per-slot shapes and dtypes of the construction pairs (the
-    caller validates them) and rewrites the ``SlotTensorInfo`` table in place, so a capture or
-    restore allocates no descriptor memory.
-    """
-
-    def bind(self, pairs) -> None:
-        host = np.zeros((len(pairs), 4), dtype=np.uint64)
-        for i, (src, dst) in enumerate(pairs):
-            host[i] = (data_pointer(src), data_pointer(dst), self.slot_bytes[i],
-                       int(src.shape[0]) | (int(dst.shape[0]) << 32))
-        self.pairs = list(pairs)
-        if isinstance(self.device_infos, np.ndarray):
-            self.device_infos[...] = host
-        else:
-            self.device_infos.set(host)   # stream-ordered on the current stream
 
 
 class MambaCacheManager:
@@ -74,10 +54,10 @@ class MambaCacheManager:
             self._zero_idx = xp.zeros(1, dtype=np.int32)
             if n:
                 self._capture_sets = {
-                    kind: _RebindableSlotSet([(v, v) for v in views])
+                    kind: SlotSet([(v, v) for v in views])
                     for kind, views in (("recurrent", self._recurrent_views),
                                         ("conv", self._conv_views))}
-                self._restore_set = _RebindableSlotSet([(v, v) for v in self.state_tensors])
+                self._restore_set = SlotSet([(v, v) for v in self.state_tensors])
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -159,7 +139,7 @@ class MambaCacheManager:
             out = self._device.xp.empty((n, 1) + buffer.shape[2:], dtype=buffer.dtype)
             if n:
                 slots = self._capture_sets[kind]
-                slots.bind([(src, out[i]) for i, src in enumerate(views)])
+                slots.rebind([(src, out[i]) for i, src in enumerate(views)], stream=stream)
                 self._slot_idx.fill(b)
                 ops.slot_copy(slots, self._slot_idx, self._zero_idx, stream=stream)
         return [out[i] for i in range(n)]
@@ -189,7 +169,8 @@ class MambaCacheManager:
         if not saved:
             return
         with launch_scope(self._device, stream):
-            self._restore_set.bind([(s, d) for s, d in zip(saved, self.state_tensors, strict=True)])
+            self._restore_set.rebind(list(zip(saved, self.state_tensors, strict=True)),
+                                    stream=stream)
             self._slot_idx.fill(b)
             ops.slot_copy(self._restore_set, self._zero_idx, self._slot_idx, stream=stream)
 

@@ -16,7 +16,7 @@ None of these functions synchronizes the device or allocates device memory.
 from __future__ import annotations
 
 from ..reference import compaction_plan_size
-from ._launch import BLOCK, CupyLauncher
+from ._launch import BLOCK, CupyLauncher, host_backend
 from .compaction import compaction_plan, kv_compact, slots_compact
 from .kv_write import kv_write
 from .prefix_copy import kv_capture, kv_prefix_copy, kv_restore
@@ -24,4 +24,4 @@ from .slot_copy import lengths_add, slot_copy
 
 __all__ = ["BLOCK", "compaction_plan_size", "compaction_plan", "kv_compact", "slots_compact",
            "slot_copy", "kv_write", "kv_capture", "kv_restore", "kv_prefix_copy", "lengths_add",
-           "CupyLauncher"]
+           "CupyLauncher", "host_backend"]

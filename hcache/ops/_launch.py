@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .. import _kernels
@@ -39,8 +41,26 @@ def launcher(xp, backend, stream):
     if backend is not None:
         return backend
     if xp is np:
-        return None
+        return _host_backend  # None: the NumPy reference
     return CupyLauncher(stream)
+
+
+_host_backend = None
+
+
+@contextlib.contextmanager
+def host_backend(backend):
+    """Run every op on NumPy arrays through ``backend`` instead of the NumPy reference.
+
+    For tests: with the host emulation of ``kernels/*.cu`` as ``backend``, the managers run
+    the real kernels on the CPU. Not thread-safe (it sets a module-level default).
+    """
+    global _host_backend
+    previous, _host_backend = _host_backend, backend
+    try:
+        yield backend
+    finally:
+        _host_backend = previous
 
 
 def ptr(a) -> np.uint64:
