@@ -32,6 +32,21 @@ __device__ __forceinline__ const int* hc_plan_schedule(const int* plan, int max_
     return plan + HC_PLAN_HEADER + 2 * max_batch;
 }
 
+// Appends (src, dst) entries and tracks the longest moved span.
+struct HcSchedule {
+    int* pairs;
+    int count;
+    int max_len;
+    const int* lengths;
+
+    __device__ void move(int src, int dst) {
+        pairs[2 * count] = src;
+        pairs[2 * count + 1] = dst;
+        ++count;
+        if (src >= 0 && lengths != nullptr && lengths[src] > max_len) max_len = lengths[src];
+    }
+};
+
 // Builds the schedule. Launch: grid (1), block (1): the work is O(max_batch) and serial.
 // mapping: int32 [old_batch]; lengths: int32 [max_batch] or null (then max length = 0).
 extern "C" __global__ void hc_compaction_plan(const int* __restrict__ mapping, int old_batch,
@@ -64,53 +79,34 @@ extern "C" __global__ void hc_compaction_plan(const int* __restrict__ mapping, i
         }
         inv[dst] = old;
     }
-    int n = 0;
-    int max_len = 0;
+    HcSchedule out = {sched, 0, 0, lengths};
     // Chains, each from its end: a destination whose own content nobody reads.
     for (int end = 0; end < max_batch; ++end) {
         if (inv[end] < 0 || inv[end] == end) continue;
         if (end < old_batch && mapping[end] != -1) continue;
-        int cur = end;
-        while (inv[cur] >= 0 && inv[cur] != cur && !done[cur]) {
-            const int src = inv[cur];
-            sched[2 * n] = src;
-            sched[2 * n + 1] = cur;
-            ++n;
+        for (int cur = end; inv[cur] >= 0 && inv[cur] != cur && !done[cur]; cur = inv[cur]) {
+            out.move(inv[cur], cur);
             done[cur] = 1;
-            if (lengths != nullptr && lengths[src] > max_len) max_len = lengths[src];
-            cur = src;
         }
     }
-    // What is left are cycles of length >= 2.
+    // What is left are cycles of length >= 2: park one slot in registers, rotate, unpark.
     for (int m = 0; m < old_batch; ++m) {
         const int dst = mapping[m];
         if (dst < 0 || dst == m || done[dst]) continue;
-        sched[2 * n] = m;
-        sched[2 * n + 1] = HC_TMP;
-        ++n;
-        if (lengths != nullptr && lengths[m] > max_len) max_len = lengths[m];
+        out.move(m, HC_TMP);
         int cur = m;
-        while (inv[cur] != m) {
-            const int src = inv[cur];
-            sched[2 * n] = src;
-            sched[2 * n + 1] = cur;
-            ++n;
+        for (; inv[cur] != m; cur = inv[cur]) {
+            out.move(inv[cur], cur);
             done[cur] = 1;
-            if (lengths != nullptr && lengths[src] > max_len) max_len = lengths[src];
-            cur = src;
         }
-        sched[2 * n] = HC_TMP;
-        sched[2 * n + 1] = cur;
-        ++n;
+        out.move(HC_TMP, cur);
         done[cur] = 1;
     }
     for (int j = 0; j < new_batch; ++j) {
-        if (inv[j] == -1) {
-            sched[2 * n] = HC_CLEAR;
-            sched[2 * n + 1] = j;
-            ++n;
-        }
+        if (inv[j] == -1) out.move(HC_CLEAR, j);
     }
+    const int n = out.count;
+    const int max_len = out.max_len;
     plan[HC_PLAN_COUNT] = n;
     plan[HC_PLAN_MAX_LEN] = max_len;
     plan[HC_PLAN_STATUS] = 0;
