@@ -1,0 +1,131 @@
+"""How the demo's engine binds its model to each hcache cache (``python -m hcache demo``).
+
+Each class implements the cache-adapter protocol of
+:meth:`hcache._demo_model.TinyHybridModel.forward` (documented on
+:class:`hcache._demo_model.PlainCache`) over one of the package's managers: the model's math runs
+on the host, so the adapter copies states and K/V rows between host and the cache's device
+arrays, while every bulk move (KV writes, compaction, capture, restore, snapshots) is done by
+hcache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ops
+
+__all__ = ["host", "SlotCache", "BlockCache", "PagedCache"]
+
+F32 = np.float32
+
+
+def host(a) -> np.ndarray:
+    """A host copy of a NumPy or CuPy array."""
+    return a.get() if hasattr(a, "get") else np.array(a)
+
+
+class _Adapter:
+    def on_mamba_token(self, m, seqs, offset, conv, ssm):
+        """No snapshots by default."""
+
+
+class SlotCache(_Adapter):
+    """Sequence ``s`` of a forward lives in slot ``s`` of a HybridCacheManager whose active
+    batch is the forward's sequences; K/V rows go to the manager's device lengths."""
+
+    def __init__(self, mgr, model, n):
+        self.mgr, self.model, self.n, self.xp = mgr, model, n, mgr.device.xp
+
+    def get_mamba(self, m):
+        i = self.model.mamba_layers[m]
+        return (host(self.mgr.get_conv_state(i)[:self.n]),
+                host(self.mgr.get_recurrent_state(i)[:self.n]))
+
+    def set_mamba(self, m, conv, ssm):
+        i = self.model.mamba_layers[m]
+        self.mgr.get_conv_state(i)[:self.n] = self.xp.asarray(conv)
+        self.mgr.get_recurrent_state(i)[:self.n] = self.xp.asarray(ssm)
+
+    def write_kv(self, a, ks, vs):
+        """One launch per layer: ragged rows, row ``s`` at slot ``s``'s committed length."""
+        group = next(g for g in self.mgr.kv_cache_manager.groups if a in g.layer_indices)
+        offsets = np.concatenate([[0], np.cumsum([len(k) for k in ks])]).astype(np.int32)
+        with self.mgr.device.scope():
+            ops.kv_write(group, self.xp.asarray(np.concatenate(ks)),
+                         self.xp.asarray(np.concatenate(vs)),
+                         layers=list(group.layer_indices).index(a),
+                         seq_offsets=self.xp.asarray(offsets), batch=self.n,
+                         cache_lengths=self.mgr.get_kv_cache_lengths())
+
+    def read_kv(self, a, s, n):
+        kv = host(self.mgr.get_combined_kv_cache(self.model.attention_layers[a])[s, :, :, :n])
+        return kv[0].transpose(1, 0, 2), kv[1].transpose(1, 0, 2)     # [n, H, D]
+
+
+class BlockCache(_Adapter):
+    """K/V in one block per sequence of a ContinuousBatchingKVCacheManager collection
+    (``write`` appends at each row's committed length; ragged rows are padded and ``step``
+    keeps the valid ones); Mamba states, which that manager does not hold, in ``states``: one
+    host dict per row with lists ``"conv"`` and ``"ssm"`` per Mamba layer."""
+
+    def __init__(self, coll, states):
+        self.coll, self.states, self.xp = coll, states, coll.manager.device.xp
+
+    def get_mamba(self, m):
+        return (np.stack([st["conv"][m] for st in self.states]),
+                np.stack([st["ssm"][m] for st in self.states]))
+
+    def set_mamba(self, m, conv, ssm):
+        for st, c, s in zip(self.states, conv, ssm, strict=True):
+            st["conv"][m], st["ssm"][m] = c, s
+
+    def write_kv(self, a, ks, vs):
+        shape = (len(ks), max(len(k) for k in ks), *ks[0].shape[1:])
+        key, value = np.zeros(shape, F32), np.zeros(shape, F32)
+        for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
+            key[i, :len(k)], value[i, :len(v)] = k, v
+        self.coll.write(a, self.xp.asarray(key), self.xp.asarray(value))
+
+    def read_kv(self, a, s, n):
+        block = self.coll.blocks[s]
+        return host(self.coll.key_cache(a)[block, :n]), host(self.coll.value_cache(a)[block, :n])
+
+
+class PagedCache(_Adapter):
+    """The step plans of a DynamicInferenceContext: K/V written with ``ctx.write_kv`` and read
+    back through the block table; live Mamba states at ``plan.mamba_slot``; the boundary states
+    of ``ctx.snapshot_targets()`` written into the slot allocator's scratch."""
+
+    def __init__(self, ctx, plans):
+        self.ctx, self.plans, self.xp = ctx, plans, ctx.xp
+        self.slots = self.xp.asarray(np.array([p.mamba_slot for p in plans]))
+        targets = {}
+        for rid, offset, idx in ctx.snapshot_targets():
+            targets.setdefault(rid, {})[offset] = idx
+        self.targets = [targets.get(p.request_id, {}) for p in plans]
+
+    def get_mamba(self, m):
+        return (host(self.ctx.mamba_conv_states[m][self.slots]),
+                host(self.ctx.mamba_ssm_states[m][self.slots]))
+
+    def set_mamba(self, m, conv, ssm):
+        self.ctx.mamba_conv_states[m][self.slots] = self.xp.asarray(conv)
+        self.ctx.mamba_ssm_states[m][self.slots] = self.xp.asarray(ssm)
+
+    def on_mamba_token(self, m, seqs, offset, conv, ssm):
+        alloc = self.ctx.mamba_slot_allocator
+        for j, s in enumerate(seqs):
+            idx = self.targets[s].get(offset)
+            if idx is not None:
+                alloc.intermediate_conv_out[m, idx] = self.xp.asarray(conv[j])
+                alloc.intermediate_ssm_out[m, idx] = self.xp.asarray(ssm[j])
+
+    def write_kv(self, a, ks, vs):
+        self.ctx.write_kv([p.request_id for p in self.plans], self.xp.asarray(np.concatenate(ks)),
+                          self.xp.asarray(np.concatenate(vs)), layer=a)
+
+    def read_kv(self, a, s, n):
+        pos, bs = np.arange(n), self.ctx.block_size_tokens
+        blocks = host(self.ctx.kv_pool.layers[a][self.xp.asarray(self.plans[s].block_ids)])
+        kv = blocks[pos // bs, :, :, pos % bs]                          # [n, 2, H, D]
+        return kv[:, 0], kv[:, 1]
