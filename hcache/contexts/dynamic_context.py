@@ -13,28 +13,12 @@ prefix match. An engine drives it one step at a time::
     ctx.commit_step()                          # register blocks, keep Mamba snapshots, tick
     ctx.release_requests([rid])
 
-Prefix-match policy (the references' lessons applied):
-
-- KV match: the longest prefix of the prompt's complete-block hashes present in the KV map
-  (scanned forward, so a broken chain never yields a bad block). Matched blocks are pinned
-  (retained) before new blocks are allocated, which also protects their Mamba states.
-- Mamba restore: the deepest matched block with a cached state; tokens up to its end are
-  skipped. At least one token is always computed: if the whole prompt would be skipped, the
-  restore backs off to the deepest earlier block with a state (or to 0). Without Mamba layers the
-  skip is ``min(matched tokens, prompt - 1)``; with Mamba layers but no state cache the KV is
-  shared but nothing is skipped.
-- KV rows of positions already held by matched blocks are not rewritten (no writes into shared
-  blocks); block hashes are registered only after the step that computes them (commit), and a
-  hash that another block already holds is left to it (concurrent duplicates stay private).
-- Mamba snapshots: up to three block boundaries inside each computed range (the KV divergence
-  point, the last block boundary, and the one before it, where an exact repeat of the prefix
-  backs off to) plus the live state when a step ends on a block boundary, in prefill and in
-  decode, so siblings, repeats and multi-turn follow-ups hit.
+The prefix-match policy (what is matched, skipped and snapshotted) is described and implemented
+in :mod:`hcache.contexts.prefix_match`; the per-request records and the request table live in
+:mod:`hcache.contexts.requests`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,89 +28,18 @@ from ..device import resolve_device, stream_scope
 from ..dtypes import resolve_dtype, storage_dtype
 from ..errors import CacheCapacityError
 from ..layout import SlotSet
+from ._args import _shape
 from .block_hashing import compute_block_hashes
 from .kv_block_allocator import KVBlockAllocator
-from .mamba_slot_allocator import MambaSlotAllocator, _shape
+from .mamba_slot_allocator import MambaSlotAllocator
 from .paged_kv_pool import PagedKVPool
+from .prefix_match import PrefixMatchMixin
+from .requests import PrefixCacheStats, RequestTableMixin, StepPlan, _Request
 
 __all__ = ["DynamicInferenceContext", "StepPlan", "PrefixCacheStats"]
 
 
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters, per request or in total."""
-
-    requests: int = 0
-    prompt_tokens: int = 0
-    computed_tokens: int = 0      # tokens scheduled for computation (prefill and extensions)
-    skipped_tokens: int = 0       # prompt tokens restored instead of computed
-    kv_hit_blocks: int = 0        # complete prompt blocks found in the KV map
-    kv_miss_blocks: int = 0       # complete prompt blocks not found
-    mamba_hits: int = 0           # requests that restored a cached Mamba state
-    stored_states: int = 0        # Mamba states committed to the cache (totals only)
-
-    def add(self, other: PrefixCacheStats) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What the engine computes for one request in the current step.
-
-    Attributes
-    ----------
-    request_id : hashable
-    row : int
-        Request row (index of ``request_to_kv_block_ids`` and the intermediate tracking).
-    mamba_slot : int
-        Live Mamba slot: the state before ``start`` is ``mamba_*_states[:, mamba_slot]``.
-    start, end : int
-        Positions ``[start, end)`` to compute; ``tokens`` are the request's tokens there.
-    tokens : numpy.ndarray of int64 [end - start]
-    block_ids : numpy.ndarray of int32 [ceil(end / block_size)]
-        The request's blocks (position ``p`` lives in ``block_ids[p // block_size]``).
-    skip_tokens : int
-        Prompt tokens restored from the cache (first step only).
-    num_matched_blocks : int
-        Complete prompt blocks shared from the KV cache (first step only).
-    restored_block : int
-        KV block whose Mamba state was restored, or -1 (zeroed, or continued).
-    """
-
-    request_id: object
-    row: int
-    mamba_slot: int
-    start: int
-    end: int
-    tokens: np.ndarray
-    block_ids: np.ndarray
-    skip_tokens: int = 0
-    num_matched_blocks: int = 0
-    restored_block: int = -1
-
-
-@dataclass
-class _Request:
-    request_id: object
-    row: int
-    live_slot: int
-    tokens: list
-    prompt_length: int
-    blocks: list
-    hashes: list                  # hashes of the complete blocks of `tokens` computed so far
-    computed: int = 0             # tokens whose KV and Mamba state are final
-    kv_cached: int = 0            # positions below this live in shared (matched) blocks
-    registered: int = 0           # leading blocks whose hashes are registered
-    pending_end: int = -1         # end of the scheduled step, or -1
-    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-
-    @property
-    def finished_chunk_token_count(self) -> int:
-        return self.computed
-
-
-class DynamicInferenceContext:
+class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
     """Paged KV pool, live Mamba states, Mamba state cache, request rows and prefix matching.
 
     Parameters
@@ -167,6 +80,13 @@ class DynamicInferenceContext:
         Host map request row -> live Mamba slot; -1 = none.
     stats : PrefixCacheStats
         Totals over every request ever added.
+
+    Notes
+    -----
+    The context owns all state; the request queries (:meth:`request_stats`,
+    :meth:`block_ids`, ...) come from :class:`~hcache.contexts.requests.RequestTableMixin` and
+    the prefix-match policy (:meth:`snapshot_targets`, :meth:`shares_pending_blocks`) from
+    :class:`~hcache.contexts.prefix_match.PrefixMatchMixin`.
     """
 
     def __init__(self, *, kv_layer_configs, num_blocks, block_size_tokens, max_requests,
@@ -235,90 +155,6 @@ class DynamicInferenceContext:
     @property
     def prefix_cache_lru_clock(self) -> int:
         return self.kv_block_allocator.clock
-
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._requests)
-
-    @property
-    def request_ids(self) -> list:
-        return list(self._requests)
-
-    def request_stats(self, request_id) -> PrefixCacheStats:
-        """Counters of one live request (a copy)."""
-        return PrefixCacheStats(**vars(self._get(request_id).stats))
-
-    def block_ids(self, request_id) -> np.ndarray:
-        """The request's block-table row, ``int32 [num_blocks]`` (a copy)."""
-        r = self._get(request_id)
-        return np.asarray(r.blocks, dtype=np.int32)
-
-    def num_computed_tokens(self, request_id) -> int:
-        return self._get(request_id).computed
-
-    def mamba_slot(self, request_id) -> int:
-        """The request's live Mamba slot."""
-        return self._get(request_id).live_slot
-
-    def snapshot_targets(self) -> list[tuple[object, int, int]]:
-        """``(request_id, offset, scratch_index)`` of the boundary states the model must write
-        this step: the state after ``offset`` computed tokens (from the plan's ``start``) goes
-        to ``mamba_slot_allocator.intermediate_*_out[:, scratch_index]``."""
-        if self.mamba_slot_allocator is None:
-            return []
-        by_row = {r.row: r.request_id for r in self._requests.values()}
-        return [(by_row[row], off, idx)
-                for row, off, idx in self.mamba_slot_allocator.intermediate_targets()]
-
-    def shares_pending_blocks(self, tokens) -> bool:
-        """Whether a complete block of ``tokens`` is being computed by a scheduled step and is
-        not cached yet: a scheduler can defer such a request one step to hit the cache."""
-        if not self.prefix_caching_enabled:
-            return False
-        wanted = set(compute_block_hashes(self._tokens("tokens", tokens),
-                                          self.block_size_tokens))
-        wanted.difference_update(self.kv_block_allocator.kv_hash_to_block_id)
-        for r in self._requests.values():
-            if r.pending_end >= 0 and wanted:
-                complete = r.pending_end // self.block_size_tokens
-                if len(r.hashes) < complete:
-                    r.hashes = compute_block_hashes(r.tokens[:complete * self.block_size_tokens],
-                                                    self.block_size_tokens)
-                if wanted.intersection(r.hashes[r.registered:complete]):
-                    return True
-        return False
-
-    def _get(self, request_id) -> _Request:
-        try:
-            return self._requests[request_id]
-        except (KeyError, TypeError):
-            raise KeyError(f"request_id: expected an active request, got {request_id!r}") \
-                from None
-
-    def _match(self, hashes):
-        """Matched block ids (longest cached prefix) and the restore depth in blocks."""
-        kv_map = self.kv_block_allocator.kv_hash_to_block_id
-        matched = []
-        for h in hashes:
-            b = kv_map.get(h)
-            if b is None:
-                break
-            matched.append(b)
-        depths = [0]
-        if self.mamba_slot_allocator is not None:
-            mamba_map = self.mamba_slot_allocator.hash_to_block_id
-            depths += [k + 1 for k, h in enumerate(hashes[:len(matched)])
-                       if mamba_map.get(h) == matched[k]]
-        return matched, depths
-
-    def _skip(self, num_tokens, matched, depths) -> int:
-        bs = self.block_size_tokens
-        if not self.prefix_caching_enabled or not matched:
-            return 0
-        if self.num_mamba_layers == 0:
-            return min(len(matched) * bs, num_tokens - 1)
-        usable = [d for d in depths if d * bs < num_tokens]   # back-off: compute >= 1 token
-        return max(usable) * bs
 
     # --- commands -------------------------------------------------------------------------------
 
@@ -413,21 +249,6 @@ class DynamicInferenceContext:
         self._install(r)
         return self._schedule(r, total, 0, 0, -1)
 
-    def _tokens(self, name, tokens) -> list:
-        arr = np.asarray(tokens)
-        if arr.size == 0:
-            return []
-        if arr.ndim != 1 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} "
-                            f"{arr.shape}")
-        return arr.astype(np.int64).tolist()
-
-    def _install(self, r: _Request) -> None:
-        self.request_to_kv_block_ids[r.row] = -1
-        self.request_to_kv_block_ids[r.row, :len(r.blocks)] = r.blocks
-        self.request_to_mamba_state_idx[r.row] = r.live_slot
-        self._requests[r.request_id] = r
-
     def _init_live_state(self, r: _Request, restored: int, stream) -> None:
         if not self.num_mamba_layers:
             return
@@ -441,23 +262,6 @@ class DynamicInferenceContext:
             else:
                 self._live_idx.fill(r.live_slot)
                 ops.slot_copy(self._zero_live, self._zero_idx, self._live_idx, stream=stream)
-
-    def _schedule(self, r, end, matched, skip, restored) -> StepPlan:
-        start = r.computed
-        r.pending_end = end
-        r.stats.computed_tokens += end - start
-        self.stats.computed_tokens += end - start
-        if self.mamba_slot_allocator is not None:
-            # Beyond the reference's three candidates, also keep the boundary one block before
-            # the last one: the back-off point of an exact repeat of this block-aligned prefix.
-            last = end // self.block_size_tokens * self.block_size_tokens
-            self.mamba_slot_allocator.compute_and_store_offsets(
-                _Chunk(end, start - skip), r.row, skip, end - start + skip, matched,
-                r.blocks[:matched], -(-end // self.block_size_tokens),
-                extra_boundaries=(last - self.block_size_tokens,))
-        return StepPlan(r.request_id, r.row, r.live_slot, start, end,
-                        np.asarray(r.tokens[start:end], dtype=np.int64),
-                        np.asarray(r.blocks, dtype=np.int32), skip, matched, restored)
 
     def write_kv(self, request_ids, k, v, *, layer=None, stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of ``request_ids`` into the paged pool.
@@ -515,26 +319,8 @@ class DynamicInferenceContext:
         dict
             ``registered_blocks`` and ``stored_states`` of this step.
         """
-        kv, bs = self.kv_block_allocator, self.block_size_tokens
-        ids, hashes, parents = [], [], []
-        kv_map, claimed = kv.kv_hash_to_block_id, set()
-        for r in sorted(self._requests.values(), key=lambda q: q.row):
-            if r.pending_end < 0:
-                continue
-            r.computed, r.pending_end = r.pending_end, -1
-            complete = r.computed // bs
-            if not self.prefix_caching_enabled or complete <= r.registered:
-                continue
-            if len(r.hashes) < complete:
-                r.hashes = compute_block_hashes(r.tokens[:complete * bs], bs)
-            for j in range(r.registered, complete):
-                if r.hashes[j] not in kv_map and r.hashes[j] not in claimed:
-                    # (a hash held by another block stays there; that block serves matches)
-                    claimed.add(r.hashes[j])
-                    ids.append(r.blocks[j])
-                    hashes.append(r.hashes[j])
-                    parents.append(r.hashes[j - 1] if j else 0)
-            r.registered = complete
+        kv = self.kv_block_allocator
+        ids, hashes, parents = self._finish_pending_steps()
         if ids:
             kv.register_kv_block_hashes(ids, hashes, parents)
         stored = 0
@@ -579,11 +365,3 @@ class DynamicInferenceContext:
         self._free_rows = list(range(self.max_requests - 1, -1, -1))
         self._free_live_slots = list(range(self.max_requests))
         self.stats = PrefixCacheStats()
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    """The request view :meth:`MambaSlotAllocator.compute_and_store_offsets` reads."""
-
-    prompt_length: int
-    finished_chunk_token_count: int

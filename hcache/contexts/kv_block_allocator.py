@@ -18,51 +18,22 @@ All bookkeeping lives on the host in NumPy arrays.
 
 from __future__ import annotations
 
-import heapq
 import logging
 
 import numpy as np
 
 from ..configs import _int
+from ._args import _as_ids, _as_int64
+from ._invariants import check_kv_block_allocator
+from ._lru import LeafPeelingMixin
 
 __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
 
 EVICTION_POLICIES = ("lru", "ref_zero")
-_MAX_HASH = np.iinfo(np.int64).max
 _log = logging.getLogger(__name__)
 
 
-def _as_ids(name: str, ids, num_blocks: int) -> np.ndarray:
-    """Host ``int64 [n]`` copy of ``ids``; raises TypeError/ValueError/IndexError."""
-    arr = np.asarray(ids)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name}: expected integer block ids, got dtype {arr.dtype}")
-    if arr.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-    arr = arr.astype(np.int64)
-    bad = (arr < 0) | (arr >= num_blocks)
-    if bad.any():
-        raise IndexError(f"{name}: expected block ids in [0, {num_blocks}), "
-                         f"got {int(arr[bad][0])}")
-    return arr
-
-
-def _as_int64(name: str, values, length: int) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.size == 0:
-        arr = np.zeros(0, dtype=np.int64)
-    elif arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) \
-            or (arr.dtype == np.uint64 and bool((arr > _MAX_HASH).any())):
-        raise TypeError(f"{name}: expected int64 hashes, got dtype {arr.dtype}")
-    if arr.ndim != 1 or arr.shape[0] != length:
-        raise ValueError(f"{name}: expected {length} values (one per block id), "
-                         f"got shape {arr.shape}")
-    return arr.astype(np.int64)
-
-
-class KVBlockAllocator:
+class KVBlockAllocator(LeafPeelingMixin):
     """Block ids ``0..num_blocks-1`` of a paged KV pool, with prefix-cache bookkeeping.
 
     Parameters
@@ -165,24 +136,6 @@ class KVBlockAllocator:
         return self._free_stack[: self._free_top].copy()
 
     # --- queries ------------------------------------------------------------------------
-
-    def _evictable_mask(self) -> np.ndarray:
-        """Cached blocks with no used descendant: exactly the blocks leaf peeling can reach."""
-        registered = self.block_hashes != -1
-        used = self.block_ref_counts > 0
-        cached = registered & ~used
-        if not self.caches_released_blocks or not cached.any():
-            return np.zeros(self._num_blocks, dtype=bool)
-        blocked = np.zeros(self._num_blocks, dtype=bool)
-        parents = self.block_parent_ids[registered & used]
-        # Walk up from used blocks through cached ancestors only; a request normally holds its
-        # whole chain, so this loop usually stops after one round.
-        while parents.size:
-            parents = parents[parents >= 0]
-            parents = np.unique(parents[cached[parents] & ~blocked[parents]])
-            blocked[parents] = True
-            parents = self.block_parent_ids[parents]
-        return cached & ~blocked
 
     def get_evictable_block_count(self) -> int:
         """Number of cached blocks that :meth:`evict_lru_blocks` can reclaim (0 unless the
@@ -357,20 +310,7 @@ class KVBlockAllocator:
                                  f"{holder} while registering block {b}")
         if not self.enable_prefix_caching or not pending:
             return
-        # Parents resolve to blocks registered before this call or earlier in the batch, so
-        # every parent link points backwards in registration order (no cycles).
-        parent_ids = []
-        for b, (h, p) in pending.items():
-            parent_ids.append(self.kv_hash_to_block_id.get(p, -1) if p > 0 else -1)
-            self.kv_hash_to_block_id[h] = b
-        new_ids = np.fromiter(pending, dtype=np.int64, count=len(pending))
-        parents = np.asarray(parent_ids, dtype=np.int32)
-        self.block_hashes[new_ids] = [h for h, _ in pending.values()]
-        has_parent = parents >= 0
-        self.block_parent_ids[new_ids] = parents
-        self.block_parent_hashes[new_ids] = np.where(
-            has_parent, self.block_hashes[np.maximum(parents, 0)], 0)
-        np.add.at(self.block_child_counts, parents[has_parent], 1)
+        self._link_registered(pending)
 
     def evict_lru_blocks(self, n: int) -> bool:
         """Deregister and free ``n`` cached blocks, peeling leaves oldest first (ties by id).
@@ -413,56 +353,6 @@ class KVBlockAllocator:
         self._free_stack[self._free_top: self._free_top + k] = ids
         self._free_top += k
 
-    def _peel_lru(self, n: int) -> np.ndarray | None:
-        """The first ``n`` blocks of the leaf-peeling order, or None if fewer are evictable.
-
-        Leaves come from one vectorised sort; only parents freed by the peel go through a heap,
-        so the Python loop runs ``n`` times.
-        """
-        evictable = self._evictable_mask()
-        if np.count_nonzero(evictable) < n:
-            return None
-        ts = self.block_timestamps
-        leaves = np.flatnonzero(evictable & (self.block_child_counts == 0))
-        leaves = leaves[np.lexsort((leaves, ts[leaves]))].tolist()
-        children = self.block_child_counts.copy()
-        heap: list[tuple[int, int]] = []
-        out: list[int] = []
-        i = 0
-        while len(out) < n:
-            if heap and (i >= len(leaves) or heap[0] < (int(ts[leaves[i]]), leaves[i])):
-                b = heapq.heappop(heap)[1]
-            else:
-                b = leaves[i]
-                i += 1
-            out.append(b)
-            p = int(self.block_parent_ids[b])
-            if p >= 0:
-                children[p] -= 1
-                if children[p] == 0 and evictable[p]:
-                    heapq.heappush(heap, (int(ts[p]), p))
-        return np.asarray(out, dtype=np.int64)
-
-    def _deregister(self, ids: np.ndarray):
-        """Drop the hashes of unique registered ``ids``, free them, and return the observer
-        arguments ``(ids_list, hashes_set)``; the caller notifies once its call has committed."""
-        hashes = self.block_hashes[ids]
-        for h in hashes.tolist():
-            del self.kv_hash_to_block_id[h]
-        parents = self.block_parent_ids[ids]
-        np.subtract.at(self.block_child_counts, parents[parents >= 0], 1)
-        orphans = np.isin(self.block_parent_ids, ids)
-        self.block_parent_ids[orphans] = -1
-        self.block_parent_hashes[orphans] = 0
-        self.block_parent_ids[ids] = -1
-        self.block_parent_hashes[ids] = 0
-        self.block_child_counts[ids] = 0
-        self.block_hashes[ids] = -1
-        self.block_ref_counts[ids] = 0
-        self.block_timestamps[ids] = 0
-        self._push_free(ids)
-        return ids.tolist(), set(hashes.tolist())
-
     def _notify(self, block_ids: list, hashes: set) -> None:
         for fn in list(self._observers):
             try:
@@ -474,73 +364,4 @@ class KVBlockAllocator:
 
     def check_invariants(self) -> None:
         """Verify the bookkeeping; raise RuntimeError listing every broken invariant."""
-        errors: list[str] = []
-        n = self._num_blocks
-        hashes, refs = self.block_hashes, self.block_ref_counts
-        if not 0 <= self._free_top <= n:
-            errors.append(f"free stack top {self._free_top} outside [0, {n}]")
-        stack = self._free_stack[: max(0, min(self._free_top, n))].astype(np.int64)
-        in_range = (stack >= 0) & (stack < n)
-        if not in_range.all():
-            errors.append(f"free stack holds out-of-range ids {stack[~in_range].tolist()}")
-        stack = stack[in_range]
-        is_free = np.zeros(n, dtype=bool)
-        is_free[stack] = True
-        if np.unique(stack).shape[0] != stack.shape[0]:
-            errors.append("free stack holds duplicate ids")
-        if (refs < 0).any():
-            errors.append(f"negative ref counts at {np.flatnonzero(refs < 0).tolist()}")
-        registered, used = hashes != -1, refs > 0
-        cached = registered & ~used
-        bad_free = is_free & (registered | used)
-        if bad_free.any():
-            errors.append(f"free blocks registered or in use: {np.flatnonzero(bad_free).tolist()}")
-        lost = ~is_free & ~registered & ~used
-        if lost.any():
-            errors.append(f"unregistered ref-0 blocks off the free stack: "
-                          f"{np.flatnonzero(lost).tolist()}")
-        total = int(is_free.sum()) + int(used.sum()) + int(cached.sum())
-        if total != n:
-            errors.append(f"free + used + cached = {total}, expected {n}")
-        if not self.caches_released_blocks and cached.any():
-            errors.append(f"cached blocks under policy {self.eviction_policy} / caching "
-                          f"{self.enable_prefix_caching}: {np.flatnonzero(cached).tolist()}")
-        if not self.enable_prefix_caching and registered.any():
-            errors.append("registered blocks with prefix caching disabled")
-        if (hashes[registered] <= 0).any() or (hashes[~registered] != -1).any():
-            errors.append("hashes must be positive or -1")
-        if len(self.kv_hash_to_block_id) != int(registered.sum()):
-            errors.append(f"hash map has {len(self.kv_hash_to_block_id)} entries, "
-                          f"{int(registered.sum())} blocks are registered")
-        for h, b in self.kv_hash_to_block_id.items():
-            if not 0 <= b < n or int(hashes[b]) != h:
-                errors.append(f"hash map entry {h} -> {b} disagrees with block_hashes")
-        self._check_forest(errors, registered)
-        if (self.block_timestamps[registered | used] > self._clock).any():
-            errors.append("timestamps ahead of the clock")
-        if errors:
-            raise RuntimeError("KVBlockAllocator invariants broken:\n  " + "\n  ".join(errors))
-
-    def _check_forest(self, errors: list, registered: np.ndarray) -> None:
-        n = self._num_blocks
-        pid, phash = self.block_parent_ids.astype(np.int64), self.block_parent_hashes
-        if ((pid < -1) | (pid >= n)).any():
-            errors.append("parent ids out of range")
-            return
-        if (pid[~registered] != -1).any() or (phash[~registered] != 0).any() \
-                or (self.block_child_counts[~registered] != 0).any():
-            errors.append("unregistered blocks with a parent or children")
-        linked = registered & (pid >= 0)
-        if not registered[pid[linked]].all():
-            errors.append("a registered block's parent hash is no longer registered")
-        if (phash[linked] != self.block_hashes[pid[linked]]).any() \
-                or (phash[registered & (pid < 0)] != 0).any():
-            errors.append("block_parent_hashes disagree with block_parent_ids")
-        counts = np.bincount(pid[linked], minlength=n)
-        if (counts != self.block_child_counts).any():
-            errors.append("block_child_counts disagree with the parent links")
-        up = np.where(linked, pid, -1)
-        for _ in range(max(1, n.bit_length())):
-            up = np.where(up >= 0, up[np.maximum(up, 0)], -1)
-        if (up >= 0).any():
-            errors.append("the parent links contain a cycle")
+        check_kv_block_allocator(self)
