@@ -40,22 +40,27 @@ inline void call(void (*k)(A...), void** args, std::index_sequence<I...>) {
     k(*static_cast<std::remove_reference_t<A>*>(args[I])...);
 }
 
-// Runs kernel k over the whole grid, serially: blocks in x-fastest order, threads likewise.
+inline dim3 unflatten(unsigned long long i, dim3 d) {
+    return dim3{unsigned(i % d.x), unsigned(i / d.x % d.y), unsigned(i / d.x / d.y)};
+}
+
+// Runs kernel k over the whole grid, serially, each thread to completion: blocks and threads
+// in x-fastest order, or all of them in the reverse order when `reverse` is set. A correct
+// kernel of this package gives the same bytes either way (no thread reads what another writes);
+// one that relies on a cross-thread ordering fails one of the two orders.
 template <typename... A>
-inline void launch(void (*k)(A...), dim3 grid, dim3 block, void** args) {
+inline void launch(void (*k)(A...), dim3 grid, dim3 block, int reverse, void** args) {
     gridDim = grid;
     blockDim = block;
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                blockIdx = dim3{bx, by, bz};
-                for (unsigned tz = 0; tz < block.z; ++tz)
-                    for (unsigned ty = 0; ty < block.y; ++ty)
-                        for (unsigned tx = 0; tx < block.x; ++tx) {
-                            threadIdx = dim3{tx, ty, tz};
-                            call(k, args, std::index_sequence_for<A...>{});
-                        }
-            }
+    const unsigned long long nb = 1ull * grid.x * grid.y * grid.z;
+    const unsigned long long nt = 1ull * block.x * block.y * block.z;
+    for (unsigned long long b = 0; b < nb; ++b) {
+        blockIdx = unflatten(reverse ? nb - 1 - b : b, grid);
+        for (unsigned long long t = 0; t < nt; ++t) {
+            threadIdx = unflatten(reverse ? nt - 1 - t : t, block);
+            call(k, args, std::index_sequence_for<A...>{});
+        }
+    }
 }
 
 }  // namespace cuda_emu
@@ -63,6 +68,6 @@ inline void launch(void (*k)(A...), dim3 grid, dim3 block, void** args) {
 // Exports an entry point "emu_<name>" taking cuLaunchKernel-style arguments.
 #define CUDA_EMU_EXPORT(name)                                                                \
     extern "C" void emu_##name(unsigned gx, unsigned gy, unsigned gz, unsigned bx,           \
-                               unsigned by, unsigned bz, void** args) {                      \
-        cuda_emu::launch(name, dim3{gx, gy, gz}, dim3{bx, by, bz}, args);                    \
+                               unsigned by, unsigned bz, int reverse, void** args) {         \
+        cuda_emu::launch(name, dim3{gx, gy, gz}, dim3{bx, by, bz}, reverse, args);           \
     }

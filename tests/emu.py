@@ -54,7 +54,8 @@ def build(family: str) -> ctypes.CDLL:
 class EmuLauncher:
     """``backend`` for :mod:`hcache.ops` that runs the real ``.cu`` on the CPU."""
 
-    def __init__(self):
+    def __init__(self, *, reverse: bool = False):
+        self.reverse = reverse  # run blocks and threads in reverse order (see cuda_emu.h)
         self.launches: list[tuple[str, tuple, tuple]] = []
 
     def launch(self, family, name, grid, block, args):
@@ -70,4 +71,4 @@ class EmuLauncher:
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
         self.launches.append((name, grid, block))
-        fn(*[ctypes.c_uint(x) for x in grid + block], argv)
+        fn(*[ctypes.c_uint(x) for x in grid + block], ctypes.c_int(int(self.reverse)), argv)

@@ -20,15 +20,16 @@ from kernel_cases import HEAD_DIMS, Arena, as_bytes, bad_mappings, dtypes, injec
 emu_mod = pytest.importorskip("emu")
 
 BACKENDS = [pytest.param("emu", marks=pytest.mark.emu),
+            pytest.param("emu-reverse", marks=pytest.mark.emu),  # threads in reverse order
             pytest.param("cuda", marks=pytest.mark.gpu)]
 misaligns = st.sampled_from([0, 0, 1, 2, 4, 8])
 
 
 def _env(kind):
-    if kind == "emu":
+    if kind.startswith("emu"):
         if not emu_mod.have_compiler():
             pytest.skip("no host C++ compiler")
-        return np, emu_mod.EmuLauncher()
+        return np, emu_mod.EmuLauncher(reverse=kind == "emu-reverse")
     import cupy
 
     return cupy, None
