@@ -52,11 +52,24 @@ template <> struct HcVec<4> { typedef unsigned int T; };
 template <> struct HcVec<2> { typedef unsigned short T; };
 template <> struct HcVec<1> { typedef unsigned char T; };
 
-// A chunk held in registers (the compaction's one-slot temporary).
-union HcChunk {
-    uint4 v16;
-    unsigned char b[16];
-};
+// A chunk held in registers (the compaction's one-slot temporary). Bytes are reached by shifts,
+// never by a runtime array index, so the chunk never spills to local memory.
+typedef uint4 HcChunk;
+
+__device__ __forceinline__ unsigned int hc_byte(const HcChunk& c, int j) {
+    const unsigned int w = j < 8 ? (j < 4 ? c.x : c.y) : (j < 12 ? c.z : c.w);
+    return (w >> ((j & 3) * 8)) & 0xffu;
+}
+
+__device__ __forceinline__ void hc_set_byte(HcChunk& c, int j, unsigned int b) {
+    const int shift = (j & 3) * 8;
+    const unsigned int keep = ~(0xffu << shift);
+    b <<= shift;
+    if (j < 4) c.x = (c.x & keep) | b;
+    else if (j < 8) c.y = (c.y & keep) | b;
+    else if (j < 12) c.z = (c.z & keep) | b;
+    else c.w = (c.w & keep) | b;
+}
 
 // Copy bytes [off, min(off + W, n)) of a span; off is a multiple of W and off < n.
 template <int W>
@@ -73,9 +86,10 @@ template <int W>
 __device__ __forceinline__ void hc_load_chunk(HcChunk& c, const char* src, hc_i64 off, hc_i64 n) {
     typedef typename HcVec<W>::T V;
     if (off + W <= n) {
-        *reinterpret_cast<V*>(c.b) = *reinterpret_cast<const V*>(src + off);
+        *reinterpret_cast<V*>(&c) = *reinterpret_cast<const V*>(src + off);
     } else {
-        for (hc_i64 i = off; i < n; ++i) c.b[i - off] = (unsigned char)src[i];
+        for (int j = 0; j < (int)(n - off); ++j)
+            hc_set_byte(c, j, (unsigned char)src[off + j]);
     }
 }
 
@@ -83,9 +97,9 @@ template <int W>
 __device__ __forceinline__ void hc_store_chunk(char* dst, const HcChunk& c, hc_i64 off, hc_i64 n) {
     typedef typename HcVec<W>::T V;
     if (off + W <= n) {
-        *reinterpret_cast<V*>(dst + off) = *reinterpret_cast<const V*>(c.b);
+        *reinterpret_cast<V*>(dst + off) = *reinterpret_cast<const V*>(&c);
     } else {
-        for (hc_i64 i = off; i < n; ++i) dst[i] = (char)c.b[i - off];
+        for (int j = 0; j < (int)(n - off); ++j) dst[off + j] = (char)hc_byte(c, j);
     }
 }
 
@@ -111,6 +125,18 @@ __device__ __forceinline__ void hc_zero_chunk(char* dst, hc_i64 off, hc_i64 n) {
         case 2: BODY<2>(__VA_ARGS__); break;                \
         default: BODY<1>(__VA_ARGS__); break;               \
     }
+
+// Flat work indices fit in 32 bits when the whole grid-stride loop does (bound + one stride);
+// then the index arithmetic (a few divisions per chunk) uses 32-bit integers, which is several
+// times cheaper than 64-bit division on a GPU.
+__device__ __forceinline__ bool hc_fits_u32(hc_u64 bound) {
+#ifdef HC_FORCE_U64_INDEX  // tests: run the 64-bit index path on small shapes too
+    (void)bound;
+    return false;
+#else
+    return bound + (hc_u64)gridDim.x * blockDim.x < 0xffffffffull;
+#endif
+}
 
 // Counts an out-of-range index that a kernel skipped (status may be null).
 __device__ __forceinline__ void hc_report(int* status) {

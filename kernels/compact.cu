@@ -124,7 +124,7 @@ __device__ void hc_kv_compact_body(char* base, hc_i64 slot_stride,
     const hc_i64 step = (hc_i64)gridDim.z * blockDim.x * W;
     for (hc_i64 off = ((hc_i64)blockIdx.z * blockDim.x + threadIdx.x) * W; off < span_limit;
          off += step) {
-        HcChunk tmp{};
+        HcChunk tmp = {0u, 0u, 0u, 0u};
         hc_i64 tmp_n = 0;
         for (int e = 0; e < count; ++e) {
             const int src = sched[2 * e];
@@ -174,7 +174,7 @@ __device__ void hc_slots_compact_body(char* base, hc_i64 slot_bytes, const int* 
     const hc_i64 step = (hc_i64)gridDim.x * blockDim.x * W;
     for (hc_i64 off = ((hc_i64)blockIdx.x * blockDim.x + threadIdx.x) * W; off < slot_bytes;
          off += step) {
-        HcChunk tmp{};
+        HcChunk tmp = {0u, 0u, 0u, 0u};
         for (int e = 0; e < count; ++e) {
             const int src = sched[2 * e];
             const int dst = sched[2 * e + 1];

@@ -52,19 +52,21 @@ struct HcWriteArgs {
     int row_bytes;
 };
 
-template <int W>
-__device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, const char* k,
+// I: the flat index type (32-bit when it fits, see hc_fits_u32).
+template <int W, typename I>
+__device__ void hc_kv_write_impl(const HcWriteArgs& a, const KVLayerInfo& info, const char* k,
                                  const char* v, hc_i64 slot_stride, hc_i64 kv_stride,
                                  hc_i64 head_stride, hc_i64 tok_stride, int* status) {
     const int H = info.num_kv_heads;
-    const hc_i64 chunks = (a.row_bytes + W - 1) / W;
-    const hc_i64 total = (hc_i64)a.num_tokens * 2 * H * chunks;
-    const hc_i64 step = (hc_i64)gridDim.x * blockDim.x;
-    for (hc_i64 g = (hc_i64)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
-        const hc_i64 c = g % chunks;
-        const hc_i64 r = g / chunks;
-        const int kvh = (int)(r % (2 * H));
-        const int t = (int)(r / (2 * H));
+    const I chunks = (I)((a.row_bytes + W - 1) / W);
+    const I heads2 = (I)(2 * H);
+    const I total = (I)a.num_tokens * heads2 * chunks;
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
+        const I c = g % chunks;
+        const I r = g / chunks;
+        const int kvh = (int)(r % heads2);
+        const int t = (int)(r / heads2);
         const bool reporter = (c == 0 && kvh == 0 && blockIdx.y == 0);
         int start = 0;
         const int b = hc_token_row(a.seq_offsets, a.uniform_tokens, a.batch, t, &start);
@@ -100,8 +102,21 @@ __device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, 
         char* dst = reinterpret_cast<char*>(info.data) + slot * slot_stride + kv * kv_stride +
                     head * head_stride + p * tok_stride;
         const char* src = (kv ? v : k) + ((hc_i64)t * H + head) * a.row_bytes;
-        hc_copy_chunk<W>(dst, src, c * W, a.row_bytes);
+        hc_copy_chunk<W>(dst, src, (hc_i64)c * W, a.row_bytes);
     }
+}
+
+template <int W>
+__device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, const char* k,
+                                 const char* v, hc_i64 slot_stride, hc_i64 kv_stride,
+                                 hc_i64 head_stride, hc_i64 tok_stride, int* status) {
+    const hc_u64 bound = (hc_u64)a.num_tokens * 2 * info.num_kv_heads * a.row_bytes;
+    if (hc_fits_u32(bound))
+        hc_kv_write_impl<W, unsigned>(a, info, k, v, slot_stride, kv_stride, head_stride,
+                                      tok_stride, status);
+    else
+        hc_kv_write_impl<W, hc_u64>(a, info, k, v, slot_stride, kv_stride, head_stride,
+                                    tok_stride, status);
 }
 
 // layers: the group's KVLayerInfo array; this launch writes layers layer_offset + blockIdx.y.

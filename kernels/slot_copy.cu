@@ -10,15 +10,16 @@
 
 #include "common.cuh"
 
-template <int W>
-__device__ void hc_slot_copy_body(const SlotTensorInfo& t, const int* src_idx, const int* dst_idx,
+// I: the flat index type (32-bit when it fits, see hc_fits_u32).
+template <int W, typename I>
+__device__ void hc_slot_copy_impl(const SlotTensorInfo& t, const int* src_idx, const int* dst_idx,
                                   int num_pairs, int* status) {
-    const hc_i64 chunks = (t.slot_bytes + W - 1) / W;
-    const hc_i64 total = (hc_i64)num_pairs * chunks;
-    const hc_i64 step = (hc_i64)gridDim.x * blockDim.x;
-    for (hc_i64 g = (hc_i64)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
+    const I chunks = (I)((t.slot_bytes + W - 1) / W);
+    const I total = (I)num_pairs * chunks;
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
         const int i = (int)(g / chunks);
-        const hc_i64 c = g - (hc_i64)i * chunks;
+        const hc_i64 c = (hc_i64)(g - (I)i * chunks);
         const int s = src_idx[i];
         const int d = dst_idx[i];
         if (s == -1 || d == -1) continue;
@@ -30,6 +31,15 @@ __device__ void hc_slot_copy_body(const SlotTensorInfo& t, const int* src_idx, c
                          reinterpret_cast<const char*>(t.src) + s * t.slot_bytes, c * W,
                          t.slot_bytes);
     }
+}
+
+template <int W>
+__device__ void hc_slot_copy_body(const SlotTensorInfo& t, const int* src_idx, const int* dst_idx,
+                                  int num_pairs, int* status) {
+    if (hc_fits_u32((hc_u64)num_pairs * (hc_u64)t.slot_bytes))
+        hc_slot_copy_impl<W, unsigned>(t, src_idx, dst_idx, num_pairs, status);
+    else
+        hc_slot_copy_impl<W, hc_u64>(t, src_idx, dst_idx, num_pairs, status);
 }
 
 extern "C" __global__ void hc_slot_copy(const SlotTensorInfo* __restrict__ tensors,

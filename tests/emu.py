@@ -27,11 +27,13 @@ def have_compiler() -> bool:
 
 
 @cache
-def build(family: str) -> ctypes.CDLL:
-    """Compile ``family`` for the host (cached by source hash) and load it."""
+def build(family: str, wide_index: bool = False) -> ctypes.CDLL:
+    """Compile ``family`` for the host (cached by source hash) and load it; ``wide_index``
+    defines ``HC_FORCE_U64_INDEX`` (64-bit flat indices even where 32 bits would do)."""
     src = kernel_dir() / f"{family}.cu"
     exports = "".join(f"CUDA_EMU_EXPORT({name})\n" for name in FAMILIES[family])
-    wrapper = f'#include "{src}"\n{exports}'
+    define = "#define HC_FORCE_U64_INDEX 1\n" if wide_index else ""
+    wrapper = f'{define}#include "{src}"\n{exports}'
     digest = hashlib.sha256((wrapper + HEADER.read_text() + src.read_text()
                              + (kernel_dir() / "common.cuh").read_text()).encode()).hexdigest()
     out_dir = Path(tempfile.gettempdir()) / "hcache-emu"
@@ -54,8 +56,9 @@ def build(family: str) -> ctypes.CDLL:
 class EmuLauncher:
     """``backend`` for :mod:`hcache.ops` that runs the real ``.cu`` on the CPU."""
 
-    def __init__(self, *, reverse: bool = False):
-        self.reverse = reverse  # run blocks and threads in reverse order (see cuda_emu.h)
+    def __init__(self, *, reverse: bool = False, wide_index: bool = False):
+        self.reverse = reverse        # run blocks and threads in reverse order (cuda_emu.h)
+        self.wide_index = wide_index  # the kernels' 64-bit index paths (common.cuh)
         self.launches: list[tuple[str, tuple, tuple]] = []
 
     def launch(self, family, name, grid, block, args):
@@ -66,7 +69,7 @@ class EmuLauncher:
             holders.append(_CTYPE[a.dtype](a.item()))
         argv = (ctypes.c_void_p * len(holders))(
             *[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
-        fn = getattr(build(family), f"emu_{name}")
+        fn = getattr(build(family, self.wide_index), f"emu_{name}")
         fn.restype = None
         grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         block = tuple(int(b) for b in block) + (1,) * (3 - len(block))

@@ -20,7 +20,7 @@ from kernel_cases import HEAD_DIMS, Arena, as_bytes, bad_mappings, dtypes, injec
 emu_mod = pytest.importorskip("emu")
 
 BACKENDS = [pytest.param("emu", marks=pytest.mark.emu),
-            pytest.param("emu-reverse", marks=pytest.mark.emu),  # threads in reverse order
+            pytest.param("emu-reverse", marks=pytest.mark.emu),  # see _env
             pytest.param("cuda", marks=pytest.mark.gpu)]
 misaligns = st.sampled_from([0, 0, 1, 2, 4, 8])
 
@@ -29,7 +29,8 @@ def _env(kind):
     if kind.startswith("emu"):
         if not emu_mod.have_compiler():
             pytest.skip("no host C++ compiler")
-        return np, emu_mod.EmuLauncher(reverse=kind == "emu-reverse")
+        alternate = kind == "emu-reverse"  # reverse thread order and 64-bit index paths
+        return np, emu_mod.EmuLauncher(reverse=alternate, wide_index=alternate)
     import cupy
 
     return cupy, None

@@ -20,7 +20,7 @@ emu_mod = pytest.importorskip("emu")
 
 HEAD_DIMS = (8, 36, 80, 96, 512)
 BACKENDS = [pytest.param("emu", marks=pytest.mark.emu),
-            pytest.param("emu-reverse", marks=pytest.mark.emu),  # threads in reverse order
+            pytest.param("emu-reverse", marks=pytest.mark.emu),  # see _env
             pytest.param("cuda", marks=pytest.mark.gpu)]
 matrix = pytest.mark.parametrize("dtype", DTYPE_NAMES)
 dims = pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -30,7 +30,8 @@ def _env(kind):
     if kind.startswith("emu"):
         if not emu_mod.have_compiler():
             pytest.skip("no host C++ compiler")
-        return np, emu_mod.EmuLauncher(reverse=kind == "emu-reverse")
+        alternate = kind == "emu-reverse"  # reverse thread order and 64-bit index paths
+        return np, emu_mod.EmuLauncher(reverse=alternate, wide_index=alternate)
     import cupy
 
     return cupy, None
