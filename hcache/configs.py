@@ -8,8 +8,11 @@ tuples and dtypes by their SPEC §2 names, so configs are hashable and compare b
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 from types import MappingProxyType
+
+import numpy as np
 
 from .dtypes import dtype_name
 
@@ -18,9 +21,13 @@ __all__ = ["LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
 
 
 def _int(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    # operator.index, not int(): a 0-d float array has __index__ that int() would truncate.
+    if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value)
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     return value

@@ -26,12 +26,15 @@ Design decisions (where the reference is silent or not thread-safe):
 from __future__ import annotations
 
 import heapq
+import math
+import operator
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 
-from .configs import _int, _set
+from .configs import _int as _config_int
+from .configs import _set
 from .continuous_batching_collection import ContinuousBatchingKVCacheCollection
 from .continuous_batching_diagnostics import ContinuousBatchingDiagnosticsMixin
 from .device import resolve_device, stream_scope
@@ -62,9 +65,17 @@ class KVCacheStaticParams:
 
 
 def _seq_id(value, name="seq_id") -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    # ``operator.index``, not ``int``: a 0-d float array has ``__index__`` but is no int.
+    if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    return int(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def _int(name: str, value, minimum: int = 0) -> int:
+    return _config_int(name, _seq_id(value, name), minimum)
 
 
 class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
@@ -120,7 +131,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
         self._lengths: dict[int, int] = {}             # live seq_id -> committed tokens
         self._next_id = 0                              # ids below it were handed out once
         self._inflight: ContinuousBatchingKVCacheCollection | None = None
-        self._inflight_owner: int | None = None        # thread id that fetched it
+        self._inflight_owner: threading.Thread | None = None   # the thread that fetched it
 
     # --- geometry ---------------------------------------------------------------------------
 
@@ -233,9 +244,11 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
             A batch is in flight (and ``wait`` is false, the caller holds it, or ``timeout``
             passed).
         ValueError
-            ``seq_ids`` is empty, repeats an id or names an unknown (or released) sequence.
+            ``seq_ids`` is empty, repeats an id or names an unknown (or released) sequence;
+            ``timeout`` is negative.
         TypeError
-            An id is not an int, or ``stream`` is not a stream.
+            An id is not an int, ``timeout`` is not None or a number, or ``stream`` is not a
+            stream.
         """
         if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
             raise TypeError(f"seq_ids: expected a sequence of int, got {type(seq_ids).__name__}")
@@ -244,10 +257,18 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
             raise ValueError("seq_ids: expected at least one seq_id, got 0")
         if len(set(ids)) != len(ids):
             raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                                      np.floating)):
+                raise TypeError(f"timeout: expected None or seconds, "
+                                f"got {type(timeout).__name__}")
+            if math.isnan(timeout) or timeout < 0:
+                raise ValueError(f"timeout: expected seconds >= 0, got {timeout}")
         scope = stream_scope(stream, self._device)   # validates ``stream`` first
         with self._cond:
             if self._inflight is not None:
-                if not wait or self._inflight_owner == threading.get_ident():
+                # the Thread object, not get_ident(): idents are recycled once a thread exits
+                if not wait or self._inflight_owner is threading.current_thread():
                     raise BatchInFlightError("fetch: expected no batch in flight, got one of "
                                              f"seq_ids {list(self._inflight.seq_ids)}; step it")
                 if not self._cond.wait_for(lambda: self._inflight is None, timeout):
@@ -264,7 +285,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
                 self._upload(self._dev_lengths, lengths)
             coll = ContinuousBatchingKVCacheCollection(self, ids, self._dev_lookup[:batch],
                                                        self._dev_lengths[:batch], blocks, lengths)
-            self._inflight, self._inflight_owner = coll, threading.get_ident()
+            self._inflight, self._inflight_owner = coll, threading.current_thread()
             return coll
 
     def step(self, valid_lengths, collection: ContinuousBatchingKVCacheCollection) -> None:
@@ -281,14 +302,15 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
         with self._cond:
             self._check_active(collection, "step")
             add = self._lengths_arg(valid_lengths, collection.batch_size)
-            new = collection._lengths + add
-            over = np.flatnonzero(new > self._max_seq_len)
-            if over.size:
-                i = int(over[0])
+            # Python ints: a huge length must be refused, not wrap around in int64.
+            new = [n + a for n, a in zip(collection._lengths.tolist(), add, strict=True)]
+            over = [i for i, n in enumerate(new) if n > self._max_seq_len]
+            if over:
+                i = over[0]
                 raise ValueError(f"valid_lengths[{i}]: expected at most "
                                  f"{self._max_seq_len - int(collection._lengths[i])} for seq_id "
-                                 f"{collection.seq_ids[i]}, got {int(add[i])}")
-            for sid, n in zip(collection.seq_ids, new.tolist(), strict=True):
+                                 f"{collection.seq_ids[i]}, got {add[i]}")
+            for sid, n in zip(collection.seq_ids, new, strict=True):
                 self._lengths[sid] = n
             self._inflight, self._inflight_owner = None, None
             self._cond.notify_all()
@@ -331,31 +353,28 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
         if self._inflight is not collection:
             raise ValueError(f"{what}: expected the batch in flight, got an ended collection")
 
-    def _lengths_arg(self, valid_lengths, batch: int) -> np.ndarray:
+    def _lengths_arg(self, valid_lengths, batch: int) -> list[int]:
         if isinstance(valid_lengths, np.ndarray):
             if valid_lengths.dtype.kind not in "iu" or valid_lengths.ndim != 1:
                 raise TypeError(f"valid_lengths: expected a 1-D integer array, "
                                 f"got {valid_lengths.dtype} with shape {valid_lengths.shape}")
-            values = valid_lengths.astype(np.int64)
+            values = valid_lengths.tolist()     # exact Python ints (uint64 included)
         elif isinstance(valid_lengths, (str, bytes)) or not hasattr(valid_lengths, "__iter__"):
             raise TypeError(f"valid_lengths: expected a sequence of int, "
                             f"got {type(valid_lengths).__name__}")
         else:
-            values = np.array([_seq_id(v, f"valid_lengths[{i}]")
-                               for i, v in enumerate(valid_lengths)], dtype=np.int64)
-        if values.shape[0] != batch:
-            raise ValueError(f"valid_lengths: expected {batch} lengths, got {values.shape[0]}")
-        if values.size and values.min() < 0:
-            raise ValueError(f"valid_lengths: expected lengths >= 0, got {values.tolist()}")
+            values = [_seq_id(v, f"valid_lengths[{i}]") for i, v in enumerate(valid_lengths)]
+        if len(values) != batch:
+            raise ValueError(f"valid_lengths: expected {batch} lengths, got {len(values)}")
+        if any(v < 0 for v in values):
+            raise ValueError(f"valid_lengths: expected lengths >= 0, got {values}")
         return values
 
     def _layer(self, layer) -> int:
-        if isinstance(layer, bool) or not hasattr(layer, "__index__"):
-            raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
-        if not 0 <= int(layer) < self._num_layers:
-            raise IndexError(f"layer: expected a layer in [0, {self._num_layers}), "
-                             f"got {int(layer)}")
-        return int(layer)
+        layer = _seq_id(layer, "layer")
+        if not 0 <= layer < self._num_layers:
+            raise IndexError(f"layer: expected a layer in [0, {self._num_layers}), got {layer}")
+        return layer
 
     def _kv_view(self, kv: int, layer) -> object:
         return self.blocks_buf[:, kv, self._layer(layer)]

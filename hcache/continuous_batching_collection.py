@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ops
-from .device import array_module_of
+from .device import array_module_of, stream_scope
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
 
@@ -134,11 +134,13 @@ class ContinuousBatchingKVCacheCollection:
             The collection is ended or not this manager's in-flight batch; a shape or dtype
             does not match; some row would pass ``max_seq_len``. Nothing is written.
         TypeError
-            ``layer`` is not an int, or an array has the wrong array module.
+            ``layer`` is not an int, an array has the wrong array module, or ``stream`` is not
+            a stream.
         IndexError
             ``layer`` is outside ``[0, num_layers)``.
         """
         m = self._manager
+        scope = stream_scope(stream, m.device)   # validates ``stream`` (on cpu too)
         with m._cond:   # held across the launch: a concurrent step cannot end the batch
             m._check_active(self, "write")
             layer = m._layer(layer)
@@ -158,7 +160,7 @@ class ContinuousBatchingKVCacheCollection:
                                  f"{i} (seq_id {self.seq_ids[i]}), got {new_tokens}")
             if new_tokens == 0:
                 return
-            with m.device.scope():
+            with m.device.scope(), scope:
                 ops.kv_write(group, key.reshape(-1, heads, size), value.reshape(-1, heads, size),
                              layers=layer, uniform_tokens=new_tokens, batch=self.batch_size,
                              cache_lengths=self.cache_lengths, row_to_slot=self.lookup_table,
