@@ -335,10 +335,10 @@ def test_add_request_errors_change_nothing():
     run_step(ctx, [ctx.add_request("b", [1, 2])])
     with pytest.raises(CacheCapacityError, match="rows"):
         ctx.add_request("c", [3])
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="request_id"):
         ctx.release_requests(["a", "nope"])
     assert ctx.num_active_requests == 2
-    with pytest.raises(KeyError):
+    with pytest.raises(ValueError, match="request_id"):
         ctx.extend_request("nope", [1])
     ctx.extend_request("b", [3])
     with pytest.raises(ValueError, match="scheduled"):

@@ -15,9 +15,7 @@ _MAX_HASH = np.iinfo(np.int64).max
 
 
 def _index(name: str, value, upper: int) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value)
+    value = _int(name, value, minimum=-(2**63))  # the type check (bools and floats refused)
     if not 0 <= value < upper:
         raise IndexError(f"{name}: expected an index in [0, {upper}), got {value}")
     return value

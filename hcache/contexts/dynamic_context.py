@@ -101,15 +101,16 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         self.max_requests = _int("max_requests", max_requests, 1)
         self.max_blocks_per_request = _int("max_blocks_per_request", max_blocks_per_request, 1)
         self.num_mamba_layers = _int("num_mamba_layers", num_mamba_layers)
-        self.mamba_chunk_size = _int("mamba_chunk_size", mamba_chunk_size or block_size_tokens,
-                                     1)
+        self.mamba_chunk_size = _int("mamba_chunk_size", block_size_tokens
+                                     if mamba_chunk_size is None else mamba_chunk_size, 1)
         if self.block_size_tokens % self.mamba_chunk_size:
             raise ValueError(f"mamba_chunk_size: expected a divisor of block_size_tokens "
                              f"{self.block_size_tokens}, got {self.mamba_chunk_size}")
         slots = _int("mamba_cache_slots", mamba_cache_slots)
         self.max_sequence_length = self.max_blocks_per_request * self.block_size_tokens
-        self.max_step_tokens = _int("max_step_tokens", max_step_tokens or
-                                    self.max_requests * self.max_sequence_length, 1)
+        self.max_step_tokens = _int("max_step_tokens", self.max_requests
+                                    * self.max_sequence_length if max_step_tokens is None
+                                    else max_step_tokens, 1)
         self.kv_pool = PagedKVPool(list(kv_layer_configs), num_blocks, self.block_size_tokens,
                                    kv_dtype, device=self.device)
         self.kv_block_allocator = KVBlockAllocator(
@@ -168,7 +169,7 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         Raises
         ------
         ValueError
-            ``request_id`` is already active, ``tokens`` is empty or too long.
+            ``request_id`` is already active, ``tokens`` is empty, too long or not 1-D.
         TypeError
             ``tokens`` are not integers.
         CacheCapacityError
@@ -189,11 +190,15 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         if not self._free_rows:
             raise CacheCapacityError(f"requests: all {self.max_requests} rows are in use",
                                      required=1, available=0)
-        refs = kv.block_ref_counts[np.asarray(matched, dtype=np.int64)]
-        if not kv.is_memory_available(num_new, int(np.count_nonzero(refs == 0))):
-            raise CacheCapacityError(f"KV blocks: {num_new} required, "
-                                     f"{kv.get_allocatable_count()} allocatable",
-                                     required=num_new, available=kv.get_allocatable_count())
+        # Pinning takes the matched blocks that eviction could reclaim out of the pool; a cached
+        # matched block with an in-use descendant was never reclaimable, so it costs nothing.
+        # (Ancestors of matched blocks are matched blocks, so nothing else becomes pinned.)
+        pinned = int(np.count_nonzero(
+            kv._evictable_mask()[np.asarray(matched, dtype=np.int64)]))
+        if not kv.is_memory_available(num_new, pinned):
+            available = kv.get_allocatable_count() - pinned
+            raise CacheCapacityError(f"KV blocks: {num_new} required, {available} allocatable",
+                                     required=num_new, available=available)
         kv.retain_memory_blocks(matched)
         new = kv.allocate_memory_blocks(num_new)
         if new is None:  # unreachable: availability was checked with the pins accounted for
@@ -220,11 +225,11 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
 
         Raises
         ------
-        KeyError
-            Unknown request.
         ValueError
-            The request already has a step scheduled, ``tokens`` is empty, or the sequence
-            would exceed the block table.
+            Unknown request, the request already has a step scheduled, ``tokens`` is empty or
+            not 1-D, or the sequence would exceed the block table.
+        TypeError
+            ``tokens`` are not integers, or ``request_id`` is not hashable.
         CacheCapacityError
             Not enough KV blocks even after eviction. Nothing changes.
         """
@@ -278,7 +283,7 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
 
         Raises
         ------
-        KeyError, ValueError
+        ValueError
             Unknown request, a request without a scheduled step, or too many tokens.
         """
         reqs = [self._get(rid) for rid in request_ids]
@@ -338,7 +343,7 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         """Release requests: drop their block references (registered blocks stay cached under
         LRU), free their rows and live Mamba slots, and forget any scheduled step.
 
-        Raises ``KeyError`` (nothing changes) when an id is not active.
+        Raises ``ValueError`` (nothing changes) when an id is not active.
         """
         reqs = [self._get(rid) for rid in dict.fromkeys(request_ids)]
         if not reqs:

@@ -151,8 +151,9 @@ class KVBlockAllocator(LeafPeelingMixin):
 
     def is_memory_available(self, n: int, potential_matched_count: int = 0) -> bool:
         """Whether :meth:`allocate_memory_blocks` ``(n)`` would succeed after pinning
-        ``potential_matched_count`` prefix-matched cached blocks (which then cannot be evicted
-        to supply fresh blocks)."""
+        ``potential_matched_count`` prefix-matched evictable blocks (which then cannot be
+        evicted to supply fresh blocks; a cached block with an in-use descendant is not
+        evictable, so pinning it costs nothing and it is not counted)."""
         n = _int("n", n)
         potential_matched_count = _int("potential_matched_count", potential_matched_count)
         if self._free_top >= n:

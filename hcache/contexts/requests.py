@@ -133,17 +133,22 @@ class RequestTableMixin:
     def _get(self, request_id) -> _Request:
         try:
             return self._requests[request_id]
-        except (KeyError, TypeError):
-            raise KeyError(f"request_id: expected an active request, got {request_id!r}") \
+        except TypeError:
+            raise TypeError(f"request_id: expected a hashable id, "
+                            f"got {type(request_id).__name__}") from None
+        except KeyError:
+            raise ValueError(f"request_id: expected an active request, got {request_id!r}") \
                 from None
 
     def _tokens(self, name, tokens) -> list:
         arr = np.asarray(tokens)
         if arr.size == 0:
             return []
-        if arr.ndim != 1 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        if arr.ndim == 0 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
             raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} "
                             f"{arr.shape}")
+        if arr.ndim != 1:
+            raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
         return arr.astype(np.int64).tolist()
 
     def _install(self, r: _Request) -> None:
