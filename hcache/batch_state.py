@@ -68,6 +68,10 @@ def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
     """
     if array_module_of(values) is not np or hasattr(values, "__cuda_array_interface__"):
         raise TypeError(f"{name}: expected host integers, got {type(values).__name__}")
+    if isinstance(values, (list, tuple)) and any(isinstance(v, (bool, np.bool_))
+                                                 for v in values):
+        # np.asarray([1, True]) is an int array: a bool entry would pass as 0 or 1.
+        raise TypeError(f"{name}: expected integers, got a bool entry")
     arr = np.asarray(values)
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
@@ -77,6 +81,9 @@ def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
     if length is not None and arr.shape[0] != length:
         raise ValueError(f"{name}: expected {length} entries, got {arr.shape[0]}")
+    big = np.flatnonzero(arr > np.iinfo(np.int64).max) if arr.dtype == np.uint64 else ()
+    if len(big):   # would wrap to a negative int64 (2**64 - 1 would read as -1)
+        raise ValueError(f"{name}[{big[0]}]: expected a value below 2**63, got {arr[big[0]]}")
     return arr.astype(np.int64)
 
 
@@ -133,9 +140,11 @@ class BatchAPI:
 
     @property
     def batch_state_nbytes(self) -> int:
-        """Device bytes of the lengths, staging, mapping, plan and status buffers."""
+        """Device bytes of the lengths, staging, mapping, plan and status buffers and of the
+        descriptor table of the slot tensors that compaction moves."""
         return int(sum(a.nbytes for a in (self._lengths, self._increments, self._mapping,
-                                          self._plan, self._status)))
+                                          self._plan, self._status,
+                                          self._state_slots.device_infos)))
 
     def get_kv_cache_lengths(self):
         """The device lengths of the active sequences.

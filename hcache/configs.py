@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from .dtypes import dtype_name
 
 __all__ = ["LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
            "HybridCacheConfig", "LinearCacheConfig"]
+
+
+_INT32_MAX = 2**31 - 1   # sequence lengths are int32 on the device and in the kernels
 
 
 def _int(name: str, value, minimum: int = 0) -> int:
@@ -30,6 +33,14 @@ def _int(name: str, value, minimum: int = 0) -> int:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _seq_len(value) -> int:
+    value = _int("max_sequence_length", value, 1)
+    if value > _INT32_MAX:
+        raise ValueError(f"max_sequence_length: expected an int <= {_INT32_MAX} (int32 "
+                         f"lengths), got {value}")
     return value
 
 
@@ -73,7 +84,35 @@ class LayerType(enum.Enum):
                 return cls[value.upper()]
             except KeyError:
                 pass
-        raise ValueError(f"{name}: expected a LayerType, got {value!r}")
+            raise ValueError(f"{name}: expected a LayerType, got {value!r}")
+        raise TypeError(f"{name}: expected a LayerType or its name, got {type(value).__name__}")
+
+
+class _FrozenMapping(Mapping):
+    """A read-only, hashable mapping that pickles and deep-copies (unlike ``mappingproxy``)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data=()):
+        self._data = dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self):
+        return hash(tuple(sorted(self._data.items())))
+
+    def __repr__(self) -> str:
+        return repr(self._data)
+
+    def __reduce__(self):
+        return (type(self), (self._data,))
 
 
 @dataclass(frozen=True)
@@ -102,8 +141,7 @@ class KVCacheConfig:
 
     def __post_init__(self):
         _set(self, "max_batch_size", _int("max_batch_size", self.max_batch_size, 1))
-        _set(self, "max_sequence_length",
-             _int("max_sequence_length", self.max_sequence_length, 1))
+        _set(self, "max_sequence_length", _seq_len(self.max_sequence_length))
         if isinstance(self.layer_configs, (str, bytes)) or not hasattr(self.layer_configs,
                                                                        "__iter__"):
             raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
@@ -185,16 +223,20 @@ class HybridCacheConfig:
             raise TypeError(f"mamba: expected MambaCacheConfig or None, "
                             f"got {type(self.mamba).__name__}")
         _set(self, "max_batch_size", _int("max_batch_size", self.max_batch_size, 1))
-        sharing = dict(self.kv_sharing or {})
+        try:
+            pairs = dict(self.kv_sharing or {})
+        except (TypeError, ValueError):
+            raise TypeError(f"kv_sharing: expected a mapping of layer to owner layer, "
+                            f"got {type(self.kv_sharing).__name__}") from None
+        sharing = {_int("kv_sharing key", layer): _int("kv_sharing value", owner)
+                   for layer, owner in pairs.items()}
         for layer, owner in sharing.items():
-            _int("kv_sharing key", layer)
-            _int("kv_sharing value", owner)
             if not 0 <= layer < len(types) or not types[layer].has_attention:
                 raise ValueError(f"kv_sharing: expected attention layers as keys, got {layer}")
             if not 0 <= owner < layer or not types[owner].has_attention or owner in sharing:
                 raise ValueError(f"kv_sharing[{layer}]: expected an earlier attention layer that "
                                  f"owns its cache, got {owner}")
-        _set(self, "kv_sharing", MappingProxyType(sharing))
+        _set(self, "kv_sharing", _FrozenMapping(sharing))
         owners = sum(1 for i, t in enumerate(types) if t.has_attention and i not in sharing)
         if owners != self.kv.num_attention_layers:
             raise ValueError(f"kv.layer_configs: expected {owners} entries (attention layers "
@@ -255,8 +297,9 @@ class LinearCacheConfig:
     def __post_init__(self):
         _set(self, "num_attention_layers",
              _int("num_attention_layers", self.num_attention_layers, 0))
-        for name in ("max_batch_size", "max_sequence_length", "num_kv_heads", "head_dim"):
+        for name in ("max_batch_size", "num_kv_heads", "head_dim"):
             _set(self, name, _int(name, getattr(self, name), 1))
+        _set(self, "max_sequence_length", _seq_len(self.max_sequence_length))
         _set(self, "num_mamba_layers", _int("num_mamba_layers", self.num_mamba_layers, 0))
         lo = 1 if self.num_mamba_layers else 0
         for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "conv_dim",

@@ -284,8 +284,8 @@ def _gemma4(c: _Cfg) -> _Layout:
     sliding, window = _sliding_flags(c), c.int("sliding_window")
     sliding[-1] = False                  # transformers forces the last layer to full attention
     heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
-    full_dim = c.stated("global_head_dim") or head_dim
-    full_dim = _int("global_head_dim", full_dim, 1)
+    full_dim = c.stated("global_head_dim")     # an explicit null means head_dim
+    full_dim = head_dim if full_dim is None else _int("global_head_dim", full_dim, 1)
     global_heads = c.raw.get("num_global_key_value_heads")
     full_heads = (heads if global_heads is None or c.raw.get("attention_k_eq_v") is False
                   else _int("num_global_key_value_heads", global_heads, 1))

@@ -188,7 +188,8 @@ class HybridCacheManager(BatchAPI):
             if self._mamba_local[i] is not None:
                 own += mamba["layers"][self._mamba_local[i]]
             layers.append(own)
-        metadata = kv["layer_infos"] + self.batch_state_nbytes
+        metadata = kv["layer_infos"] + self.batch_state_nbytes + (
+            self._mamba.metadata_nbytes if self._mamba is not None else 0)
         report = {"kv_cache": kv["kv_cache"], "recurrent": mamba["recurrent"],
                   "conv": mamba["conv"], "metadata": metadata}
         report["total"] = sum(report.values())
@@ -230,6 +231,9 @@ class HybridCacheManager(BatchAPI):
         if self._mamba is None:
             check_index("slot", b, self._config.max_batch_size)
             for name, t in (("recurrent", recurrent), ("conv", conv)):
+                if isinstance(t, (str, bytes)) or not hasattr(t, "__len__"):
+                    raise TypeError(f"{name}: expected a sequence of arrays, "
+                                    f"got {type(t).__name__}")
                 if len(t):
                     raise ValueError(f"{name}: expected 0 tensors, got {len(t)}")
             return

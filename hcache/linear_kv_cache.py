@@ -102,6 +102,8 @@ class LinearKVCache(BatchAPI):
             {"recurrent": 0, "conv": 0}
         metadata = self.batch_state_nbytes + sum(
             int(g.device_layer_infos.nbytes + g.scratch_infos.nbytes) for g in self._kv_groups)
+        if self._mamba is not None:
+            metadata += self._mamba.metadata_nbytes
         report = {"kv_cache": int(self._buffer.nbytes), "recurrent": mamba["recurrent"],
                   "conv": mamba["conv"], "metadata": metadata}
         report["total"] = sum(report.values())
@@ -132,6 +134,9 @@ class LinearKVCache(BatchAPI):
         check_index("slot", b, self._config.max_batch_size)
         if self._mamba is None:
             for name, t in (("ssm", ssm), ("conv", conv)):
+                if isinstance(t, (str, bytes)) or not hasattr(t, "__len__"):
+                    raise TypeError(f"{name}: expected a sequence of arrays, "
+                                    f"got {type(t).__name__}")
                 if len(t):
                     raise ValueError(f"{name}: expected 0 tensors, got {len(t)}")
             return

@@ -88,6 +88,15 @@ class MambaCacheManager:
         (``conv_dtype``). Raises ``IndexError`` for a bad layer."""
         return self._conv_views[check_index("layer", i, self.num_layers)]
 
+    @property
+    def metadata_nbytes(self) -> int:
+        """Device bytes of the slot indices and descriptor tables of the one-launch copies
+        (not in :meth:`memory_report`, which counts the states)."""
+        tables = (list(self._capture_sets.values()) + [self._restore_set]
+                  if self.num_layers else [])
+        return int(self._slot_idx.nbytes + self._zero_idx.nbytes
+                   + sum(t.device_infos.nbytes for t in tables))
+
     def memory_report(self) -> dict:
         """Device bytes: ``recurrent``, ``conv``, ``total`` and ``layers`` (per layer)."""
         n = self.num_layers
