@@ -102,7 +102,7 @@ class KVGroup:
         # Per-call pointer tables (write sources, capture/restore tensors) are uploaded here,
         # so no call allocates device memory.
         self.scratch_infos = self.xp.zeros((len(self.layers), 2), dtype=np.uint64)
-        self.scratch_host: np.ndarray | None = None  # what scratch_infos holds now
+        self.scratch_host = None  # (stream key, table) that scratch_infos holds now
 
     @property
     def num_layers(self) -> int:

@@ -270,11 +270,12 @@ def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, s
 
 def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None):
     """``lengths[:n] += increment`` (int or int32 array ``[n]``), all or nothing: refused (and
-    counted in ``status``) if any result would leave ``[0, max_len]``."""
+    counted in ``status``) if any increment is negative or any result would pass ``max_len``."""
     cur = np.asarray(lengths[:n], dtype=np.int64)
     inc = np.asarray(increment, dtype=np.int64)
-    nxt = cur + (inc[:n] if inc.ndim else inc)
-    if n and ((nxt < 0).any() or (nxt > max_len).any()):
+    add = inc[:n] if inc.ndim else np.full(n, inc)
+    nxt = cur + add
+    if n and ((add < 0).any() or (nxt > max_len).any()):
         _bump(status)
         return
     lengths[:n] = nxt.astype(lengths.dtype)

@@ -440,7 +440,7 @@ def test_lengths_add_is_all_or_nothing(kind, lengths, inc, n, max_len, seed):
         increment, delta = inc, inc
     want = np.asarray(lengths, np.int64)
     nxt = want[:n] + delta
-    refused = n > 0 and bool(((nxt < 0) | (nxt > max_len)).any())
+    refused = n > 0 and bool(((np.asarray(delta) < 0) | (nxt > max_len)).any())
     if not refused:
         want[:n] = nxt
     ops.lengths_add(cur, n, increment, max_len, status=status, backend=backend)

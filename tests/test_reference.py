@@ -127,6 +127,8 @@ def test_lengths_add_refuses_overflow_whole():
     assert lengths.tolist() == [3, 9] and status[0] == 1
     ops.lengths_add(lengths, 2, np.array([2, 0], np.int32), 9, status=status)
     assert lengths.tolist() == [5, 9] and status[0] == 1
+    ops.lengths_add(lengths, 2, np.array([1, -1], np.int32), 9, status=status)  # no rollback
+    assert lengths.tolist() == [5, 9] and status[0] == 2
 
 
 def test_wrappers_validate_index_arrays():

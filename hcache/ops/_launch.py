@@ -7,7 +7,7 @@ import contextlib
 import numpy as np
 
 from .. import _kernels
-from ..device import Device, array_module_of, data_pointer, stream_scope
+from ..device import Device, array_module_of, data_pointer, stream_handle, stream_scope
 
 BLOCK = 256          # threads per block for every kernel
 MAX_GRID_X = 8192    # grid-stride loops cover the rest
@@ -111,12 +111,16 @@ def check_status(status, xp):
 def upload_table(run, group, host: np.ndarray):
     """Put a per-call pointer table into the group's preallocated scratch, stream-ordered.
 
-    Skipped when the table equals the last one uploaded (an engine that reuses its K/V
-    buffers pays for the upload once)."""
-    if group.scratch_host is not None and np.array_equal(group.scratch_host, host):
+    Skipped when the table equals the last one uploaded on the same stream (an engine that
+    reuses its K/V buffers pays for the upload once); another stream uploads again, since it
+    is not ordered after the first upload."""
+    stream = getattr(run, "stream", None)
+    key = stream_handle(stream) if stream is not None else None
+    last = group.scratch_host
+    if last is not None and last[0] == key and np.array_equal(last[1], host):
         return
     if isinstance(group.scratch_infos, np.ndarray):
         group.scratch_infos[: host.shape[0]] = host
     else:
         run.upload(group.scratch_infos, host)
-    group.scratch_host = host
+    group.scratch_host = (key, host)

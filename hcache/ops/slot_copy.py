@@ -58,8 +58,8 @@ def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None, bac
     lengths : int32 [>= n]
     increment : int, or int32 [n] array of the same module as ``lengths``
     max_len : int
-        A commit that would take any length outside ``[0, max_len]`` is refused: nothing
-        changes and ``status[0]`` is incremented.
+        A commit with a negative increment, or one that would take any length past
+        ``max_len``, is refused: nothing changes and ``status[0]`` is incremented.
     """
     xp = array_module_of(lengths)
     check_index_array("lengths", lengths, xp, min_len=n)
