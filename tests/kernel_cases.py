@@ -4,11 +4,32 @@ around every array), groups of layers, ragged token batches, injective mappings.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 
 GUARD = 64
+# Where the kernels run: the host emulation (forward order, 32-bit indices), the alternate
+# emulation (reverse thread order, 64-bit index paths) and CuPy on a GPU.
+BACKENDS = [pytest.param("emu", marks=pytest.mark.emu),
+            pytest.param("emu-reverse", marks=pytest.mark.emu),
+            pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def kernel_env(kind):
+    """``(array module, backend)`` for a BACKENDS entry (skips without a host compiler)."""
+    if kind.startswith("emu"):
+        import emu
+
+        if not emu.have_compiler():
+            pytest.skip("no host C++ compiler")
+        alternate = kind == "emu-reverse"
+        return np, emu.EmuLauncher(reverse=alternate, wide_index=alternate)
+    import cupy
+
+    return cupy, None
+
 HEAD_DIMS = (1, 3, 8, 36, 80, 96, 128, 512)
 dtypes = st.sampled_from(DTYPE_NAMES).map(resolve_dtype)
 

@@ -18,12 +18,11 @@ from hcache.configs import (
 from hcache.hybrid_cache_manager import HybridCacheManager
 from hcache.linear_kv_cache import LinearKVCache
 
+from helpers import host
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 B, S = 6, 12
 
-
-def host(a):
-    return a.get() if hasattr(a, "get") else np.array(a)
 
 
 def hybrid(device="cpu", max_batch=B, seq=S, kv_dtype="float16"):

@@ -22,12 +22,11 @@ from hcache.continuous_batching import (
 from hcache.dtypes import DTYPE_NAMES
 from hcache.errors import CacheCapacityError
 
+from helpers import host
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 H, D = 2, 3
 
-
-def host(a):
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def make(dtype="float16", n=4, s=8, layers=3, device="cpu", heads=H, size=D):

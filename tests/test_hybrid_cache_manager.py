@@ -19,6 +19,8 @@ from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES
 from hcache.hybrid_cache_manager import HybridCacheManager, KVHeadDimGroupView
 
+from helpers import host, put
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 B, S = 4, 9
 A, M, AM, N = (LayerType.ATTENTION, LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA,
@@ -32,17 +34,6 @@ KV_LAYERS = [KVLayerConfig(2, 80), KVLayerConfig(1, 8), KVLayerConfig(3, 36),
 MAMBA_LAYERS = [0, 3, 5]
 
 
-def host(a):
-    return a.get() if hasattr(a, "get") else np.array(a)
-
-
-def put(dst, values):
-    if hasattr(dst, "get"):
-        import cupy
-
-        dst[...] = cupy.asarray(values)
-    else:
-        dst[...] = values
 
 
 def config(kv_dtype="float16", ssm="float32", conv="float16", max_batch=B):

@@ -15,25 +15,20 @@ from hypothesis import strategies as st
 from hcache import ops
 from hcache.layout import KVGroup, SlotSet
 
-from kernel_cases import HEAD_DIMS, Arena, as_bytes, bad_mappings, dtypes, injective_mappings
+from kernel_cases import (
+    BACKENDS,
+    HEAD_DIMS,
+    Arena,
+    as_bytes,
+    bad_mappings,
+    dtypes,
+    injective_mappings,
+    kernel_env,
+)
 
-emu_mod = pytest.importorskip("emu")
-
-BACKENDS = [pytest.param("emu", marks=pytest.mark.emu),
-            pytest.param("emu-reverse", marks=pytest.mark.emu),  # see _env
-            pytest.param("cuda", marks=pytest.mark.gpu)]
 misaligns = st.sampled_from([0, 0, 1, 2, 4, 8])
 
 
-def _env(kind):
-    if kind.startswith("emu"):
-        if not emu_mod.have_compiler():
-            pytest.skip("no host C++ compiler")
-        alternate = kind == "emu-reverse"  # reverse thread order and 64-bit index paths
-        return np, emu_mod.EmuLauncher(reverse=alternate, wide_index=alternate)
-    import cupy
-
-    return cupy, None
 
 
 def _twins(seed, xp):
@@ -118,7 +113,7 @@ def _naive_compaction(layers, states, lengths, mapping, new_batch, seq):
 @pytest.mark.parametrize("kind", BACKENDS)
 @given(c=compaction_cases())
 def test_compaction_matches_reference_and_model(kind, c):
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     ref_arena, k_arena = _twins(c["seed"], xp)
     ref_state = _compaction_state(ref_arena, c, np)
     k_state = _compaction_state(k_arena, c, xp)
@@ -138,7 +133,7 @@ def test_compaction_matches_reference_and_model(kind, c):
 @pytest.mark.parametrize("kind", BACKENDS)
 @given(bad=bad_mappings(), seed=st.integers(0, 2**32 - 1), dtype=dtypes)
 def test_invalid_mapping_moves_nothing(kind, bad, seed, dtype):
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     max_batch, old, new, mapping = bad
     c = dict(max_batch=max(max_batch, old), old=old, new=new, mapping=mapping, dtype=dtype,
              head_dim=8, seq=3, heads=[2, 1], lengths=np.full(max(max_batch, old), 2, np.int32),
@@ -282,7 +277,7 @@ def _naive_write(c, layers, k, v, layout):
 @pytest.mark.parametrize("kind", BACKENDS)
 @given(c=write_cases())
 def test_kv_write_matches_reference_and_model(kind, c):
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     ref_arena, k_arena = _twins(c["seed"], xp)
     rg, rkeep, rk, rv, rkw, rstatus = _write_state(ref_arena, c, np)
     kg, kkeep, kk, kv, kkw, kstatus = _write_state(k_arena, c, xp)
@@ -348,7 +343,7 @@ def _slot_state(arena, c, xp):
 @pytest.mark.parametrize("kind", BACKENDS)
 @given(c=slot_copy_cases())
 def test_slot_copy_matches_reference_and_model(kind, c):
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     ref_arena, k_arena = _twins(c["seed"], xp)
     rp, rs, rd, rstat = _slot_state(ref_arena, c, np)
     kp, ks, kd, kstat = _slot_state(k_arena, c, xp)
@@ -387,7 +382,7 @@ def prefix_cases(draw):
 @pytest.mark.parametrize("to_cache", [False, True], ids=["capture", "restore"])
 @given(c=prefix_cases())
 def test_prefix_copy_matches_reference_and_model(kind, to_cache, c):
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     ref_arena, k_arena = _twins(c["seed"], xp)
     n = min(c["n"], c["seq"] + 2)
 
@@ -426,7 +421,7 @@ def test_prefix_copy_matches_reference_and_model(kind, to_cache, c):
        inc=st.one_of(st.integers(-5, 8), st.lists(st.integers(-5, 8), min_size=8, max_size=8)),
        n=st.integers(0, 8), max_len=st.integers(0, 25), seed=st.integers(0, 2**16))
 def test_lengths_add_is_all_or_nothing(kind, lengths, inc, n, max_len, seed):
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     n = min(n, len(lengths))
     arena = Arena(np.random.default_rng(seed), xp)
     cur = arena.array((len(lengths),), np.int32)

@@ -14,27 +14,13 @@ from hcache import ops
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 from hcache.layout import KVGroup, SlotSet
 
-from kernel_cases import Arena, as_bytes
-
-emu_mod = pytest.importorskip("emu")
+from kernel_cases import BACKENDS, Arena, as_bytes, kernel_env
 
 HEAD_DIMS = (8, 36, 80, 96, 512)
-BACKENDS = [pytest.param("emu", marks=pytest.mark.emu),
-            pytest.param("emu-reverse", marks=pytest.mark.emu),  # see _env
-            pytest.param("cuda", marks=pytest.mark.gpu)]
 matrix = pytest.mark.parametrize("dtype", DTYPE_NAMES)
 dims = pytest.mark.parametrize("head_dim", HEAD_DIMS)
 
 
-def _env(kind):
-    if kind.startswith("emu"):
-        if not emu_mod.have_compiler():
-            pytest.skip("no host C++ compiler")
-        alternate = kind == "emu-reverse"  # reverse thread order and 64-bit index paths
-        return np, emu_mod.EmuLauncher(reverse=alternate, wide_index=alternate)
-    import cupy
-
-    return cupy, None
 
 
 def _host(a):
@@ -53,7 +39,7 @@ def _i32(arena, values, xp):
 def test_compaction_with_a_cycle_chains_and_holes(kind, dtype, head_dim):
     # 6 slots: 0->3, 1 evicted, 2->0, 3->2 (cycle 0->3->2->0), 4->1, 5 evicted; new batch 5,
     # so slot 4 is a hole. Lengths differ so each move copies its own prefix.
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     dt = resolve_dtype(dtype)
     arena = Arena(np.random.default_rng(head_dim), xp)
     layers = [arena.array((6, 2, h, 5, head_dim), dt, misalign=dt.itemsize) for h in (2, 1)]
@@ -89,7 +75,7 @@ def test_compaction_with_a_cycle_chains_and_holes(kind, dtype, head_dim):
 def test_ragged_write_with_padding(kind, dtype, head_dim):
     # Rows of 3, 0 and 2 tokens plus 2 padding tokens; row 1 has no slot (-1); the last token
     # of row 2 would land past max_seq_len and must be skipped and counted.
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     dt = resolve_dtype(dtype)
     arena = Arena(np.random.default_rng(head_dim + 1), xp)
     layers = [arena.array((4, 2, h, 6, head_dim), dt) for h in (1, 3)]
@@ -119,7 +105,7 @@ def test_ragged_write_with_padding(kind, dtype, head_dim):
 @matrix
 @dims
 def test_paged_write_through_block_table(kind, dtype, head_dim):
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     dt = resolve_dtype(dtype)
     arena = Arena(np.random.default_rng(head_dim + 2), xp)
     pool = arena.array((5, 2, 2, 2, head_dim), dt)  # 5 blocks of 2 tokens
@@ -150,7 +136,7 @@ def test_paged_write_through_block_table(kind, dtype, head_dim):
 @matrix
 @dims
 def test_capture_restore_round_trip(kind, dtype, head_dim):
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     dt = resolve_dtype(dtype)
     arena = Arena(np.random.default_rng(head_dim + 3), xp)
     layers = [arena.array((3, 2, h, 5, head_dim), dt) for h in (2, 1, 3)]
@@ -171,7 +157,7 @@ def test_capture_restore_round_trip(kind, dtype, head_dim):
 @pytest.mark.parametrize("kind", BACKENDS)
 @matrix
 def test_slot_copy_between_pools_of_different_sizes(kind, dtype):
-    xp, backend = _env(kind)
+    xp, backend = kernel_env(kind)
     dt = resolve_dtype(dtype)
     arena = Arena(np.random.default_rng(7), xp)
     live = [arena.array((3, 4, 5), dt), arena.array((3, 9), dt)]

@@ -13,23 +13,14 @@ from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 from hcache.kv_cache_manager import KVCacheManager
 
+from helpers import host, put
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 B, S = 3, 10
 HETERO = [KVLayerConfig(2, 80), KVLayerConfig(1, 8), KVLayerConfig(3, 80), KVLayerConfig(2, 36),
           KVLayerConfig(4, 8)]
 
 
-def host(a):
-    return a.get() if hasattr(a, "get") else np.array(a)
-
-
-def put(dst, values):
-    if hasattr(dst, "get"):
-        import cupy
-
-        dst[...] = cupy.asarray(values)
-    else:
-        dst[...] = values
 
 
 def randomize(m, rng):

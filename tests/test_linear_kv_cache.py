@@ -11,22 +11,13 @@ from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 from hcache.linear_kv_cache import LinearKVCache
 
+from helpers import host, put
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 L, B, H, S, D = 3, 5, 2, 7, 36
 ML, MH, MD, DS, CD, CK = 2, 2, 3, 4, 6, 3
 
 
-def host(a):
-    return a.get() if hasattr(a, "get") else np.array(a)
-
-
-def put(dst, values):
-    if hasattr(dst, "get"):
-        import cupy
-
-        dst[...] = cupy.asarray(values)
-    else:
-        dst[...] = values
 
 
 def cache(device="cpu", dtype="float16", mamba=True, layers=L):

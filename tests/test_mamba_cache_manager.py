@@ -11,23 +11,14 @@ from hcache.configs import MambaCacheConfig
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 from hcache.mamba_cache_manager import MambaCacheManager
 
+from helpers import host, put
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 L, B = 3, 4
 REC = (2, 3, 5)        # heads, head_dim, state_size
 CONV = (6, 4)          # conv_dim, conv_kernel
 
 
-def host(a):
-    return a.get() if hasattr(a, "get") else np.array(a)
-
-
-def put(dst, values):
-    if hasattr(dst, "get"):
-        import cupy
-
-        dst[...] = cupy.asarray(values)
-    else:
-        dst[...] = values
 
 
 def manager(ssm="float32", conv="float16", device="cpu", layers=L):

@@ -23,6 +23,8 @@ from hcache.contexts import (
 )
 from hcache.errors import CacheCapacityError
 
+from helpers import host
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 L, R = 3, 4
 CONV, SSM = (3, 2), (2, 5)
@@ -34,9 +36,6 @@ def xp_of(device):
         return cupy
     return np
 
-
-def host(a):
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 def make(device="cpu", *, num_blocks=16, max_slots=4, policy="lru", bs=4, chunk=2,

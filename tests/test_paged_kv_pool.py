@@ -10,13 +10,12 @@ from hypothesis import given
 from hcache import DTYPE_NAMES, KVLayerConfig, resolve_dtype
 from hcache.contexts import PagedKVPool
 
+from helpers import host
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # Two head dims (4 and 8), interleaved, with different head counts.
 LAYERS = [KVLayerConfig(2, 4), KVLayerConfig(1, 8), KVLayerConfig(3, 4)]
 
-
-def host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 def raw(a):

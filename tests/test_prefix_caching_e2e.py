@@ -20,6 +20,8 @@ from hcache.configs import KVLayerConfig
 from hcache.contexts import DynamicInferenceContext
 from hcache.errors import CacheCapacityError
 
+from helpers import host
+
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 BS, L = 4, 2
 CONV, SSM = (2, 3), (2, 2)
@@ -28,9 +30,6 @@ VOCAB, P = 50, 65521
 _A = (np.arange(L * 4).reshape(L, *SSM) % 29 + 2).astype(np.float64)
 _B = (np.arange(L * 4).reshape(L, *SSM) % 13 + 1).astype(np.float64)
 
-
-def host(a):
-    return a if isinstance(a, np.ndarray) else a.get()
 
 
 # --- the stand-in model -------------------------------------------------------------------------

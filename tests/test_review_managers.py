@@ -22,11 +22,10 @@ from hcache.device import data_pointer
 from hcache.hybrid_cache_manager import HybridCacheManager
 from hcache.linear_kv_cache import LinearKVCache
 
+from helpers import host
+
 B, S = 3, 6
 
-
-def host(a):
-    return a.get() if hasattr(a, "get") else np.array(a)
 
 
 def gemma_like():
