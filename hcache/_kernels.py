@@ -7,6 +7,7 @@ the real file and line. Importing hcache compiles nothing.
 
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from pathlib import Path
 
@@ -35,11 +36,16 @@ def kernel_dir() -> Path:
 
 
 def kernel_source(family: str) -> tuple[str, str]:
-    """``(path, source)`` of a family, the source prefixed with ``#line 1 "<path>"``."""
+    """``(path, source)`` of a family, the source prefixed with ``#line 1 "<path>"`` and
+    suffixed with a digest of the ``.cuh`` headers: CuPy keys its kernel cache by the source
+    text, not by what it includes, so a changed header must change the text."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
-    path = kernel_dir() / f"{family}.cu"
-    return str(path), f'#line 1 "{path}"\n' + path.read_text()
+    folder = kernel_dir()
+    path = folder / f"{family}.cu"
+    headers = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(folder.glob("*.cuh"))))
+    return str(path), (f'#line 1 "{path}"\n' + path.read_text()
+                       + f"\n// hcache headers sha256 {headers.hexdigest()}\n")
 
 
 def nvrtc_options() -> tuple[str, ...]:

@@ -85,8 +85,8 @@ def resolve_device(device=None) -> Device:
     text = device.strip().lower()
     if text == "cpu":
         return Device("cpu")
-    kind, _, ordinal = text.partition(":")
-    if kind != "cuda" or (ordinal and not ordinal.isdigit()):
+    kind, colon, ordinal = text.partition(":")
+    if kind != "cuda" or (colon and not (ordinal.isascii() and ordinal.isdigit())):
         raise ValueError(f"device: expected None, 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if not cupy_available():
         raise ValueError(f"device: expected a usable CUDA device for {device!r}, "

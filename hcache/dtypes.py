@@ -51,6 +51,8 @@ def resolve_dtype(dtype, name: str = "dtype") -> np.dtype:
             raise ValueError(f"{name}: expected one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
         return _BY_NAME[key]
     try:
+        if dtype is None:  # np.dtype(None) is float64
+            raise TypeError
         dt = np.dtype(dtype)
     except TypeError:
         raise TypeError(f"{name}: expected a dtype name or dtype, got {type(dtype).__name__}") \
@@ -79,5 +81,5 @@ def storage_dtype(dtype, xp) -> np.dtype:
     try:
         xp.empty((0,), dtype=dt)
         return dt
-    except Exception:  # noqa: BLE001 - CuPy raises several types for an unsupported dtype
-        return _UINT_OF_SIZE[dt.itemsize]
+    except (TypeError, ValueError, NotImplementedError):  # an unsupported dtype; a device
+        return _UINT_OF_SIZE[dt.itemsize]                # error (no GPU) propagates

@@ -17,6 +17,7 @@ from .device import array_module_of, data_pointer
 __all__ = ["KVGroup", "SlotSet", "group_layers_by_head_dim", "pack_kv_layer_infos"]
 
 _LAYOUTS = ("HND", "NHD")
+MAX_GRID_Y = 65535  # layers of a group / tensors of a set: one grid.y index each
 
 
 def pack_kv_layer_infos(pointers, num_kv_heads, max_seq_lens) -> np.ndarray:
@@ -59,6 +60,8 @@ class KVGroup:
     def __init__(self, layers, *, layout: str = "HND", layer_indices=None):
         if not layers:
             raise ValueError("layers: expected at least one layer, got 0")
+        if len(layers) > MAX_GRID_Y:
+            raise ValueError(f"layers: expected at most {MAX_GRID_Y} layers, got {len(layers)}")
         if layout not in _LAYOUTS:
             raise ValueError(f"layout: expected one of {_LAYOUTS}, got {layout!r}")
         first = layers[0]
@@ -81,6 +84,10 @@ class KVGroup:
             if array_module_of(layer) is not self.xp:
                 raise TypeError(f"layers[{i}]: expected a {self.xp.__name__} array, "
                                 f"got {type(layer).__name__}")
+            if 0 in layer.shape[2:]:
+                # S = 0 would divide by zero in paged writes, H = 0 launch an empty grid.
+                raise ValueError(f"layers[{i}]: expected at least one kv head, token and "
+                                 f"head-dim element, got shape {tuple(layer.shape)}")
             if layout == "HND":
                 if not layer.flags.c_contiguous:
                     raise ValueError(f"layers[{i}]: expected a C-contiguous HND cache")
@@ -155,6 +162,8 @@ class SlotSet:
     def __init__(self, pairs):
         if not pairs:
             raise ValueError("pairs: expected at least one (src, dst) pair, got 0")
+        if len(pairs) > MAX_GRID_Y:
+            raise ValueError(f"pairs: expected at most {MAX_GRID_Y} pairs, got {len(pairs)}")
         self.pairs = [(s, d) for s, d in pairs]
         self.xp = array_module_of(self.pairs[0][0])
         host = self._table(self.pairs)

@@ -28,10 +28,11 @@ def plan_max_batch(plan) -> int:
 
 
 def plan_schedule(plan) -> np.ndarray:
-    """The plan's schedule as host int32 ``[count, 2]`` (src, dst) pairs."""
+    """The plan's schedule as host int32 ``[count, 2]`` (src, dst) pairs; like the kernels,
+    a count outside ``[0, 3 max_batch]`` (the schedule's capacity) is clamped to it."""
     host = np.asarray(plan.get() if hasattr(plan, "get") else plan)
     mb = plan_max_batch(host)
-    n = int(host[1])
+    n = min(max(int(host[1]), 0), 3 * mb)
     start = PLAN_HEADER + 2 * mb
     return host[start:start + 2 * n].reshape(n, 2)
 
@@ -116,13 +117,20 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
     plan[0] = 0
 
 
+def _clamp(x: int, cap: int) -> int:
+    return min(max(int(x), 0), cap)
+
+
 def kv_compact(group, plan, lengths, *, stream=None):
-    """Run the plan over every layer of ``group``: move the first ``lengths[src]`` tokens."""
+    """Run the plan over every layer of ``group``: move the first ``lengths[src]`` tokens, but
+    none at or past the plan's longest span ``plan[2]``; entries naming no slot are skipped."""
     if int(plan[0]) != 0:
         return
     sched = plan_schedule(plan)
+    slots = group.num_slots
     for layer, cap in zip(group.layers, group.max_seq_lens):
         tok_axis = 3 if group.layout == "HND" else 2
+        limit = _clamp(plan[2], cap)
         tmp, tmp_n = None, 0
 
         def span(slot, n, layer=layer, tok_axis=tok_axis):
@@ -132,12 +140,14 @@ def kv_compact(group, plan, lengths, *, stream=None):
 
         for src, dst in sched:
             if dst == TMP:
-                tmp_n = min(max(int(lengths[src]), 0), cap)
-                tmp = layer[span(src, tmp_n)].copy()
+                if 0 <= src < slots:
+                    tmp_n = min(_clamp(lengths[src], cap), limit)
+                    tmp = layer[span(src, tmp_n)].copy()
             elif src == TMP:
-                layer[span(dst, tmp_n)] = tmp
-            elif src >= 0:
-                n = min(max(int(lengths[src]), 0), cap)
+                if 0 <= dst < slots and tmp_n:
+                    layer[span(dst, tmp_n)] = tmp
+            elif 0 <= src < slots and 0 <= dst < slots:
+                n = min(_clamp(lengths[src], cap), limit)
                 layer[span(dst, n)] = layer[span(src, n)]
 
 
@@ -148,15 +158,19 @@ def slots_compact(slots, plan, *, stream=None):
         return
     sched = plan_schedule(plan)
     for _, t in slots.pairs:
-        tmp = None
+        n = t.shape[0]
+        tmp = np.zeros_like(t[0]) if n else None   # the kernel's register chunk starts zeroed
         for src, dst in sched:
             if dst == TMP:
-                tmp = t[src].copy()
+                if 0 <= src < n:
+                    tmp = t[src].copy()
+            elif not 0 <= dst < n:
+                continue
             elif src == TMP:
                 t[dst] = tmp
             elif src == CLEAR:
                 t[dst] = 0
-            else:
+            elif 0 <= src < n:
                 t[dst] = t[src]
 
 
@@ -188,7 +202,17 @@ def _token_rows(num_tokens, batch, seq_offsets, uniform_tokens):
     off = np.asarray(seq_offsets, dtype=np.int64)[:batch + 1]
     if batch <= 0:
         return np.full(num_tokens, -1), np.zeros(num_tokens, dtype=np.int64)
-    b = np.searchsorted(off[:batch], t, side="right") - 1
+    # The kernel's binary search (largest b with off[b] <= t), step for step, so that offsets
+    # that are not sorted (device data nobody checks) give the kernel's rows too.
+    lo = np.zeros(num_tokens, dtype=np.int64)
+    hi = np.full(num_tokens, batch - 1, dtype=np.int64)
+    while (lo < hi).any():
+        mid = (lo + hi + 1) >> 1
+        le = off[mid] <= t
+        active = lo < hi
+        lo = np.where(active & le, mid, lo)
+        hi = np.where(active & ~le, mid - 1, hi)
+    b = lo
     b[(t < off[0]) | (t >= off[batch])] = -1
     return b, off[np.maximum(b, 0)]
 
@@ -228,7 +252,10 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
             table = np.asarray(block_table)
             col = pp // cap
             wide = live & (col >= table.shape[1])
-            slot = table[bb, np.minimum(col, table.shape[1] - 1)].astype(np.int64)
+            if table.shape[1]:
+                slot = table[bb, np.minimum(col, table.shape[1] - 1)].astype(np.int64)
+            else:
+                slot = np.full(num_tokens, -1, dtype=np.int64)   # every token is `wide`
             p = pp % cap
         else:
             wide = np.zeros(num_tokens, dtype=bool)

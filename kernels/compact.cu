@@ -32,6 +32,13 @@ __device__ __forceinline__ const int* hc_plan_schedule(const int* plan, int max_
     return plan + HC_PLAN_HEADER + 2 * max_batch;
 }
 
+// The plan's entry count, clamped to the schedule's capacity (3 max_batch pairs): the copy
+// kernels never read past the plan, whatever its header says.
+__device__ __forceinline__ int hc_plan_count(const int* plan, int max_batch) {
+    const int n = plan[HC_PLAN_COUNT];
+    return n < 0 ? 0 : (n > 3 * max_batch ? 3 * max_batch : n);
+}
+
 // Appends (src, dst) entries and tracks the longest moved span.
 struct HcSchedule {
     int* pairs;
@@ -132,12 +139,14 @@ __device__ void hc_kv_compact_body(char* base, hc_i64 slot_stride,
             if (dst == HC_TMP) {
                 if (src < 0 || src >= num_slots) continue;
                 tmp_n = hc_span_bytes(lengths[src], cap, row_bytes);
+                if (tmp_n > span_limit) tmp_n = span_limit;
                 if (off < tmp_n) hc_load_chunk<W>(tmp, base + src * slot_stride, off, tmp_n);
             } else if (src == HC_TMP) {
                 if (dst < 0 || dst >= num_slots) continue;
                 if (off < tmp_n) hc_store_chunk<W>(base + dst * slot_stride, tmp, off, tmp_n);
             } else if (src >= 0 && src < num_slots && dst >= 0 && dst < num_slots) {
-                const hc_i64 n = hc_span_bytes(lengths[src], cap, row_bytes);
+                hc_i64 n = hc_span_bytes(lengths[src], cap, row_bytes);
+                if (n > span_limit) n = span_limit;
                 if (off < n) hc_copy_chunk<W>(base + dst * slot_stride, base + src * slot_stride,
                                               off, n);
             }
@@ -145,7 +154,8 @@ __device__ void hc_kv_compact_body(char* base, hc_i64 slot_stride,
     }
 }
 
-// Moves the first lengths[old] tokens of every kept slot, for every layer of a head-dim group.
+// Moves the first lengths[old] tokens of every kept slot, for every layer of a head-dim group,
+// none at or past the plan's max length (span_limit: the bytes no chunk may pass).
 // layers: KVLayerInfo [num_layers], each cache [num_slots, 2, H_l, S_l, D] with D*itemsize ==
 // row_bytes; lengths: int32 [num_slots], read before any length is compacted.
 // Launch: grid (2 * max_kv_heads, num_layers, z), block (B); blocks past a layer's heads exit.
@@ -163,7 +173,7 @@ extern "C" __global__ void hc_kv_compact(const KVLayerInfo* __restrict__ layers,
     const int w = hc_vec_width(info.data | (hc_u64)head_span | (hc_u64)slot_stride);
     const hc_i64 limit = hc_span_bytes(plan[HC_PLAN_MAX_LEN], info.max_seq_len, row_bytes);
     const int* sched = hc_plan_schedule(plan, max_batch);
-    const int count = plan[HC_PLAN_COUNT];
+    const int count = hc_plan_count(plan, max_batch);
     HC_DISPATCH_WIDTH(w, hc_kv_compact_body, base, slot_stride, sched, count,
                       lengths, info.max_seq_len, row_bytes, num_slots, limit);
 }
@@ -206,7 +216,8 @@ extern "C" __global__ void hc_slots_compact(const SlotTensorInfo* __restrict__ t
     const int num_slots = t.src_slots < t.dst_slots ? t.src_slots : t.dst_slots;
     const int w = hc_vec_width(t.dst | (hc_u64)t.slot_bytes);
     HC_DISPATCH_WIDTH(w, hc_slots_compact_body, reinterpret_cast<char*>(t.dst), t.slot_bytes,
-                      hc_plan_schedule(plan, max_batch), plan[HC_PLAN_COUNT], num_slots);
+                      hc_plan_schedule(plan, max_batch), hc_plan_count(plan, max_batch),
+                      num_slots);
 }
 
 // Exported: hc_compaction_plan, hc_kv_compact, hc_slots_compact

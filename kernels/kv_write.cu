@@ -71,23 +71,27 @@ __device__ void hc_kv_write_impl(const HcWriteArgs& a, const KVLayerInfo& info, 
         int start = 0;
         const int b = hc_token_row(a.seq_offsets, a.uniform_tokens, a.batch, t, &start);
         if (b < 0) continue;
-        const int pos = a.positions != nullptr
-                            ? a.positions[t]
-                            : (a.cache_lengths != nullptr ? a.cache_lengths[b] : 0) + (t - start);
+        // 64-bit: cache_lengths[b] + (t - start) may pass INT_MAX.
+        const hc_i64 pos = a.positions != nullptr
+                               ? (hc_i64)a.positions[t]
+                               : (hc_i64)(a.cache_lengths != nullptr ? a.cache_lengths[b] : 0) +
+                                     (t - start);
         if (pos == -1) continue;
         if (pos < 0) {
             if (reporter) hc_report(status);
             continue;
         }
-        int slot, p;
+        int slot;
+        hc_i64 p;
         if (a.block_table != nullptr) {
-            const int col = pos / info.max_seq_len;
+            const int S = info.max_seq_len;  // 32-bit division unless pos needs 64 bits
+            const hc_i64 col = pos <= 0x7fffffff ? (hc_i64)((int)pos / S) : pos / S;
             if (col >= a.max_blocks_per_seq) {
                 if (reporter) hc_report(status);
                 continue;
             }
             slot = a.block_table[(hc_i64)b * a.max_blocks_per_seq + col];
-            p = pos % info.max_seq_len;
+            p = pos - col * S;
         } else {
             slot = a.row_to_slot != nullptr ? a.row_to_slot[b] : b;
             p = pos;

@@ -10,11 +10,12 @@
 
 #include "common.cuh"
 
-// I: the flat index type (32-bit when it fits, see hc_fits_u32).
+// I: the flat index type (32-bit when it fits, see hc_fits_u32). A slot has at least one chunk
+// (of zero bytes for an empty slot), so every pair is visited and a bad one counted.
 template <int W, typename I>
 __device__ void hc_slot_copy_impl(const SlotTensorInfo& t, const int* src_idx, const int* dst_idx,
                                   int num_pairs, int* status) {
-    const I chunks = (I)((t.slot_bytes + W - 1) / W);
+    const I chunks = t.slot_bytes > 0 ? (I)((t.slot_bytes + W - 1) / W) : (I)1;
     const I total = (I)num_pairs * chunks;
     const I step = (I)gridDim.x * blockDim.x;
     for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
@@ -36,7 +37,7 @@ __device__ void hc_slot_copy_impl(const SlotTensorInfo& t, const int* src_idx, c
 template <int W>
 __device__ void hc_slot_copy_body(const SlotTensorInfo& t, const int* src_idx, const int* dst_idx,
                                   int num_pairs, int* status) {
-    if (hc_fits_u32((hc_u64)num_pairs * (hc_u64)t.slot_bytes))
+    if (hc_fits_u32((hc_u64)num_pairs * (hc_u64)(t.slot_bytes > 0 ? t.slot_bytes : 1)))
         hc_slot_copy_impl<W, unsigned>(t, src_idx, dst_idx, num_pairs, status);
     else
         hc_slot_copy_impl<W, hc_u64>(t, src_idx, dst_idx, num_pairs, status);

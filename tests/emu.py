@@ -18,6 +18,11 @@ import numpy as np
 from hcache._kernels import FAMILIES, kernel_dir
 
 HEADER = Path(__file__).resolve().parent / "cuda_emu.h"
+# Misaligned vector accesses and the undefined behaviour that a GPU compiler may exploit
+# differently from g++ (signed overflow, division by zero) abort the test run.
+FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
+         "-fsanitize=alignment,signed-integer-overflow,integer-divide-by-zero,shift",
+         "-fno-sanitize-recover=all")
 _CTYPE = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
           np.dtype(np.uint64): ctypes.c_uint64}
 
@@ -34,7 +39,7 @@ def build(family: str, wide_index: bool = False) -> ctypes.CDLL:
     exports = "".join(f"CUDA_EMU_EXPORT({name})\n" for name in FAMILIES[family])
     define = "#define HC_FORCE_U64_INDEX 1\n" if wide_index else ""
     wrapper = f'{define}#include "{src}"\n{exports}'
-    digest = hashlib.sha256((wrapper + HEADER.read_text() + src.read_text()
+    digest = hashlib.sha256((" ".join(FLAGS) + wrapper + HEADER.read_text() + src.read_text()
                              + (kernel_dir() / "common.cuh").read_text()).encode()).hexdigest()
     out_dir = Path(tempfile.gettempdir()) / "hcache-emu"
     out_dir.mkdir(exist_ok=True)
@@ -43,8 +48,7 @@ def build(family: str, wide_index: bool = False) -> ctypes.CDLL:
         cpp = out_dir / f"{family}-{digest[:16]}.cpp"
         cpp.write_text(wrapper)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [os.environ.get("CXX", "g++"), "-std=c++20", "-O2", "-shared", "-fPIC", "-Wall",
-               "-Werror", "-fsanitize=alignment", "-fno-sanitize-recover=all",
+        cmd = [os.environ.get("CXX", "g++"), *FLAGS,
                "-include", str(HEADER), f"-I{kernel_dir()}", str(cpp), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:

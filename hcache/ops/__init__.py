@@ -10,7 +10,8 @@ CuPy launcher (:class:`CupyLauncher`), or the host emulation of the test suite, 
 same ``.cu`` through g++. The argument tuples are identical for both: ``numpy`` scalars
 (``int32``, ``int64``, ``uint64`` for pointers; 0 is a null pointer).
 
-None of these functions synchronizes the device or allocates device memory.
+None of these functions synchronizes the device or allocates device memory. Kernels launch on
+the current CUDA device (the managers make theirs current around every call).
 """
 
 from __future__ import annotations

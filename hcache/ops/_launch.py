@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import _kernels
 from ..device import Device, array_module_of, data_pointer, stream_handle, stream_scope
+from ..reference import PLAN_HEADER, compaction_plan_size, plan_max_batch
 
 BLOCK = 256          # threads per block for every kernel
 MAX_GRID_X = 8192    # grid-stride loops cover the rest
@@ -75,6 +76,19 @@ def i64(x) -> np.int64:
     return np.int64(int(x))
 
 
+INT_MIN, INT_MAX = -(2**31), 2**31 - 1
+
+
+def c_int(name, x, lo: int = INT_MIN, hi: int = INT_MAX) -> int:
+    """``x`` as a Python ``int`` in ``[lo, hi]`` (by default the range of the C ``int`` it is
+    passed as), checked the same way for the reference and the kernels."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
+    if not lo <= int(x) <= hi:
+        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {int(x)}")
+    return int(x)
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -92,7 +106,7 @@ def grid_z(span_bytes: int) -> int:
 def check_index_array(name, a, xp, *, min_len=0, ndim=1):
     if a is None:
         return
-    if array_module_of(a) is not xp:
+    if array_module_of(a) is not xp or not isinstance(a, xp.ndarray):
         raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
     if a.dtype != np.int32:
         raise ValueError(f"{name}: expected dtype int32, got {a.dtype}")
@@ -101,6 +115,22 @@ def check_index_array(name, a, xp, *, min_len=0, ndim=1):
                          f"got shape {tuple(a.shape)}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array")
+
+
+def check_plan(plan, xp, num_slots: int) -> int:
+    """Validate a compaction plan for tensors of ``num_slots`` slots; return its max_batch.
+
+    The plan's contents are device data (unchecked); its size says which slots its schedule
+    may name, so a plan for more slots than the tensors have is refused here.
+    """
+    check_index_array("plan", plan, xp, min_len=PLAN_HEADER)
+    max_batch = plan_max_batch(plan)
+    if plan.shape[0] != compaction_plan_size(max_batch):
+        raise ValueError(f"plan: expected length 4 + 8 * max_batch, got {plan.shape[0]}")
+    if max_batch > num_slots:
+        raise ValueError(f"plan: expected a plan for at most {num_slots} slots, "
+                         f"got one for {max_batch}")
+    return max_batch
 
 
 def check_status(status, xp):
@@ -113,9 +143,11 @@ def upload_table(run, group, host: np.ndarray):
 
     Skipped when the table equals the last one uploaded on the same stream (an engine that
     reuses its K/V buffers pays for the upload once); another stream uploads again, since it
-    is not ordered after the first upload."""
-    stream = getattr(run, "stream", None)
-    key = stream_handle(stream) if stream is not None else None
+    is not ordered after the first upload. ``stream=None`` is keyed by the current stream's
+    handle, not by ``None``. The table is one per group: calls on two streams that may run
+    concurrently must be ordered by the caller (a later upload may overwrite the table that an
+    earlier launch on another stream has yet to read)."""
+    key = stream_handle(getattr(run, "stream", None))  # None: the current stream's handle
     last = group.scratch_host
     if last is not None and last[0] == key and np.array_equal(last[1], host):
         return

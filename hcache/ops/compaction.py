@@ -6,8 +6,10 @@ from .. import reference as ref
 from ..device import array_module_of, data_pointer
 from ._launch import (
     BLOCK,
+    c_int,
     ceil_div,
     check_index_array,
+    check_plan,
     grid_x,
     grid_z,
     i32,
@@ -30,8 +32,11 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
         Written in place: ``plan[0]`` = 0 (valid), 1 (not injective into ``[0, new_batch)``) or
         2 (bad batch sizes); the copy kernels do nothing for an invalid plan.
     lengths : int32 [max_batch], optional
-        Current lengths, for the longest moved span (read by :func:`kv_compact`).
+        Current lengths, for the longest moved span (``plan[2]``): :func:`kv_compact` moves
+        no token at or past it, so without ``lengths`` it moves no KV data at all.
     """
+    old_batch = c_int("old_batch", old_batch)
+    new_batch = c_int("new_batch", new_batch)
     xp = array_module_of(plan)
     check_index_array("plan", plan, xp, min_len=ref.PLAN_HEADER)
     max_batch = ref.plan_max_batch(plan)
@@ -50,11 +55,12 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
 def kv_compact(group, plan, lengths, *, stream=None, backend=None):
     """Move the first ``lengths[old]`` tokens of every kept slot of every layer of ``group``
     (one launch). ``group`` must be HND. In place; ``lengths`` are the pre-compaction lengths
-    ``int32 [num_slots]``."""
+    ``int32 [num_slots]`` (the ones the plan was built with: no token at or past the plan's
+    longest span ``plan[2]`` moves). The plan must be for at most ``group.num_slots`` slots."""
     xp = group.xp
     if group.layout != "HND":
         raise ValueError("group: expected an HND group for compaction, got NHD")
-    check_index_array("plan", plan, xp, min_len=ref.PLAN_HEADER)
+    max_batch = check_plan(plan, xp, group.num_slots)
     check_index_array("lengths", lengths, xp, min_len=group.num_slots)
     run = launcher(xp, backend, stream)
     if run is None:
@@ -62,21 +68,22 @@ def kv_compact(group, plan, lengths, *, stream=None, backend=None):
     span = max(group.max_seq_lens) * group.row_bytes
     grid = (2 * group.max_kv_heads, group.num_layers, grid_z(span))
     run.launch("compact", "hc_kv_compact", grid, (BLOCK, 1, 1),
-               (ptr(group.device_layer_infos), ptr(plan), i32(ref.plan_max_batch(plan)),
+               (ptr(group.device_layer_infos), ptr(plan), i32(max_batch),
                 ptr(lengths), i32(group.row_bytes), i32(group.num_slots)))
 
 
 def slots_compact(slots, plan, *, stream=None, backend=None):
     """Move whole slots of every tensor of ``slots`` by the plan (one launch); slots below
-    ``new_batch`` that receive nothing are zeroed. In place (each pair is ``(t, t)``)."""
+    ``new_batch`` that receive nothing are zeroed. In place (each pair is ``(t, t)``); the plan
+    must be for at most as many slots as every tensor has."""
     xp = slots.xp
-    check_index_array("plan", plan, xp, min_len=ref.PLAN_HEADER)
     for i, (s, d) in enumerate(slots.pairs):
         if s is not d and data_pointer(s) != data_pointer(d):
             raise ValueError(f"slots.pairs[{i}]: expected an in-place pair (t, t)")
+    max_batch = check_plan(plan, xp, min(int(s.shape[0]) for s, _ in slots.pairs))
     run = launcher(xp, backend, stream)
     if run is None:
         return ref.slots_compact(slots, plan)
     grid = (grid_x(ceil_div(slots.max_slot_bytes, 16)), slots.num_tensors, 1)
     run.launch("compact", "hc_slots_compact", grid, (BLOCK, 1, 1),
-               (ptr(slots.device_infos), ptr(plan), i32(ref.plan_max_batch(plan))))
+               (ptr(slots.device_infos), ptr(plan), i32(max_batch)))

@@ -8,6 +8,7 @@ from .. import reference as ref
 from ..device import array_module_of, data_pointer
 from ._launch import (
     BLOCK,
+    c_int,
     ceil_div,
     check_index_array,
     check_status,
@@ -65,6 +66,9 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
         ``p % S``; -1 skips.
     status : int32 [1], optional
         Incremented once per token skipped for being out of range (padding is not counted).
+        With ``layers=None`` the first layer's ranges decide what is counted.
+
+    No two tokens may land on the same (slot, position): on the GPU their order is unspecified.
 
     Raises
     ------
@@ -90,9 +94,12 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
     for j, li in enumerate(positions_in_group):
         _check_rows(f"k[{j}]", ks[j], group, li, num_tokens, xp)
         _check_rows(f"v[{j}]", vs[j], group, li, num_tokens, xp)
+    uniform_tokens = c_int("uniform_tokens", uniform_tokens)
+    check_index_array("seq_offsets", seq_offsets, xp)
     if batch is None:
         batch = (int(seq_offsets.shape[0]) - 1 if seq_offsets is not None
                  else (num_tokens // uniform_tokens if uniform_tokens > 0 else 0))
+    batch = c_int("batch", batch)
     if batch < 0:
         raise ValueError(f"batch: expected >= 0, got {batch}")
     if seq_offsets is None and uniform_tokens <= 0:

@@ -9,6 +9,7 @@ from ..device import array_module_of, data_pointer
 from ..layout import pack_kv_layer_infos
 from ._launch import (
     BLOCK,
+    c_int,
     check_status,
     grid_z,
     i32,
@@ -24,6 +25,8 @@ def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, s
     ``compact`` (one ``[2, H_l, n, D]`` tensor per layer, ``n >= num_tokens``), one launch.
     Prefer :func:`kv_capture` / :func:`kv_restore`, which validate the slot and length first.
     """
+    slot = c_int("slot", slot)
+    num_tokens = c_int("num_tokens", num_tokens)
     xp = group.xp
     if group.layout != "HND":
         raise ValueError("group: expected an HND group, got NHD")

@@ -9,6 +9,8 @@ from .. import reference as ref
 from ..device import array_module_of
 from ._launch import (
     BLOCK,
+    INT_MAX,
+    c_int,
     ceil_div,
     check_index_array,
     check_status,
@@ -56,18 +58,27 @@ def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None, bac
     Parameters
     ----------
     lengths : int32 [>= n]
-    increment : int, or int32 [n] array of the same module as ``lengths``
+    n : int
+        In ``[0, len(lengths)]``.
+    increment : int (an int32 value), or int32 [n] array of the same module as ``lengths``
     max_len : int
-        A commit with a negative increment, or one that would take any length past
-        ``max_len``, is refused: nothing changes and ``status[0]`` is incremented.
+        In ``[0, 2**31 - 1]``. A commit with a negative increment, or one that would take any
+        length past ``max_len``, is refused: nothing changes and ``status[0]`` is incremented.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A scalar of the wrong type or out of range, or a bad array (nothing changes).
     """
     xp = array_module_of(lengths)
-    check_index_array("lengths", lengths, xp, min_len=n)
+    check_index_array("lengths", lengths, xp)
+    n = c_int("n", n, 0, int(lengths.shape[0]))
+    max_len = c_int("max_len", max_len, 0, INT_MAX)
     check_status(status, xp)
     scalar = 0
     inc = None
     if isinstance(increment, (int, np.integer)) and not isinstance(increment, bool):
-        scalar = int(increment)
+        scalar = c_int("increment", increment)
     else:
         inc = increment
         check_index_array("increment", inc, xp, min_len=n)
