@@ -223,9 +223,19 @@ def test_write_rejects_bad_inputs_and_changes_nothing():
     check_pool(pool, model)
 
 
-def test_constructor_validation_layers_and_report():
+def test_pool_without_attention_layers_holds_nothing():
+    # A pure-Mamba model: blocks carry hashes and positions only.
+    pool = PagedKVPool([], 4, 2, device="cpu")
+    assert pool.num_layers == 0 and pool.nbytes == 0 and pool.bytes_per_block == 0
+    pool.write([], [], block_table=np.zeros((1, 1), np.int32), uniform_tokens=1)
+    pool.copy_blocks([0], [1])
+    with pytest.raises(IndexError):
+        pool.copy_blocks([0], [4])
     with pytest.raises(ValueError):
-        PagedKVPool([], 4, 2, device="cpu")
+        pool.write([np.zeros((1, 1, 1))], [], block_table=np.zeros((1, 1), np.int32))
+
+
+def test_constructor_validation_layers_and_report():
     with pytest.raises(TypeError):
         PagedKVPool([(2, 4)], 4, 2, device="cpu")
     with pytest.raises(ValueError):

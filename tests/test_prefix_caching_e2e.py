@@ -370,3 +370,37 @@ def test_random_workloads_match_uncached(data):
     on, off, _ = compare(waves, num_blocks=14, slots=3, max_requests=3, policy=policy,
                          chunk=data.draw(st.sampled_from([1, 2, 4])))
     assert on.stats.computed_tokens <= off.stats.computed_tokens
+
+
+def test_pure_mamba_model_reuses_cached_states():
+    """No attention layer: KV blocks only carry the prefix hashes; Mamba states are restored
+    from the cache and continue exactly as a recomputation from zero would."""
+    ctx = DynamicInferenceContext(
+        kv_layer_configs=[], num_blocks=32, block_size_tokens=BS, max_requests=2,
+        max_blocks_per_request=8, num_mamba_layers=L, conv_states_shape=CONV,
+        ssm_states_shape=SSM, conv_states_dtype="float16", ssm_states_dtype="float32",
+        mamba_cache_slots=8, mamba_chunk_size=1, device="cpu")
+    results = {}
+    for rid, prompt in (("a", SYSTEM + [1, 2]), ("b", SYSTEM + [3, 4, 5])):
+        plan = ctx.add_request(rid, prompt)
+        targets = {off: idx for r, off, idx in ctx.snapshot_targets() if r == rid}
+        conv = host(ctx.mamba_conv_states[:, plan.mamba_slot])
+        ssm = host(ctx.mamba_ssm_states[:, plan.mamba_slot])
+        for i, tok in enumerate(plan.tokens.tolist()):
+            conv, ssm = mamba_step(conv, ssm, tok)
+            if i + 1 in targets:
+                ctx.mamba_slot_allocator.intermediate_conv_out[:, targets[i + 1]] = conv
+                ctx.mamba_slot_allocator.intermediate_ssm_out[:, targets[i + 1]] = ssm
+        ctx.mamba_conv_states[:, plan.mamba_slot] = conv
+        ctx.mamba_ssm_states[:, plan.mamba_slot] = ssm
+        ctx.write_kv([rid], [], [])
+        ctx.commit_step()
+        check(ctx)
+        want_conv, want_ssm, _ = oracle(prompt)
+        np.testing.assert_array_equal(conv, want_conv)
+        np.testing.assert_array_equal(ssm, want_ssm)
+        results[rid] = plan
+        ctx.release_requests([rid])
+    assert results["a"].skip_tokens == 0
+    assert results["b"].skip_tokens == len(SYSTEM)       # 3 cached blocks restored
+    assert results["b"].restored_block >= 0

@@ -52,8 +52,6 @@ class PagedKVPool:
             raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
                             f"got {type(layer_configs).__name__}")
         configs = tuple(layer_configs)
-        if not configs:
-            raise ValueError("layer_configs: expected at least one attention layer, got 0")
         for i, lc in enumerate(configs):
             if not isinstance(lc, KVLayerConfig):
                 raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
@@ -72,7 +70,8 @@ class PagedKVPool:
             positions = group_layers_by_head_dim([lc.head_dim for lc in configs])
             self.groups = tuple(KVGroup([self.layers[i] for i in pos], layout="HND",
                                         layer_indices=pos) for pos in positions)
-            self._slots = SlotSet([(a, a) for a in self.layers])
+            # None without attention layers (a pure-Mamba model): blocks carry only hashes.
+            self._slots = SlotSet([(a, a) for a in self.layers]) if self.layers else None
             # Host id lists for copy_blocks are uploaded here, so copies allocate nothing.
             self._copy_ids = xp.empty((2, self.num_blocks), dtype=np.int32)
         self._where = {}
@@ -148,6 +147,8 @@ class PagedKVPool:
         """
         if layer is None:
             ks, vs = self._per_layer("k", k), self._per_layer("v", v)
+            if not self.num_layers:
+                return  # no attention layer: nothing to write
             num_tokens = self._check_rows("k[0]", ks[0], 0, None)
             for i in range(self.num_layers):
                 self._check_rows(f"k[{i}]", ks[i], i, num_tokens)
@@ -211,6 +212,8 @@ class PagedKVPool:
                     self._copy_ids[0, :n].set(src)
                     self._copy_ids[1, :n].set(dst)
                 src, dst = self._copy_ids[0, :n], self._copy_ids[1, :n]
+        if self._slots is None:
+            return  # no attention layer: blocks hold no data
         with self.device.scope():
             ops.slot_copy(self._slots, src, dst, status=status, stream=stream)
 
