@@ -125,6 +125,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
                                    for layer in range(self._num_layers)], layout="NHD")
             self._dev_lookup = xp.zeros((n,), dtype=np.int32)
             self._dev_lengths = xp.zeros((n,), dtype=np.int32)
+            self._dev_offsets = xp.zeros((n + 1,), dtype=np.int32)   # ragged writes
         self._cond = threading.Condition(threading.RLock())
         self._free: list[int] = list(range(n))        # a heap: claim takes the lowest block
         self._block_of: dict[int, int] = {}            # live seq_id -> block
@@ -353,21 +354,21 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
         if self._inflight is not collection:
             raise ValueError(f"{what}: expected the batch in flight, got an ended collection")
 
-    def _lengths_arg(self, valid_lengths, batch: int) -> list[int]:
+    def _lengths_arg(self, valid_lengths, batch: int, name: str = "valid_lengths") -> list[int]:
         if isinstance(valid_lengths, np.ndarray):
             if valid_lengths.dtype.kind not in "iu" or valid_lengths.ndim != 1:
-                raise TypeError(f"valid_lengths: expected a 1-D integer array, "
+                raise TypeError(f"{name}: expected a 1-D integer array, "
                                 f"got {valid_lengths.dtype} with shape {valid_lengths.shape}")
             values = valid_lengths.tolist()     # exact Python ints (uint64 included)
         elif isinstance(valid_lengths, (str, bytes)) or not hasattr(valid_lengths, "__iter__"):
-            raise TypeError(f"valid_lengths: expected a sequence of int, "
+            raise TypeError(f"{name}: expected a sequence of int, "
                             f"got {type(valid_lengths).__name__}")
         else:
-            values = [_seq_id(v, f"valid_lengths[{i}]") for i, v in enumerate(valid_lengths)]
+            values = [_seq_id(v, f"{name}[{i}]") for i, v in enumerate(valid_lengths)]
         if len(values) != batch:
-            raise ValueError(f"valid_lengths: expected {batch} lengths, got {len(values)}")
+            raise ValueError(f"{name}: expected {batch} lengths, got {len(values)}")
         if any(v < 0 for v in values):
-            raise ValueError(f"valid_lengths: expected lengths >= 0, got {values}")
+            raise ValueError(f"{name}: expected lengths >= 0, got {values}")
         return values
 
     def _layer(self, layer) -> int:

@@ -110,21 +110,27 @@ class ContinuousBatchingKVCacheCollection:
 
     # --- command ----------------------------------------------------------------------------
 
-    def write(self, layer: int, key, value, *, stream=None) -> None:
+    def write(self, layer: int, key, value, *, seq_lengths=None, stream=None) -> None:
         """Append new tokens of one layer at each row's committed length (one kernel launch).
 
         Token ``t`` of row ``i`` lands at position ``host_cache_lengths[i] + t`` of block
         ``blocks[i]``. Writing does not commit: ``step`` decides how many of the written tokens
-        each row keeps (``valid_lengths``), so ragged prompts are written padded to one length.
+        each row keeps (``valid_lengths``).
 
         Parameters
         ----------
         layer : int
             Decoder layer in ``[0, num_layers)``.
-        key, value : arrays ``[batch, new_tokens, num_heads, head_size]``
-            C-contiguous, the manager's dtype and array module (on cuda a float8 or bfloat16
-            cache that CuPy cannot type is written from arrays of its storage dtype, see
+        key, value : arrays
+            Uniform: ``[batch, new_tokens, num_heads, head_size]`` (every row gets
+            ``new_tokens``). Ragged (with ``seq_lengths``): ``[total_tokens, num_heads,
+            head_size]``, row ``i``'s tokens after those of rows ``< i``. C-contiguous, the
+            manager's dtype and array module (on cuda a float8 or bfloat16 cache that CuPy
+            cannot type is written from arrays of its storage dtype, see
             :func:`hcache.dtypes.storage_dtype`).
+        seq_lengths : host ints [batch], optional
+            New tokens of each row for a ragged write (their sum is ``total_tokens``). The row
+            offsets go to a device buffer preallocated by the manager.
         stream : optional
             Stream of the launch (SPEC §2); use the stream of ``fetch``. Ignored on cpu.
 
@@ -146,30 +152,49 @@ class ContinuousBatchingKVCacheCollection:
             layer = m._layer(layer)
             group = m._group
             heads, size = group.num_kv_heads[0], group.head_dim
+            ragged = seq_lengths is not None
+            if ragged:
+                counts = np.asarray(m._lengths_arg(seq_lengths, self.batch_size, "seq_lengths"),
+                                    dtype=np.int64)
             for name, a in (("key", key), ("value", value)):
-                self._check_rows(name, a, heads, size, group.xp, group.dtype)
+                self._check_rows(name, a, heads, size, group.xp, group.dtype, ragged)
             if key.shape != value.shape:
                 raise ValueError(f"value: expected the shape of key {tuple(key.shape)}, "
                                  f"got {tuple(value.shape)}")
-            new_tokens = int(key.shape[1])
-            over = np.flatnonzero(self._lengths + new_tokens > m.max_seq_len)
+            if ragged and int(counts.sum()) != key.shape[0]:
+                raise ValueError(f"key: expected {int(counts.sum())} tokens (the sum of "
+                                 f"seq_lengths), got {key.shape[0]}")
+            if not ragged:
+                counts = np.full(self.batch_size, int(key.shape[1]), dtype=np.int64)
+            over = np.flatnonzero(self._lengths + counts > m.max_seq_len)
             if over.size:
                 i = int(over[0])
                 raise ValueError(f"key: expected at most "
                                  f"{m.max_seq_len - int(self._lengths[i])} new tokens for row "
-                                 f"{i} (seq_id {self.seq_ids[i]}), got {new_tokens}")
-            if new_tokens == 0:
+                                 f"{i} (seq_id {self.seq_ids[i]}), got {int(counts[i])}")
+            if not counts.any():
                 return
+            rows = dict(layers=layer, batch=self.batch_size, cache_lengths=self.cache_lengths,
+                        row_to_slot=self.lookup_table, stream=stream)
             with m.device.scope(), scope:
-                ops.kv_write(group, key.reshape(-1, heads, size), value.reshape(-1, heads, size),
-                             layers=layer, uniform_tokens=new_tokens, batch=self.batch_size,
-                             cache_lengths=self.cache_lengths, row_to_slot=self.lookup_table,
-                             stream=stream)
+                if ragged:
+                    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+                    m._upload(m._dev_offsets, offsets)
+                    ops.kv_write(group, key, value,
+                                 seq_offsets=m._dev_offsets[:self.batch_size + 1], **rows)
+                else:
+                    ops.kv_write(group, key.reshape(-1, heads, size),
+                                 value.reshape(-1, heads, size),
+                                 uniform_tokens=int(key.shape[1]), **rows)
 
-    def _check_rows(self, name, a, heads, size, xp, dtype) -> None:
+    def _check_rows(self, name, a, heads, size, xp, dtype, ragged=False) -> None:
         if array_module_of(a) is not xp or not hasattr(a, "shape"):
             raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
-        if a.ndim != 4 or a.shape[0] != self.batch_size or tuple(a.shape[2:]) != (heads, size):
+        if ragged:
+            if a.ndim != 3 or tuple(a.shape[1:]) != (heads, size):
+                raise ValueError(f"{name}: expected shape [total_tokens, {heads}, {size}], "
+                                 f"got {tuple(a.shape)}")
+        elif a.ndim != 4 or a.shape[0] != self.batch_size or tuple(a.shape[2:]) != (heads, size):
             raise ValueError(f"{name}: expected shape [{self.batch_size}, new_tokens, {heads}, "
                              f"{size}], got {tuple(a.shape)}")
         if a.dtype != dtype:

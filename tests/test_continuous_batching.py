@@ -219,6 +219,49 @@ def test_write_fills_exactly_the_new_positions_of_each_row():
     assert m.cache_lengths == {a: 4, b: 2}
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_ragged_write_puts_each_rows_tokens_at_its_length(device):
+    """Rows of 3, 0 and 2 new tokens in one flat [total, H, D] array (one launch)."""
+    m = make("float32", n=3, s=6, layers=2, heads=1, size=2, device=device)
+    a, b, c = m.claim(3)
+    coll = m.fetch([a, b, c])
+    m.step([1, 4, 0], coll)                       # committed lengths 1, 4, 0
+    coll = m.fetch([a, b, c])
+    xp = np if device == "cpu" else __import__("cupy")
+    k = xp.asarray(np.arange(1, 11, dtype=np.float32).reshape(5, 1, 2))
+    coll.write(0, k, -k, seq_lengths=[3, 0, 2])
+    buf = host(m.blocks_buf)
+    ba, bb, bc = (m.block_of(x) for x in (a, b, c))
+    assert buf[ba, 0, 0, 1:4, 0].tolist() == [[1, 2], [3, 4], [5, 6]]
+    assert buf[bc, 1, 0, 0:2, 0].tolist() == [[-7, -8], [-9, -10]]
+    assert not buf[bb].any() and not buf[:, :, 1].any()
+    assert not buf[ba, :, 0, [0, 4, 5]].any() and not buf[bc, :, 0, 2:].any()
+    m.step([3, 0, 2], coll)
+    assert m.cache_lengths == {a: 4, b: 4, c: 2}
+
+
+def test_ragged_write_errors_write_nothing():
+    m = make("float16", n=2, s=4, layers=1, heads=1, size=2)
+    a, b = m.claim(2)
+    coll = m.fetch([a, b])
+    m.step([2, 0], coll)
+    coll = m.fetch([a, b])
+    k = np.ones((3, 1, 2), np.float16)
+    for bad, exc in (([1, 1], ValueError),          # sum 2 != 3 tokens
+                     ([3, 0], ValueError),          # row 0: 2 + 3 > max_seq_len 4
+                     ([1, 1, 1], ValueError),       # one length per row
+                     ([4, -1], ValueError),
+                     ([1.5, 1.5], TypeError),
+                     ("12", TypeError)):
+        with pytest.raises(exc):
+            coll.write(0, k, k, seq_lengths=bad)
+    with pytest.raises(ValueError, match=r"key: expected shape \[total_tokens, 1, 2\]"):
+        coll.write(0, k.reshape(1, 3, 1, 2), k.reshape(1, 3, 1, 2), seq_lengths=[2, 1])
+    assert not m.blocks_buf.any()
+    coll.write(0, k, k, seq_lengths=[2, 1])
+    assert m.blocks_buf.sum() == 2 * 3 * 2
+
+
 # --- errors leave the state unchanged -------------------------------------------------------
 
 def test_claim_errors():

@@ -71,6 +71,7 @@ def test_continuous_batching_lifecycle(emulated, dtype):
 
 def test_continuous_batching_exact_positions(emulated):
     cb.test_write_fills_exactly_the_new_positions_of_each_row()
+    cb.test_ragged_write_puts_each_rows_tokens_at_its_length("cpu")
 
 
 def test_paged_pool_writes_and_block_copies(emulated):
