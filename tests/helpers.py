@@ -18,3 +18,14 @@ def put(dst, values) -> None:
         dst[...] = cupy.asarray(values)
     else:
         dst[...] = values
+
+
+def randomize(arrays, rng) -> list:
+    """Fill each array with random bytes; returns the host byte arrays written."""
+    out = []
+    for a in arrays:
+        u8 = a.view(np.uint8)
+        raw = rng.integers(0, 256, size=u8.shape, dtype=np.uint8)
+        put(u8, raw)
+        out.append(raw)
+    return out

@@ -19,7 +19,7 @@ from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES
 from hcache.hybrid_cache_manager import HybridCacheManager, KVHeadDimGroupView
 
-from helpers import host, put
+from helpers import host, randomize
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 B, S = 4, 9
@@ -45,15 +45,6 @@ def config(kv_dtype="float16", ssm="float32", conv="float16", max_batch=B):
 def manager(device="cpu", **kw):
     return HybridCacheManager(config(**kw), device=device)
 
-
-def randomize(arrays, rng):
-    out = []
-    for a in arrays:
-        u8 = a.view(np.uint8)
-        raw = rng.integers(0, 256, size=u8.shape, dtype=np.uint8)
-        put(u8, raw)
-        out.append(raw)
-    return out
 
 
 def kv_caches(m):

@@ -11,7 +11,7 @@ from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 from hcache.linear_kv_cache import LinearKVCache
 
-from helpers import host, put
+from helpers import host, randomize
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 L, B, H, S, D = 3, 5, 2, 7, 36
@@ -26,15 +26,6 @@ def cache(device="cpu", dtype="float16", mamba=True, layers=L):
     cfg = LinearCacheConfig(layers, B, S, H, D, dtype=dtype, **(extra if mamba else {}))
     return LinearKVCache(cfg, device=device)
 
-
-def randomize(arrays, rng):
-    out = []
-    for a in arrays:
-        u8 = a.view(np.uint8)
-        raw = rng.integers(0, 256, size=u8.shape, dtype=np.uint8)
-        put(u8, raw)
-        out.append(raw)
-    return out
 
 
 def mamba_states(c):

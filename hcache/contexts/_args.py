@@ -49,8 +49,9 @@ def _shape(name: str, shape) -> tuple[int, ...]:
     return tuple(_int(f"{name}[{i}]", s, 1) for i, s in enumerate(shape))
 
 
-def _as_ids(name: str, ids, num_blocks: int) -> np.ndarray:
-    """Host ``int64 [n]`` copy of ``ids``; raises TypeError/ValueError/IndexError."""
+def _as_ids(name: str, ids, num_blocks: int, *, padding: bool = False) -> np.ndarray:
+    """Host ``int64 [n]`` copy of ``ids`` (-1 allowed as padding if ``padding``); raises
+    TypeError/ValueError/IndexError."""
     arr = np.asarray(ids)
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -59,7 +60,7 @@ def _as_ids(name: str, ids, num_blocks: int) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
     arr = arr.astype(np.int64)
-    bad = (arr < 0) | (arr >= num_blocks)
+    bad = (arr < (-1 if padding else 0)) | (arr >= num_blocks)
     if bad.any():
         raise IndexError(f"{name}: expected block ids in [0, {num_blocks}), "
                          f"got {int(arr[bad][0])}")

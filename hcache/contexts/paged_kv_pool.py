@@ -16,6 +16,7 @@ from ..configs import KVCacheConfig, KVLayerConfig, _int
 from ..device import array_module_of, resolve_device, stream_scope
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..layout import KVGroup, SlotSet, group_layers_by_head_dim
+from ._args import _as_ids
 
 __all__ = ["PagedKVPool"]
 
@@ -255,15 +256,4 @@ class PagedKVPool:
                 raise ValueError(f"{name}: expected a 1-D int32 array, got {ids.dtype} "
                                  f"{tuple(ids.shape)}")
             return ids
-        arr = np.asarray(ids)
-        if arr.size == 0:
-            return np.zeros(0, dtype=np.int32)
-        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"{name}: expected integer block ids, got dtype {arr.dtype}")
-        if arr.ndim != 1:
-            raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-        if ((arr < -1) | (arr >= self.num_blocks)).any():
-            bad = arr[(arr < -1) | (arr >= self.num_blocks)]
-            raise IndexError(f"{name}: expected block ids in [0, {self.num_blocks}), "
-                             f"got {int(bad[0])}")
-        return np.ascontiguousarray(arr, dtype=np.int32)
+        return _as_ids(name, ids, self.num_blocks, padding=True).astype(np.int32)
