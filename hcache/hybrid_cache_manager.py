@@ -122,21 +122,20 @@ class HybridCacheManager(BatchAPI):
         """Kind of decoder layer ``i``. Raises ``IndexError``."""
         return self._config.layer_types[check_index("layer", i, self.num_layers)]
 
-    def _kv_index(self, i) -> int:
+    def _local(self, i, table, kind: str) -> int:
+        """Sub-manager index of decoder layer ``i`` in ``table``; IndexError / ValueError."""
         i = check_index("layer", i, self.num_layers)
-        local = self._kv_local[i]
+        local = table[i]
         if local is None:
-            raise ValueError(f"layer {i}: expected an attention layer, "
+            raise ValueError(f"layer {i}: expected {kind} layer, "
                              f"got {self._config.layer_types[i].name}")
         return local
 
+    def _kv_index(self, i) -> int:
+        return self._local(i, self._kv_local, "an attention")
+
     def _mamba_index(self, i) -> int:
-        i = check_index("layer", i, self.num_layers)
-        local = self._mamba_local[i]
-        if local is None:
-            raise ValueError(f"layer {i}: expected a Mamba layer, "
-                             f"got {self._config.layer_types[i].name}")
-        return local
+        return self._local(i, self._mamba_local, "a Mamba")
 
     def get_combined_kv_cache(self, i):
         """KV cache read by decoder layer ``i`` (its owner's for a shared layer), a view
