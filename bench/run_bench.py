@@ -24,7 +24,7 @@ import numpy as np
 
 from hcache import ops
 from hcache.device import resolve_device
-from hcache.layout import KVGroup, SlotSet
+from hcache.ops.tables import KVGroup, SlotSet
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -1,12 +1,12 @@
 """hcache: inference caches for hybrid attention + Mamba LLMs, for runtimes without torch.
 
 Public surface: the configs, the managers, the errors and the device helpers. Kernel wrappers
-live in :mod:`hcache.ops` (with their NumPy reference in :mod:`hcache.reference`).
+live in :mod:`hcache.ops` (with their NumPy reference in :mod:`hcache.ops.reference`).
 """
 
 from __future__ import annotations
 
-from .configs import (
+from .config.caches import (
                       HybridCacheConfig,
                       KVCacheConfig,
                       KVLayerConfig,
@@ -22,7 +22,7 @@ from .contexts import (
                       PagedKVPool,
                       compute_block_hashes,
 )
-from .continuous_batching import (
+from .continuous.manager import (
                       BatchInFlightError,
                       ContinuousBatchingKVCacheCollection,
                       ContinuousBatchingKVCacheManager,
@@ -31,12 +31,35 @@ from .continuous_batching import (
 from .device import Device, resolve_device
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
 from .errors import CacheCapacityError, KernelCompileError, KernelLaunchError
-from .hybrid_cache_manager import HybridCacheManager, KVHeadDimGroupView
-from .kv_cache_manager import KVCacheManager
-from .linear_kv_cache import LinearKVCache
-from .mamba_cache_manager import MambaCacheManager
+from .slots.hybrid import HybridCacheManager, KVHeadDimGroupView
+from .slots.kv import KVCacheManager
+from .slots.linear import LinearKVCache
+from .slots.mamba import MambaCacheManager
 
 __version__ = "0.1.0"
+
+
+def _keep_old_module_paths() -> None:
+    """Modules of the first wave stay importable under their old paths (``hcache.configs``,
+    ``hcache.kv_cache_manager``, ...): each old name is an alias of the module that holds its
+    contents now (see docs/design.md, "Package layout")."""
+    import importlib
+    import sys
+
+    for old, new in _OLD_MODULE_PATHS.items():
+        module = importlib.import_module(f"{__name__}.{new}")
+        sys.modules.setdefault(f"{__name__}.{old}", module)
+        globals().setdefault(old, module)
+
+
+_OLD_MODULE_PATHS = {
+    "configs": "config.caches", "hf_config": "config.hf", "layout": "ops.tables",
+    "reference": "ops.reference", "batch_state": "slots.batch", "kv_cache_manager": "slots.kv",
+    "mamba_cache_manager": "slots.mamba", "hybrid_cache_manager": "slots.hybrid",
+    "linear_kv_cache": "slots.linear", "continuous_batching": "continuous.manager",
+    "continuous_batching_collection": "continuous.collection",
+}
+_keep_old_module_paths()
 
 __all__ = ["__version__", "CacheCapacityError", "KernelCompileError", "KernelLaunchError",
            "MambaSlotCapacityError", "BatchInFlightError",

@@ -13,7 +13,8 @@ def info(args) -> int:
     import numpy as np
 
     import hcache
-    from hcache import _kernels, _nvrtc
+    from hcache.ops import _loader as _kernels
+    from hcache.ops import _nvrtc
     from hcache.device import cupy_available, resolve_device
     from hcache.dtypes import DTYPE_NAMES, resolve_dtype, storage_dtype
 
@@ -60,7 +61,7 @@ def info(args) -> int:
 
 
 def demo(args) -> int:
-    from hcache.demo import run_demo
+    from hcache.demo.run import run_demo
 
     return run_demo(device=args.device)
 

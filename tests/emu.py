@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hcache._kernels import FAMILIES, kernel_dir
+from hcache.ops._loader import FAMILIES, kernel_dir
 
 HEADER = Path(__file__).resolve().parent / "cuda_emu.h"
 # Misaligned vector accesses and the undefined behaviour that a GPU compiler may exploit

@@ -8,15 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hcache.configs import (
+from hcache.config.caches import (
     HybridCacheConfig,
     KVCacheConfig,
     KVLayerConfig,
     LinearCacheConfig,
     MambaCacheConfig,
 )
-from hcache.hybrid_cache_manager import HybridCacheManager
-from hcache.linear_kv_cache import LinearKVCache
+from hcache.slots.hybrid import HybridCacheManager
+from hcache.slots.linear import LinearKVCache
 
 from helpers import host
 

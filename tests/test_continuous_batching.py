@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from hcache.continuous_batching import (
+from hcache.continuous.manager import (
     BatchInFlightError,
     ContinuousBatchingKVCacheCollection,
     ContinuousBatchingKVCacheManager,

@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hcache.continuous_batching import (
+from hcache.continuous.manager import (
     BatchInFlightError,
     ContinuousBatchingKVCacheManager,
     KVCacheStaticParams,

@@ -18,7 +18,7 @@ import traceback
 import numpy as np
 import pytest
 
-from hcache.continuous_batching import (
+from hcache.continuous.manager import (
     BatchInFlightError,
     ContinuousBatchingKVCacheManager,
     KVCacheStaticParams,

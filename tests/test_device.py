@@ -9,7 +9,7 @@ import pytest
 from hcache import DTYPE_NAMES, dtype_name, resolve_device, resolve_dtype
 from hcache.device import Device, cupy_available, stream_handle
 from hcache.dtypes import storage_dtype
-from hcache.layout import KVGroup, SlotSet, group_layers_by_head_dim, pack_kv_layer_infos
+from hcache.ops.tables import KVGroup, SlotSet, group_layers_by_head_dim, pack_kv_layer_infos
 
 
 def test_cpu_device_and_env_override(monkeypatch):

@@ -1,4 +1,4 @@
-"""HybridCacheConfig.from_hf_config / hcache.hf_config.hybrid_config_from_hf (SPEC §4).
+"""HybridCacheConfig.from_hf_config / hcache.config.hf.hybrid_config_from_hf (SPEC §4).
 
 Each model's config dict carries its published values (source in the comment above it); the
 expected layouts are computed by hand from those values (layer positions, counts, Mamba sizes by
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hcache.configs import HybridCacheConfig, KVLayerConfig, LayerType
-from hcache.hf_config import hybrid_config_from_hf
+from hcache.config.caches import HybridCacheConfig, KVLayerConfig, LayerType
+from hcache.config.hf import hybrid_config_from_hf
 
 A, M, AM, NONE = (LayerType.ATTENTION, LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA,
                   LayerType.NONE)

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from hcache.configs import (
+from hcache.config.caches import (
     HybridCacheConfig,
     KVCacheConfig,
     KVLayerConfig,
@@ -17,7 +17,7 @@ from hcache.configs import (
 )
 from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES
-from hcache.hybrid_cache_manager import HybridCacheManager, KVHeadDimGroupView
+from hcache.slots.hybrid import HybridCacheManager, KVHeadDimGroupView
 
 from helpers import host, randomize
 

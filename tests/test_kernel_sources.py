@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from hcache import _kernels, _nvrtc
+from hcache.ops import _loader as _kernels
+from hcache.ops import _nvrtc
 from hcache.errors import KernelCompileError
 
 FAMILIES = sorted(_kernels.FAMILIES)
@@ -67,7 +68,7 @@ def test_import_compiles_nothing():
     import subprocess
     import sys
 
-    code = ("import hcache, hcache.ops, hcache._kernels as k, sys;"
+    code = ("import hcache, hcache.ops, hcache.ops._loader as k, sys;"
             "print(k._module.cache_info().currsize, 'cupy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()

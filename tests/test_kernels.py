@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hcache import ops
-from hcache.layout import KVGroup, SlotSet
+from hcache.ops.tables import KVGroup, SlotSet
 
 from kernel_cases import (
     BACKENDS,

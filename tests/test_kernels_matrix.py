@@ -12,7 +12,7 @@ import pytest
 
 from hcache import ops
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
-from hcache.layout import KVGroup, SlotSet
+from hcache.ops.tables import KVGroup, SlotSet
 
 from kernel_cases import BACKENDS, Arena, as_bytes, kernel_env
 

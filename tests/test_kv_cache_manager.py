@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hcache.configs import KVCacheConfig, KVLayerConfig
+from hcache.config.caches import KVCacheConfig, KVLayerConfig
 from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
-from hcache.kv_cache_manager import KVCacheManager
+from hcache.slots.kv import KVCacheManager
 
 from helpers import host, put
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hcache.configs import LinearCacheConfig
+from hcache.config.caches import LinearCacheConfig
 from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
-from hcache.linear_kv_cache import LinearKVCache
+from hcache.slots.linear import LinearKVCache
 
 from helpers import host, randomize
 

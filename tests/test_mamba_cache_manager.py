@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hcache.configs import MambaCacheConfig
+from hcache.config.caches import MambaCacheConfig
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
-from hcache.mamba_cache_manager import MambaCacheManager
+from hcache.slots.mamba import MambaCacheManager
 
 from helpers import host, put
 

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from hcache.configs import (
+from hcache.config.caches import (
     HybridCacheConfig,
     KVCacheConfig,
     KVLayerConfig,
@@ -34,8 +34,8 @@ from hcache.configs import (
 )
 from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES
-from hcache.hybrid_cache_manager import HybridCacheManager
-from hcache.linear_kv_cache import LinearKVCache
+from hcache.slots.hybrid import HybridCacheManager
+from hcache.slots.linear import LinearKVCache
 
 A, M, AM, N = (LayerType.ATTENTION, LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA,
                LayerType.NONE)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from hcache.configs import KVLayerConfig
+from hcache.config.caches import KVLayerConfig
 from hcache.contexts import DynamicInferenceContext
 from hcache.errors import CacheCapacityError
 

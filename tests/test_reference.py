@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 
 from hcache import ops
-from hcache import reference as ref
-from hcache.layout import KVGroup, SlotSet
+from hcache.ops import reference as ref
+from hcache.ops.tables import KVGroup, SlotSet
 
 from kernel_cases import injective_mappings
 

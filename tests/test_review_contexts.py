@@ -17,7 +17,7 @@ import random
 import numpy as np
 import pytest
 
-from hcache.configs import KVLayerConfig
+from hcache.config.caches import KVLayerConfig
 from hcache.contexts import DynamicInferenceContext, compute_block_hashes
 from hcache.errors import CacheCapacityError
 

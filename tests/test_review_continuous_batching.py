@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from hcache.continuous_batching import (
+from hcache.continuous.manager import (
     BatchInFlightError,
     ContinuousBatchingKVCacheManager,
     KVCacheStaticParams,

@@ -11,7 +11,7 @@ import pickle
 import numpy as np
 import pytest
 
-from hcache.configs import (
+from hcache.config.caches import (
     HybridCacheConfig,
     KVCacheConfig,
     KVLayerConfig,
@@ -19,8 +19,8 @@ from hcache.configs import (
     MambaCacheConfig,
 )
 from hcache.device import data_pointer
-from hcache.hybrid_cache_manager import HybridCacheManager
-from hcache.linear_kv_cache import LinearKVCache
+from hcache.slots.hybrid import HybridCacheManager
+from hcache.slots.linear import LinearKVCache
 
 from helpers import host
 

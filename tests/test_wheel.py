@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hcache import _kernels
+from hcache.ops import _loader as _kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def wheel(tmp_path_factory):
 
 def test_wheel_contains_every_kernel_source(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = sorted(p.name for p in (ROOT / "kernels").iterdir()
+    sources = sorted(p.name for p in (ROOT / "hcache" / "kernels").iterdir()
                      if p.suffix in (".cu", ".cuh"))
     assert sources, "no kernel sources in the checkout"
     for name in sources:
@@ -51,8 +51,8 @@ def test_non_editable_install_loads_kernels_from_the_package(wheel, tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(target), str(wheel)], check=True, capture_output=True)
     code = (
-        "import numpy as np, hcache, hcache._kernels as k, hcache._nvrtc as n;"
-        "from hcache import ops; from hcache.layout import KVGroup;"
+        "import numpy as np, hcache, hcache.ops._loader as k, hcache.ops._nvrtc as n;"
+        "from hcache import ops; from hcache.ops.tables import KVGroup;"
         "print(k.kernel_dir());"
         "print(n.compile_family('compact', 'sm_90') > 0 if n.find_libnvrtc() else True);"
         "c = np.zeros((1, 2, 1, 2, 4), np.float16);"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..configs import _int
+from ..config.caches import _int
 
 _MAX_HASH = np.iinfo(np.int64).max
 

@@ -13,7 +13,7 @@ import hashlib
 
 import numpy as np
 
-from ..configs import _int
+from ..config.caches import _int
 from ..device import array_module_of
 
 __all__ = ["compute_block_hashes"]

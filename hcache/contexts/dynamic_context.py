@@ -23,11 +23,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from ..configs import _int
+from ..config.caches import _int
 from ..device import resolve_device, stream_scope
 from ..dtypes import resolve_dtype, storage_dtype
 from ..errors import CacheCapacityError
-from ..layout import SlotSet
+from ..ops.tables import SlotSet
 from ._args import _shape
 from .block_hashing import compute_block_hashes
 from .kv_block_allocator import KVBlockAllocator

@@ -22,7 +22,7 @@ import logging
 
 import numpy as np
 
-from ..configs import _int
+from ..config.caches import _int
 from ._args import _as_ids, _as_int64
 from ._invariants import check_kv_block_allocator
 from ._lru import LeafPeelingMixin

@@ -26,9 +26,9 @@ import operator
 
 import numpy as np
 
-from ..configs import _int
+from ..config.caches import _int
 from ..device import stream_scope
-from ..layout import SlotSet
+from ..ops.tables import SlotSet
 from ._args import _host, _index, _index_array
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaIntermediateMixin"]

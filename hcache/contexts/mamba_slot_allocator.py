@@ -30,11 +30,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from ..configs import _int
+from ..config.caches import _int
 from ..device import Device, array_module_of, stream_scope
 from ..dtypes import resolve_dtype, storage_dtype
 from ..errors import CacheCapacityError
-from ..layout import SlotSet
+from ..ops.tables import SlotSet
 from ._args import _index, _index_array, _shape
 from ._invariants import check_mamba_slot_allocator
 from .mamba_hash_map import MambaHashMapMixin

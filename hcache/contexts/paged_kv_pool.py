@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from ..configs import KVCacheConfig, KVLayerConfig, _int
+from ..config.caches import KVCacheConfig, KVLayerConfig, _int
 from ..device import array_module_of, resolve_device, stream_scope
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
-from ..layout import KVGroup, SlotSet, group_layers_by_head_dim
+from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
 from ._args import _as_ids
 
 __all__ = ["PagedKVPool"]

@@ -3,7 +3,7 @@
 Each wrapper validates its arrays (shape, dtype, array module, contiguity), casts every scalar to
 the C type of the kernel's parameter, computes the grid in one visible place and launches on the
 given stream. On NumPy arrays with no explicit ``backend`` the call goes to the NumPy reference
-(:mod:`hcache.reference`), which is the ``cpu`` backend; the signatures are the same.
+(:mod:`hcache.ops.reference`), which is the ``cpu`` backend; the signatures are the same.
 
 ``backend`` is anything with ``launch(family, name, grid, block, args)`` (and ``upload``): the
 CuPy launcher (:class:`CupyLauncher`), or the host emulation of the test suite, which runs the
@@ -16,11 +16,11 @@ the current CUDA device (the managers make theirs current around every call).
 
 from __future__ import annotations
 
-from ..reference import compaction_plan_size
+from .reference import compaction_plan_size
 from ._launch import BLOCK, CupyLauncher, host_backend
-from .compaction import compaction_plan, kv_compact, slots_compact
+from .compact import compaction_plan, kv_compact, slots_compact
 from .kv_write import kv_write
-from .prefix_copy import kv_capture, kv_prefix_copy, kv_restore
+from .kv_capture import kv_capture, kv_prefix_copy, kv_restore
 from .slot_copy import lengths_add, slot_copy
 
 __all__ = ["BLOCK", "compaction_plan_size", "compaction_plan", "kv_compact", "slots_compact",

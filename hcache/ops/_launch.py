@@ -6,9 +6,9 @@ import contextlib
 
 import numpy as np
 
-from .. import _kernels
+from . import _loader as _kernels
 from ..device import Device, array_module_of, data_pointer, stream_handle, stream_scope
-from ..reference import PLAN_HEADER, compaction_plan_size, plan_max_batch
+from .reference import PLAN_HEADER, compaction_plan_size, plan_max_batch
 
 BLOCK = 256          # threads per block for every kernel
 MAX_GRID_X = 8192    # grid-stride loops cover the rest

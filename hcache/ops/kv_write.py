@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import reference as ref
+from . import reference as ref
 from ..device import array_module_of, data_pointer
 from ._launch import (
     BLOCK,

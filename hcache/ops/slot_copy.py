@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import reference as ref
+from . import reference as ref
 from ..device import array_module_of
 from ._launch import (
     BLOCK,

@@ -3,19 +3,19 @@
 One buffer per kind, ``recurrent [L, max_batch, num_heads, head_dim, state_size]`` and
 ``conv [L, max_batch, conv_dim, conv_kernel]``, zeroed at construction; layer ``l``'s state is
 the C-contiguous view ``buffer[l]``. Every multi-layer copy (compaction, capture, restore) is one
-:func:`hcache.ops` launch over a :class:`~hcache.layout.SlotSet` of all layers.
+:func:`hcache.ops` launch over a :class:`~hcache.ops.tables.SlotSet` of all layers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import ops
-from .batch_state import check_index, launch_scope
-from .configs import MambaCacheConfig
-from .device import array_module_of, resolve_device
-from .dtypes import storage_dtype
-from .layout import SlotSet
+from .. import ops
+from .batch import check_index, launch_scope
+from ..config.caches import MambaCacheConfig
+from ..device import array_module_of, resolve_device
+from ..dtypes import storage_dtype
+from ..ops.tables import SlotSet
 
 __all__ = ["MambaCacheManager"]
 

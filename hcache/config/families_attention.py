@@ -7,8 +7,8 @@ friends, optionally ``layer_types`` or a ``sliding_window``). None has recurrent
 
 from __future__ import annotations
 
-from ._hf_fields import A, _Cfg, _head_dim, _kv_heads, _Layout, _names
-from .configs import KVLayerConfig, _int
+from .hf_fields import A, _Cfg, _head_dim, _kv_heads, _Layout, _names
+from .caches import KVLayerConfig, _int
 
 __all__ = ["BUILDERS", "DEFAULTS"]
 

@@ -1,14 +1,14 @@
 """``python -m hcache demo`` (SPEC §7): a small hybrid model served by hcache, checked exactly.
 
-A random-weight Nemotron-H-style model (:mod:`hcache._demo_model`; its math runs in NumPy on the
-host, its caches live on the device, bound to it by :mod:`hcache._demo_adapters`) generates
+A random-weight Nemotron-H-style model (:mod:`hcache.demo.model`; its math runs in NumPy on the
+host, its caches live on the device, bound to it by :mod:`hcache.demo.adapters`) generates
 greedily in three parts:
 
-1. :class:`~hcache.hybrid_cache_manager.HybridCacheManager`: a shared system prompt prefilled in
+1. :class:`~hcache.slots.hybrid.HybridCacheManager`: a shared system prompt prefilled in
    slot 0 and captured (KV, recurrent and conv states), restored into every slot of a batch,
    ragged prefill, batch decode, and eviction of finished requests by ``compact_batch`` with
    "fill the holes from the end" mappings (non-monotone: hcache takes any injective mapping).
-2. :class:`~hcache.continuous_batching.ContinuousBatchingKVCacheManager`: requests admitted
+2. :class:`~hcache.continuous.manager.ContinuousBatchingKVCacheManager`: requests admitted
    while others decode (claim -> fetch / write / step -> release), prompts and decode tokens in
    one batch. That manager holds attention K/V only; the Mamba states of the same model are
    kept in a host dict per sequence.
@@ -17,7 +17,7 @@ greedily in three parts:
 
 Every generated token, and the logits it came from, must equal (bit for bit) an uncached
 reference run that recomputes each request from scratch with no hcache object
-(:func:`hcache._demo_model.reference_logits`).
+(:func:`hcache.demo.model.reference_logits`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from collections import deque
 
 import numpy as np
 
-from ._demo_adapters import BlockCache, PagedCache, SlotCache, host
-from ._demo_model import TinyHybridModel, reference_logits
-from .configs import HybridCacheConfig
-from .contexts import DynamicInferenceContext
-from .continuous_batching import ContinuousBatchingKVCacheManager, KVCacheStaticParams
-from .device import resolve_device
-from .hybrid_cache_manager import HybridCacheManager
+from .adapters import BlockCache, PagedCache, SlotCache, host
+from .model import TinyHybridModel, reference_logits
+from ..config.caches import HybridCacheConfig
+from ..contexts import DynamicInferenceContext
+from ..continuous.manager import ContinuousBatchingKVCacheManager, KVCacheStaticParams
+from ..device import resolve_device
+from ..slots.hybrid import HybridCacheManager
 
 __all__ = ["run_demo", "NEMOTRON_H_CONFIG"]
 

@@ -1,9 +1,9 @@
 """Caches of a hybrid attention + Mamba model, routed by absolute decoder-layer index (seed 000).
 
-A :class:`HybridCacheManager` owns a :class:`~hcache.kv_cache_manager.KVCacheManager` (one cache
-per attention layer that owns one), a :class:`~hcache.mamba_cache_manager.MambaCacheManager`
+A :class:`HybridCacheManager` owns a :class:`~hcache.slots.kv.KVCacheManager` (one cache
+per attention layer that owns one), a :class:`~hcache.slots.mamba.MambaCacheManager`
 (one recurrent and conv state per Mamba layer, or none) and the shared batch state
-(:class:`~hcache.batch_state.BatchAPI`): one lengths array for every layer, compaction of KV,
+(:class:`~hcache.slots.batch.BatchAPI`): one lengths array for every layer, compaction of KV,
 Mamba states and lengths together, prompt-cache capture and restore.
 
 Routing: an ``ATTENTION_AND_MAMBA`` layer has both a KV cache and Mamba states; a layer in
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .batch_state import BatchAPI, check_index, launch_scope
-from .configs import HybridCacheConfig, LayerType
-from .device import resolve_device
-from .kv_cache_manager import KVCacheManager
-from .mamba_cache_manager import MambaCacheManager
+from .batch import BatchAPI, check_index, launch_scope
+from ..config.caches import HybridCacheConfig, LayerType
+from ..device import resolve_device
+from .kv import KVCacheManager
+from .mamba import MambaCacheManager
 
 __all__ = ["HybridCacheManager", "KVHeadDimGroupView"]
 

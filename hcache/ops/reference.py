@@ -2,7 +2,7 @@
 
 Each function has the signature of its launch wrapper in :mod:`hcache.ops` and produces the
 same bytes as the kernel (including the compaction plan, word for word). They work on the
-Python-level arrays of a :class:`~hcache.layout.KVGroup` / :class:`~hcache.layout.SlotSet`.
+Python-level arrays of a :class:`~hcache.ops.tables.KVGroup` / :class:`~hcache.ops.tables.SlotSet`.
 """
 
 from __future__ import annotations

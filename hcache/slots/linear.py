@@ -2,18 +2,18 @@
 
 ``kv [L, max_batch, 2, H, S, D]``: decoder layer ``l``'s cache is the C-contiguous view
 ``kv[l]``. Mamba states, when the config has Mamba layers, live in a
-:class:`~hcache.mamba_cache_manager.MambaCacheManager`. The batch API is shared with the hybrid
+:class:`~hcache.slots.mamba.MambaCacheManager`. The batch API is shared with the hybrid
 manager; compaction moves the KV tokens, the Mamba states and the lengths.
 """
 
 from __future__ import annotations
 
-from .batch_state import BatchAPI, check_index, launch_scope
-from .configs import LinearCacheConfig, MambaCacheConfig
-from .device import resolve_device
-from .dtypes import storage_dtype
-from .layout import KVGroup
-from .mamba_cache_manager import MambaCacheManager
+from .batch import BatchAPI, check_index, launch_scope
+from ..config.caches import LinearCacheConfig, MambaCacheConfig
+from ..device import resolve_device
+from ..dtypes import storage_dtype
+from ..ops.tables import KVGroup
+from .mamba import MambaCacheManager
 
 __all__ = ["LinearKVCache"]
 

@@ -5,8 +5,8 @@ runtime as ``kvcache_start_index``), the active batch size, the ``kv_cache_all_e
 batch compaction after evictions. :class:`BatchAPI` is a base class: a manager calls
 :meth:`BatchAPI._setup_batch` once with its head-dim groups and its whole-slot state tensors
 (Mamba recurrent and conv states), and inherits the public methods. Compaction lives in the
-:class:`~hcache.batch_compaction.BatchCompaction` mixin; the argument checks and
-:func:`launch_scope` are re-exported from :mod:`hcache._batch_helpers`.
+:class:`~hcache.slots.batch_compaction.BatchCompaction` mixin; the argument checks and
+:func:`launch_scope` are re-exported from :mod:`hcache._checks`.
 
 Host mirror. The host keeps a copy of the lengths of the slots whose lengths it knows: every
 length written by a reset, a host-data commit or a host-mapping compaction is known; a commit
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
-from ._batch_helpers import check_index, check_int, host_ints, launch_scope, upload_ints
+from .. import ops
+from .._checks import check_index, check_int, host_ints, launch_scope, upload_ints
 from .batch_compaction import BatchCompaction
-from .device import array_module_of
-from .layout import SlotSet
+from ..device import array_module_of
+from ..ops.tables import SlotSet
 
 __all__ = ["BatchAPI", "check_index", "check_int", "launch_scope"]
 

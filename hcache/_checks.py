@@ -1,8 +1,8 @@
 """Argument checks and launch helpers shared by the batch API and the managers.
 
-Re-exported by :mod:`hcache.batch_state` (``check_index``, ``check_int``, ``launch_scope``,
+Re-exported by :mod:`hcache.slots.batch` (``check_index``, ``check_int``, ``launch_scope``,
 ``host_ints``), where the managers import them from; kept here so that the batch API and its
-compaction mixin (:mod:`hcache.batch_compaction`) can share them without an import cycle.
+compaction mixin (:mod:`hcache.slots.batch_compaction`) can share them without an import cycle.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .dtypes import dtype_name
+from ..dtypes import dtype_name
 
 __all__ = ["LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
            "HybridCacheConfig", "LinearCacheConfig"]
@@ -265,8 +265,8 @@ class HybridCacheConfig:
     def from_hf_config(cls, config_dict, *, max_batch_size, max_sequence_length,
                        kv_dtype="float16", ssm_dtype="float32", conv_dtype=None):
         """Build the layout from a Hugging Face ``config.json`` dict (see
-        :func:`hcache.hf_config.hybrid_config_from_hf`)."""
-        from .hf_config import hybrid_config_from_hf
+        :func:`hcache.config.hf.hybrid_config_from_hf`)."""
+        from .hf import hybrid_config_from_hf
 
         return hybrid_config_from_hf(config_dict, max_batch_size=max_batch_size,
                                      max_sequence_length=max_sequence_length,

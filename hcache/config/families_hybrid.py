@@ -10,8 +10,8 @@ Gated DeltaNet, each with its own state shape.
 
 from __future__ import annotations
 
-from ._hf_fields import AM, NONE, A, M, _Cfg, _check_count, _head_dim, _kv_heads, _Layout, _names
-from .configs import KVLayerConfig, _int
+from .hf_fields import AM, NONE, A, M, _Cfg, _check_count, _head_dim, _kv_heads, _Layout, _names
+from .caches import KVLayerConfig, _int
 
 __all__ = ["BUILDERS", "DEFAULTS"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import reference as ref
+from . import reference as ref
 from ..device import array_module_of, data_pointer
 from ._launch import (
     BLOCK,

@@ -1,4 +1,4 @@
-"""Diagnostics of :class:`~hcache.continuous_batching.ContinuousBatchingKVCacheManager`.
+"""Diagnostics of :class:`~hcache.continuous.manager.ContinuousBatchingKVCacheManager`.
 
 :meth:`check_invariants` cross-checks the manager's redundant bookkeeping, all under its lock:
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dtypes import dtype_name
+from ..dtypes import dtype_name
 
 __all__ = ["ContinuousBatchingDiagnosticsMixin"]
 

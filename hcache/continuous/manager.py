@@ -33,14 +33,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .configs import _int as _config_int
-from .configs import _set
-from .continuous_batching_collection import ContinuousBatchingKVCacheCollection
-from .continuous_batching_diagnostics import ContinuousBatchingDiagnosticsMixin
-from .device import resolve_device, stream_scope
-from .dtypes import dtype_name, resolve_dtype, storage_dtype
-from .errors import CacheCapacityError
-from .layout import KVGroup
+from ..config.caches import _int as _config_int
+from ..config.caches import _set
+from .collection import ContinuousBatchingKVCacheCollection
+from .diagnostics import ContinuousBatchingDiagnosticsMixin
+from ..device import resolve_device, stream_scope
+from ..dtypes import dtype_name, resolve_dtype, storage_dtype
+from ..errors import CacheCapacityError
+from ..ops.tables import KVGroup
 
 __all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
            "ContinuousBatchingKVCacheCollection", "BatchInFlightError"]
@@ -98,7 +98,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
     Notes
     -----
     :meth:`check_invariants` and :meth:`memory_report` come from
-    :class:`~hcache.continuous_batching_diagnostics.ContinuousBatchingDiagnosticsMixin`.
+    :class:`~hcache.continuous.diagnostics.ContinuousBatchingDiagnosticsMixin`.
     """
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,

@@ -1,8 +1,8 @@
 """The field reader and layout record shared by the Hugging Face config builders.
 
 :class:`_Cfg` reads a model's ``config.json`` fields with the transformers class defaults behind
-them; :class:`_Layout` is what each family builder (:mod:`hcache.hf_hybrid`,
-:mod:`hcache.hf_attention`) returns to :func:`hcache.hf_config.hybrid_config_from_hf`. The
+them; :class:`_Layout` is what each family builder (:mod:`hcache.config.families_hybrid`,
+:mod:`hcache.config.families_attention`) returns to :func:`hcache.config.hf.hybrid_config_from_hf`. The
 helpers validate layer-type lists and layer counts and derive attention head dims.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .configs import LayerType, _int
+from .caches import LayerType, _int
 
 A, M, AM, NONE = (LayerType.ATTENTION, LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA,
                   LayerType.NONE)

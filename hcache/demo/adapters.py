@@ -1,8 +1,8 @@
 """How the demo's engine binds its model to each hcache cache (``python -m hcache demo``).
 
 Each class implements the cache-adapter protocol of
-:meth:`hcache._demo_model.TinyHybridModel.forward` (documented on
-:class:`hcache._demo_model.PlainCache`) over one of the package's managers: the model's math runs
+:meth:`hcache.demo.model.TinyHybridModel.forward` (documented on
+:class:`hcache.demo.model.PlainCache`) over one of the package's managers: the model's math runs
 on the host, so the adapter copies states and K/V rows between host and the cache's device
 arrays, while every bulk move (KV writes, compaction, capture, restore, snapshots) is done by
 hcache.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
+from .. import ops
 
 __all__ = ["host", "SlotCache", "BlockCache", "PagedCache"]
 

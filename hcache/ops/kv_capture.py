@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import reference as ref
+from . import reference as ref
 from ..device import array_module_of, data_pointer
-from ..layout import pack_kv_layer_infos
+from .tables import pack_kv_layer_infos
 from ._launch import (
     BLOCK,
     c_int,

@@ -1,6 +1,6 @@
 """The kernel loader: the only place that calls ``cupy.RawModule``.
 
-Sources live in ``kernels/`` (shipped inside the wheel as ``hcache/kernels``); each family is
+Sources live in ``hcache/kernels/`` (package data of the wheel); each family is
 compiled on first use, once per device, with a ``#line`` directive so that compile errors name
 the real file and line. Importing hcache compiles nothing.
 """
@@ -11,7 +11,7 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
-from .errors import KernelCompileError
+from ..errors import KernelCompileError
 
 __all__ = ["FAMILIES", "kernel_dir", "kernel_source", "nvrtc_options", "get_function"]
 
@@ -26,13 +26,8 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 
 
 def kernel_dir() -> Path:
-    """The folder holding ``*.cu``/``*.cuh``: inside the installed package, else the checkout's
-    ``kernels/``."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "kernels", here.parent / "kernels"):
-        if (candidate / "common.cuh").is_file():
-            return candidate
-    raise FileNotFoundError(f"hcache kernels not found next to {here}")
+    """The folder holding ``*.cu``/``*.cuh``: ``hcache/kernels`` (package data of the wheel)."""
+    return Path(__file__).resolve().parent.parent / "kernels"
 
 
 def kernel_source(family: str) -> tuple[str, str]:

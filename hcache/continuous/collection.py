@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
-from .device import array_module_of, stream_scope
+from .. import ops
+from ..device import array_module_of, stream_scope
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
 

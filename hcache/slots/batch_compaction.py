@@ -1,4 +1,4 @@
-"""Batch compaction after evictions, a mixin of :class:`hcache.batch_state.BatchAPI`.
+"""Batch compaction after evictions, a mixin of :class:`hcache.slots.batch.BatchAPI`.
 
 :meth:`BatchCompaction.compact_batch` moves every surviving slot to its new index in place: one
 :func:`hcache.ops.compaction_plan` launch turns the mapping into a plan (or flags it invalid), then
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import ops
-from ._batch_helpers import check_int, host_ints, launch_scope, upload_ints
-from .device import array_module_of
+from .. import ops
+from .._checks import check_int, host_ints, launch_scope, upload_ints
+from ..device import array_module_of
 
 __all__ = ["BatchCompaction"]
 
@@ -22,7 +22,7 @@ __all__ = ["BatchCompaction"]
 class BatchCompaction:
     """Compaction of a contiguous-slot manager's batch.
 
-    Uses the state that :meth:`hcache.batch_state.BatchAPI._setup_batch` allocates: the device
+    Uses the state that :meth:`hcache.slots.batch.BatchAPI._setup_batch` allocates: the device
     lengths, mapping and plan buffers, the head-dim groups, the whole-slot tensors and the host
     mirror of the lengths.
     """

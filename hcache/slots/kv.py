@@ -2,17 +2,17 @@
 
 Layer ``i`` (local attention index) owns one C-contiguous cache ``[max_batch, 2, H_i, S, D_i]``
 (K plane then V plane, HND). Layers are grouped by head dim in first-seen order; each group is a
-:class:`~hcache.layout.KVGroup`, the unit of one kernel launch (compaction, capture, restore).
+:class:`~hcache.ops.tables.KVGroup`, the unit of one kernel launch (compaction, capture, restore).
 """
 
 from __future__ import annotations
 
-from . import ops
-from .batch_state import check_index, check_int, launch_scope
-from .configs import KVCacheConfig, KVLayerConfig
-from .device import array_module_of, resolve_device
-from .dtypes import storage_dtype
-from .layout import KVGroup, group_layers_by_head_dim
+from .. import ops
+from .batch import check_index, check_int, launch_scope
+from ..config.caches import KVCacheConfig, KVLayerConfig
+from ..device import array_module_of, resolve_device
+from ..dtypes import storage_dtype
+from ..ops.tables import KVGroup, group_layers_by_head_dim
 
 __all__ = ["KVCacheManager"]
 
@@ -73,7 +73,7 @@ class KVCacheManager:
 
     @property
     def groups(self) -> tuple:
-        """The head-dim groups (:class:`~hcache.layout.KVGroup`, first-seen order of head dim;
+        """The head-dim groups (:class:`~hcache.ops.tables.KVGroup`, first-seen order of head dim;
         ``layer_indices`` are local attention indices)."""
         return self._groups
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .device import array_module_of, data_pointer
+from ..device import array_module_of, data_pointer
 
 __all__ = ["KVGroup", "SlotSet", "group_layers_by_head_dim", "pack_kv_layer_infos"]
 
@@ -211,7 +211,7 @@ class SlotSet:
         if isinstance(self.device_infos, np.ndarray):
             self.device_infos[...] = host
         else:
-            from .device import resolve_device, stream_scope
+            from ..device import resolve_device, stream_scope
 
             device = resolve_device(f"cuda:{self.device_infos.device.id}")
             with stream_scope(stream, device):
