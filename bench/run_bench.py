@@ -1,4 +1,4 @@
-"""Kernel microbenchmarks (SPEC §8): ``python -m hcache bench``.
+"""Kernel microbenchmarks (docs/design.md §8): ``python -m hcache bench``.
 
 Every kernel family is timed on realistic shapes: a Nemotron-H-like hybrid (4 attention layers
 of 8 KV heads × 128, 24 Mamba-2 layers) and a Gemma-like heterogeneous model (sliding layers of

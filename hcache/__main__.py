@@ -1,4 +1,4 @@
-"""``python -m hcache {info,demo,bench}`` (SPEC §7)."""
+"""``python -m hcache {info,demo,bench}`` (docs/design.md §7)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ def info(args) -> int:
     import numpy as np
 
     import hcache
-    from hcache.ops import _loader as _kernels
-    from hcache.ops import _nvrtc
     from hcache.device import cupy_available, resolve_device
     from hcache.dtypes import DTYPE_NAMES, resolve_dtype, storage_dtype
+    from hcache.ops import _loader as _kernels
+    from hcache.ops import _nvrtc
 
     print(f"hcache      {hcache.__version__}")
     print(f"python      {platform.python_version()} ({sys.platform})")

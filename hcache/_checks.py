@@ -1,57 +1,70 @@
-"""Argument checks and launch helpers shared by the batch API and the managers.
+"""One home for argument checks: ints, indices, host integer arrays, device index arrays.
 
-Re-exported by :mod:`hcache.slots.batch` (``check_index``, ``check_int``, ``launch_scope``,
-``host_ints``), where the managers import them from; kept here so that the batch API and its
-compaction mixin (:mod:`hcache.slots.batch_compaction`) can share them without an import cycle.
+Every check raises ``TypeError`` (wrong type), ``ValueError`` (wrong value or shape) or
+``IndexError`` (an index out of range) with the message ``"<name>: expected X, got Y"``, where
+``name`` is what the caller passed, and returns the value in the form the caller keeps (a Python
+``int`` or a host ``int64`` array). Checks never mutate anything, so a method that runs all of
+its checks before its first mutation changes nothing when one fails.
 """
 
 from __future__ import annotations
 
-import contextlib
+import operator
 
 import numpy as np
 
-from .device import array_module_of, stream_scope
+from .device import array_module_of
 
-__all__ = ["check_index", "check_int", "host_ints", "launch_scope", "upload_ints"]
+__all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host_ints",
+           "index_array", "block_id_array", "hash_array", "int_shape", "int32_array"]
 
-def check_index(name: str, value, size: int) -> int:
-    """``value`` as an index in ``[0, size)``; ``TypeError`` unless an int, else ``IndexError``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1   # the C ``int`` of the kernels, int32 lengths
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _exact_int(name: str, value) -> int:
+    # operator.index, not int(): a float (or a 0-d float array) must not be truncated.
+    if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value)
-    if not 0 <= value < size:
-        raise IndexError(f"{name}: expected an index in [0, {size}), got {value}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def as_int(name: str, value, minimum: int = 0) -> int:
+    """``value`` as an ``int >= minimum`` (sizes, counts, config fields)."""
+    value = _exact_int(name, value)
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
     return value
 
 
-def check_int(name: str, value, lo: int, hi: int) -> int:
-    """``value`` as an int in ``[lo, hi]``; ``TypeError`` unless an int, else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value)
+def check_int(name: str, value, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
+    """``value`` as an int in ``[lo, hi]`` (by default the range of a C ``int``)."""
+    value = _exact_int(name, value)
     if not lo <= value <= hi:
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value}")
     return value
 
 
-@contextlib.contextmanager
-def launch_scope(device, stream):
-    """Make ``device`` and ``stream`` current, so that uploads and launches share the stream
-    (validates ``stream`` on cpu too)."""
-    with device.scope(), stream_scope(stream, device):
-        yield
+def check_index(name: str, value, size: int) -> int:
+    """``value`` as an index in ``[0, size)``: ``TypeError`` unless an int, else ``IndexError``."""
+    value = _exact_int(name, value)
+    if not 0 <= value < size:
+        raise IndexError(f"{name}: expected an index in [0, {size}), got {value}")
+    return value
 
 
 def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
-    """Host integers (sequence or NumPy array) as a 1-D ``int64`` array.
+    """Host integers (a sequence or a NumPy array) as a 1-D ``int64`` array.
 
     Raises
     ------
     TypeError
         Not integers (floats, bools, a device array).
     ValueError
-        Not 1-D, or not ``length`` entries.
+        Not 1-D, not ``length`` entries, or a ``uint64`` value that int64 cannot hold.
     """
     if array_module_of(values) is not np or hasattr(values, "__cuda_array_interface__"):
         raise TypeError(f"{name}: expected host integers, got {type(values).__name__}")
@@ -68,19 +81,77 @@ def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
     if length is not None and arr.shape[0] != length:
         raise ValueError(f"{name}: expected {length} entries, got {arr.shape[0]}")
-    big = np.flatnonzero(arr > np.iinfo(np.int64).max) if arr.dtype == np.uint64 else ()
+    big = np.flatnonzero(arr > _INT64_MAX) if arr.dtype == np.uint64 else ()
     if len(big):   # would wrap to a negative int64 (2**64 - 1 would read as -1)
         raise ValueError(f"{name}[{big[0]}]: expected a value below 2**63, got {arr[big[0]]}")
     return arr.astype(np.int64)
 
 
-def upload_ints(dst, host: np.ndarray) -> None:
-    """``dst[:len(host)] = host`` as int32, host to device on the current stream."""
-    n = host.shape[0]
-    if n == 0:
+def index_array(name: str, values, upper: int) -> np.ndarray:
+    """``values`` as host ``int64 [n]``, every entry in ``[0, upper)``."""
+    arr = values if isinstance(values, np.ndarray) else np.asarray(list(values))
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    bad = (arr < 0) | (arr >= upper)
+    if bad.any():
+        raise IndexError(f"{name}: expected indices in [0, {upper}), got {int(arr[bad][0])}")
+    return arr
+
+
+def block_id_array(name: str, ids, num_blocks: int, *, padding: bool = False) -> np.ndarray:
+    """Block ids as host ``int64 [n]`` in ``[0, num_blocks)`` (``-1`` too if ``padding``)."""
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name}: expected integer block ids, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    arr = arr.astype(np.int64)
+    bad = (arr < (-1 if padding else 0)) | (arr >= num_blocks)
+    if bad.any():
+        raise IndexError(f"{name}: expected block ids in [0, {num_blocks}), "
+                         f"got {int(arr[bad][0])}")
+    return arr
+
+
+def hash_array(name: str, values, length: int) -> np.ndarray:
+    """Block hashes as host ``int64 [length]``."""
+    arr = np.asarray(values)
+    if arr.size == 0:
+        arr = np.zeros(0, dtype=np.int64)
+    elif arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) \
+            or (arr.dtype == np.uint64 and bool((arr > _INT64_MAX).any())):
+        raise TypeError(f"{name}: expected int64 hashes, got dtype {arr.dtype}")
+    if arr.ndim != 1 or arr.shape[0] != length:
+        raise ValueError(f"{name}: expected {length} values (one per block id), "
+                         f"got shape {arr.shape}")
+    return arr.astype(np.int64)
+
+
+def int_shape(name: str, shape) -> tuple[int, ...]:
+    """A shape of positive ints as a tuple."""
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"{name}: expected a tuple of ints, got {type(shape).__name__}")
+    return tuple(as_int(f"{name}[{i}]", s, 1) for i, s in enumerate(shape))
+
+
+def int32_array(name: str, a, xp, *, min_len: int = 0, ndim: int = 1) -> None:
+    """An index array handed to a kernel: an ``xp`` array, int32, ``ndim``-D, at least
+    ``min_len`` rows, C-contiguous (``None`` passes: an optional argument)."""
+    if a is None:
         return
-    values = host.astype(np.int32)
-    if isinstance(dst, np.ndarray):
-        dst[:n] = values
-    else:
-        dst[:n].set(values)
+    if not isinstance(a, xp.ndarray):
+        raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
+    if a.dtype != np.int32:
+        raise ValueError(f"{name}: expected dtype int32, got {a.dtype}")
+    if a.ndim != ndim or (a.shape[0] if a.ndim else 0) < min_len:
+        raise ValueError(f"{name}: expected {ndim}-D with at least {min_len} rows, "
+                         f"got shape {tuple(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array")

@@ -1,4 +1,4 @@
-"""Device selection, array modules and stream normalisation (SPEC §2).
+"""Device selection, array modules and stream normalisation (docs/design.md §2).
 
 ``device=None`` means ``$HCACHE_DEVICE`` if set, else ``"cuda"`` when CuPy is importable and a
 GPU is present, else ``"cpu"``. On ``cpu`` arrays are NumPy arrays and the NumPy reference does
@@ -15,7 +15,7 @@ from functools import cache
 import numpy as np
 
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
-           "array_module_of", "data_pointer"]
+           "launch_scope", "upload_ints", "to_host", "array_module_of", "data_pointer"]
 
 
 @cache
@@ -164,3 +164,32 @@ def stream_scope(stream, device: Device):
     if isinstance(stream, cp.cuda.Stream) or isinstance(stream, cp.cuda.ExternalStream):
         return stream
     return cp.cuda.ExternalStream(handle, device.index)
+
+
+@contextlib.contextmanager
+def launch_scope(device: Device, stream):
+    """Make ``device`` current, then ``stream`` (on that device), for the uploads and launches
+    of one call; validates ``stream`` on cpu too. The one owner of the device and the stream of
+    a call: the order matters, since a stream belongs to the device current when it is made."""
+    with device.scope(), stream_scope(stream, device):
+        yield
+
+
+def upload_ints(dst, host: np.ndarray) -> None:
+    """``dst[:len(host)] = host`` as int32: host to device on the current stream (a plain copy
+    for a NumPy ``dst``)."""
+    n = host.shape[0]
+    if n == 0:
+        return
+    values = host.astype(np.int32)
+    if isinstance(dst, np.ndarray):
+        dst[:n] = values
+    else:
+        dst[:n].set(values)
+
+
+def to_host(array) -> np.ndarray:
+    """A host view of ``array`` (NumPy as it is; a CuPy array is copied, **synchronously**)."""
+    if isinstance(array, np.ndarray):
+        return array
+    return np.asarray(array.get() if hasattr(array, "get") else array)

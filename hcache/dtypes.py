@@ -1,4 +1,4 @@
-"""The seven cache dtypes of SPEC §2 and their NumPy / ml_dtypes equivalents.
+"""The seven cache dtypes of docs/design.md §2 and their NumPy / ml_dtypes equivalents.
 
 Every copy, compaction, capture and restore moves bytes, so only ``itemsize`` matters to the
 kernels; the dtype is kept so that views handed to a runtime carry the right element type.
@@ -33,7 +33,8 @@ def resolve_dtype(dtype, name: str = "dtype") -> np.dtype:
     Parameters
     ----------
     dtype : str or numpy.dtype or type
-        A name of SPEC §2 (``"float16"``, ``"bfloat16"``, ...; short aliases such as ``"fp16"``
+        A name of docs/design.md §2 (``"float16"``, ``"bfloat16"``, ...; short aliases such as
+        ``"fp16"``
         and ``"bf16"`` are accepted) or an equivalent NumPy / ml_dtypes dtype.
     name : str
         The argument name used in error messages.
@@ -63,7 +64,7 @@ def resolve_dtype(dtype, name: str = "dtype") -> np.dtype:
 
 
 def dtype_name(dtype) -> str:
-    """The SPEC §2 name of a supported dtype (``np.float16`` → ``"float16"``)."""
+    """The docs/design.md §2 name of a supported dtype (``np.float16`` → ``"float16"``)."""
     dt = resolve_dtype(dtype)
     return next(k for k, v in _BY_NAME.items() if v == dt)
 

@@ -1,6 +1,7 @@
 """Exceptions raised by hcache.
 
-Policy (SPEC §4): caller mistakes raise ``IndexError`` / ``ValueError`` / ``TypeError`` with a
+Policy (docs/design.md §4): caller mistakes raise ``IndexError`` / ``ValueError`` / ``TypeError``
+with a
 message of the form ``"<name>: expected X, got Y"``; running out of slots or blocks raises
 :class:`CacheCapacityError`; a ``.cu`` file that fails to compile raises
 :class:`KernelCompileError`, which names the file and line.

@@ -1,4 +1,5 @@
-"""Batch API of the contiguous-slot managers (SPEC §4): lengths, reset/commit, the all-empty
+"""Batch API of the contiguous-slot managers (docs/design.md §4): lengths, reset/commit, the
+all-empty
 flag, active batch and compaction, against a plain NumPy model."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""compute_block_hashes: the SHA-256 chain of SPEC §6, checked against an independent hashlib
+"""compute_block_hashes: the SHA-256 chain of docs/design.md §6, checked against an independent
+hashlib
 computation."""
 
 from __future__ import annotations

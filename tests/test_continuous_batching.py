@@ -1,4 +1,5 @@
-"""ContinuousBatchingKVCacheManager (SPEC §5): call order, data written, errors, diagnostics.
+"""ContinuousBatchingKVCacheManager (docs/design.md §5): call order, data written, errors,
+diagnostics.
 
 The oracle for the data is a byte model ``expected[block, kv, layer, pos, head, byte]`` updated
 by hand from the documented semantics (token ``t`` of row ``i`` lands at the row's committed

@@ -1,4 +1,4 @@
-"""Thread safety of ContinuousBatchingKVCacheManager (SPEC §5).
+"""Thread safety of ContinuousBatchingKVCacheManager (docs/design.md §5).
 
 Design under test: one batch in flight, shared by all threads. A thread whose ``fetch`` meets
 another thread's batch either retries on :class:`BatchInFlightError` or waits with

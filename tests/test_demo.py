@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hcache.ops
-from hcache.demo import run as demo
-from hcache.demo.model import PlainCache, TinyHybridModel, reference_logits
 from hcache.config.caches import HybridCacheConfig
 from hcache.contexts.mamba_slot_allocator import MambaSlotAllocator
 from hcache.continuous.collection import ContinuousBatchingKVCacheCollection
+from hcache.demo import run as demo
+from hcache.demo.model import PlainCache, TinyHybridModel, reference_logits
 from hcache.slots.hybrid import HybridCacheManager
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

@@ -1,4 +1,4 @@
-"""Device selection, dtypes, streams and the layout descriptors (SPEC §2, §3.1)."""
+"""Device selection, dtypes, streams and the layout descriptors (docs/design.md §2, §3.1)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """GPU tier: steady-state methods allocate no device memory and can be captured in a CUDA graph
-(SPEC §2, §3). Skipped without a GPU."""
+(docs/design.md §2, §3). Skipped without a GPU."""
 
 from __future__ import annotations
 

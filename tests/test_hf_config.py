@@ -1,4 +1,4 @@
-"""HybridCacheConfig.from_hf_config / hcache.config.hf.hybrid_config_from_hf (SPEC §4).
+"""HybridCacheConfig.from_hf_config / hcache.config.hf.hybrid_config_from_hf (docs/design.md §4).
 
 Each model's config dict carries its published values (source in the comment above it); the
 expected layouts are computed by hand from those values (layer positions, counts, Mamba sizes by

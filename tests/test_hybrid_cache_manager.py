@@ -1,4 +1,4 @@
-"""HybridCacheManager (seed 000, SPEC §4): routing by absolute layer index, head-dim group
+"""HybridCacheManager (docs/design.md §4): routing by absolute layer index, head-dim group
 views, prompt-cache capture/restore, hybrid compaction and the memory report."""
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
+from hcache.errors import KernelCompileError
 from hcache.ops import _loader as _kernels
 from hcache.ops import _nvrtc
-from hcache.errors import KernelCompileError
 
 FAMILIES = sorted(_kernels.FAMILIES)
 needs_nvrtc = pytest.mark.skipif(_nvrtc.find_libnvrtc() is None,

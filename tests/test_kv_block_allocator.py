@@ -1,4 +1,5 @@
-"""Unit tests of KVBlockAllocator against the reference semantics (SPEC §6, reference §1.3)."""
+"""Unit tests of KVBlockAllocator against the reference semantics (docs/design.md §6, reference
+§1.3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KVCacheManager (seed 001, SPEC §4): per-layer shapes, views, head-dim groups, validation,
+"""KVCacheManager (docs/design.md §4): per-layer shapes, views, head-dim groups, validation,
 prompt-cache capture/restore, memory report."""
 
 from __future__ import annotations

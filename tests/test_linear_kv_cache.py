@@ -1,4 +1,4 @@
-"""LinearKVCache (seed 002, SPEC §4): the monolithic buffer and its views, Mamba states, and the
+"""LinearKVCache (docs/design.md §4): the monolithic buffer and its views, Mamba states, and the
 batch API with compaction of KV tokens, Mamba states and lengths."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""MambaCacheManager (SPEC §4): shapes, zeroing, clears, capture/restore and its validation."""
+"""MambaCacheManager (docs/design.md §4): shapes, zeroing, clears, capture/restore and its
+validation."""
 
 from __future__ import annotations
 

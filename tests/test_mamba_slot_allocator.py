@@ -1,4 +1,5 @@
-"""Unit tests of MambaSlotAllocator (SPEC §6), driven by a real KVBlockAllocator and a stand-in
+"""Unit tests of MambaSlotAllocator (docs/design.md §6), driven by a real KVBlockAllocator and a
+stand-in
 context that holds only the attributes the allocator may read.
 
 Oracles: hand-computed slot/eviction orders, NumPy copies of the live and scratch arrays, and the

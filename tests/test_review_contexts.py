@@ -1,6 +1,7 @@
-"""Review of ``hcache.contexts`` (SPEC §6 and the common error contract): edge cases.
+"""Review of ``hcache.contexts`` (docs/design.md §6 and the common error contract): edge cases.
 
-Oracles: the SPEC's words (the hash definition recomputed with ``hashlib`` and ``int.to_bytes``;
+Oracles: the contract's words (docs/design.md) (the hash definition recomputed with ``hashlib`` and
+``int.to_bytes``;
 "``CacheCapacityError`` when not enough KV blocks even after eviction"; a caller mistake raises
 ``TypeError`` / ``ValueError`` / ``IndexError`` and changes nothing, and an unknown id is a
 ``ValueError`` as for the continuous-batching manager of §5), hand-built pool states, and, for
@@ -21,7 +22,7 @@ from hcache.config.caches import KVLayerConfig
 from hcache.contexts import DynamicInferenceContext, compute_block_hashes
 from hcache.errors import CacheCapacityError
 
-# --- block hashes: the definition of SPEC §6, written independently --------------------------
+# --- block hashes: the definition of docs/design.md §6, written independently ---------------------
 
 
 def spec_hashes(tokens, block_size):

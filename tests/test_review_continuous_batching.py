@@ -1,6 +1,8 @@
-"""Review of ContinuousBatchingKVCacheManager (SPEC §5, common error contract): edge cases.
+"""Review of ContinuousBatchingKVCacheManager (docs/design.md §5, common error contract): edge
+cases.
 
-Oracles: the SPEC's words (a caller mistake raises ``TypeError`` / ``ValueError`` and changes
+Oracles: the contract's words (docs/design.md) (a caller mistake raises ``TypeError`` /
+``ValueError`` and changes
 nothing; committed lengths stay within ``[0, max_seq_len]``; ``stream`` is validated on cpu
 too) and hand-computed lengths.
 """
@@ -84,7 +86,8 @@ def test_int_arguments_refuse_float_arrays():
 
 
 def test_write_validates_stream_on_cpu():
-    """SPEC §2: the stream is ignored on cpu, but a non-stream is a caller mistake (``fetch``
+    """docs/design.md §2: the stream is ignored on cpu, but a non-stream is a caller mistake
+    (``fetch``
     refuses it on cpu too); nothing is written."""
     m = make()
     [a] = m.claim(1)

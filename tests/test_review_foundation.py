@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hcache import ops, resolve_device, resolve_dtype
-from hcache.ops import _loader as _kernels
 from hcache.device import cupy_available
 from hcache.dtypes import storage_dtype
+from hcache.ops import _loader as _kernels
 from hcache.ops.tables import KVGroup, SlotSet
 
 from kernel_cases import BACKENDS, Arena, as_bytes, kernel_env

@@ -1,5 +1,6 @@
-"""Review of the contiguous-slot managers and their configs (SPEC §4, issue 3): edge cases found
-in review, each checked against the SPEC's words or hand-computed values."""
+"""Review of the contiguous-slot managers and their configs (docs/design.md §4, issue 3): edge
+cases found
+in review, each checked against the contract's words (docs/design.md) or hand-computed values."""
 
 from __future__ import annotations
 
@@ -90,7 +91,8 @@ def test_hybrid_config_pickles_copies_and_converts_to_a_dict():
     (["attention", "attention", "none", "attention"], {3: True}, TypeError, "kv_sharing value"),
 ])
 def test_hybrid_config_wrong_types_raise_type_error(types, sharing, exc, match):
-    """SPEC §4: a bad value raises ValueError, a wrong type TypeError, as "name: expected X,
+    """docs/design.md §4: a bad value raises ValueError, a wrong type TypeError, as "name: expected
+    X,
     got Y"."""
     kv = KVCacheConfig(B, S, [KVLayerConfig(2, 8), KVLayerConfig(1, 16)])
     with pytest.raises(exc, match=match):
@@ -98,7 +100,8 @@ def test_hybrid_config_wrong_types_raise_type_error(types, sharing, exc, match):
 
 
 def test_max_sequence_length_fits_the_int32_lengths():
-    """SPEC §4: the lengths are one device int32 array, so a capacity past 2**31 - 1 cannot be
+    """docs/design.md §4: the lengths are one device int32 array, so a capacity past 2**31 - 1
+    cannot be
     represented (a pure-Mamba model, with no KV memory to exhaust, would otherwise wrap a reset
     length of 2**31 to -2**31)."""
     mamba = MambaCacheConfig(1, 1, 1, 1, 1, 1, 1)
@@ -119,7 +122,8 @@ def test_max_sequence_length_fits_the_int32_lengths():
 @pytest.mark.parametrize("value, exc", [(0, ValueError), (-512, ValueError), (False, TypeError),
                                         (512.0, TypeError)])
 def test_gemma4_bad_global_head_dim_is_refused_not_replaced(value, exc):
-    """SPEC §4: an inconsistent config raises naming the field; a global_head_dim of 0 must not
+    """docs/design.md §4: an inconsistent config raises naming the field; a global_head_dim of 0
+    must not
     silently become head_dim (only an explicit null means "same as head_dim")."""
     cfg = {"model_type": "gemma4_text", "num_hidden_layers": 6, "head_dim": 64}
     with pytest.raises(exc, match="global_head_dim"):
@@ -134,7 +138,8 @@ def test_gemma4_bad_global_head_dim_is_refused_not_replaced(value, exc):
 
 @pytest.mark.parametrize("make", FACTORIES)
 def test_bool_entries_in_host_lists_are_type_errors_and_change_nothing(make):
-    """A bool is not an int (SPEC §4: TypeError for a wrong type), inside a list too: [0, True]
+    """A bool is not an int (docs/design.md §4: TypeError for a wrong type), inside a list too: [0,
+    True]
     must not reset a length to 1, nor [True, 0] compact slot 0 into slot 1."""
     m = make()
     m.reset_for_new_sequences([2, 4])

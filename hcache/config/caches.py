@@ -1,45 +1,27 @@
-"""Frozen, validated configuration dataclasses (SPEC §4).
+"""Frozen, validated configuration dataclasses (docs/design.md §4).
 
 Every field is checked in ``__post_init__``: a wrong type raises ``TypeError``, a wrong value
 ``ValueError``, both with the message ``"<field>: expected X, got Y"``. Sequences are stored as
-tuples and dtypes by their SPEC §2 names, so configs are hashable and compare by value.
+tuples and dtypes by their docs/design.md §2 names, so configs are hashable and compare by value.
 """
 
 from __future__ import annotations
 
 import enum
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from .._checks import INT32_MAX, as_int
 from ..dtypes import dtype_name
 
 __all__ = ["LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
            "HybridCacheConfig", "LinearCacheConfig"]
 
 
-_INT32_MAX = 2**31 - 1   # sequence lengths are int32 on the device and in the kernels
-
-
-def _int(name: str, value, minimum: int = 0) -> int:
-    # operator.index, not int(): a 0-d float array has __index__ that int() would truncate.
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    return value
-
-
 def _seq_len(value) -> int:
-    value = _int("max_sequence_length", value, 1)
-    if value > _INT32_MAX:
-        raise ValueError(f"max_sequence_length: expected an int <= {_INT32_MAX} (int32 "
+    value = as_int("max_sequence_length", value, 1)
+    if value > INT32_MAX:
+        raise ValueError(f"max_sequence_length: expected an int <= {INT32_MAX} (int32 "
                          f"lengths), got {value}")
     return value
 
@@ -124,10 +106,10 @@ class KVLayerConfig:
     sliding_window: int | None = None
 
     def __post_init__(self):
-        _set(self, "num_kv_heads", _int("num_kv_heads", self.num_kv_heads, 1))
-        _set(self, "head_dim", _int("head_dim", self.head_dim, 1))
+        _set(self, "num_kv_heads", as_int("num_kv_heads", self.num_kv_heads, 1))
+        _set(self, "head_dim", as_int("head_dim", self.head_dim, 1))
         if self.sliding_window is not None:
-            _set(self, "sliding_window", _int("sliding_window", self.sliding_window, 1))
+            _set(self, "sliding_window", as_int("sliding_window", self.sliding_window, 1))
 
 
 @dataclass(frozen=True)
@@ -140,7 +122,7 @@ class KVCacheConfig:
     dtype: str = "float16"
 
     def __post_init__(self):
-        _set(self, "max_batch_size", _int("max_batch_size", self.max_batch_size, 1))
+        _set(self, "max_batch_size", as_int("max_batch_size", self.max_batch_size, 1))
         _set(self, "max_sequence_length", _seq_len(self.max_sequence_length))
         if isinstance(self.layer_configs, (str, bytes)) or not hasattr(self.layer_configs,
                                                                        "__iter__"):
@@ -177,10 +159,10 @@ class MambaCacheConfig:
     conv_dtype: str = "float16"
 
     def __post_init__(self):
-        _set(self, "num_layers", _int("num_layers", self.num_layers, 0))
+        _set(self, "num_layers", as_int("num_layers", self.num_layers, 0))
         for name in ("max_batch_size", "num_heads", "head_dim", "state_size", "conv_dim",
                      "conv_kernel"):
-            _set(self, name, _int(name, getattr(self, name), 1))
+            _set(self, name, as_int(name, getattr(self, name), 1))
         _dtype(self, "ssm_dtype")
         _dtype(self, "conv_dtype")
 
@@ -222,13 +204,13 @@ class HybridCacheConfig:
         if self.mamba is not None and not isinstance(self.mamba, MambaCacheConfig):
             raise TypeError(f"mamba: expected MambaCacheConfig or None, "
                             f"got {type(self.mamba).__name__}")
-        _set(self, "max_batch_size", _int("max_batch_size", self.max_batch_size, 1))
+        _set(self, "max_batch_size", as_int("max_batch_size", self.max_batch_size, 1))
         try:
             pairs = dict(self.kv_sharing or {})
         except (TypeError, ValueError):
             raise TypeError(f"kv_sharing: expected a mapping of layer to owner layer, "
                             f"got {type(self.kv_sharing).__name__}") from None
-        sharing = {_int("kv_sharing key", layer): _int("kv_sharing value", owner)
+        sharing = {as_int("kv_sharing key", layer): as_int("kv_sharing value", owner)
                    for layer, owner in pairs.items()}
         for layer, owner in sharing.items():
             if not 0 <= layer < len(types) or not types[layer].has_attention:
@@ -276,7 +258,8 @@ class HybridCacheConfig:
 
 @dataclass(frozen=True)
 class LinearCacheConfig:
-    """Uniform layout of ``LinearKVCache`` (seed 002): one ``[L, B, 2, H, S, D]`` buffer, plus
+    """Uniform layout of ``LinearKVCache`` (TensorRT-Edge-LLM's LinearKVCache): one ``[L, B, 2, H,
+    S, D]`` buffer, plus
     optional Mamba states (all Mamba fields 0 for a pure-attention model)."""
 
     num_attention_layers: int
@@ -296,14 +279,14 @@ class LinearCacheConfig:
 
     def __post_init__(self):
         _set(self, "num_attention_layers",
-             _int("num_attention_layers", self.num_attention_layers, 0))
+             as_int("num_attention_layers", self.num_attention_layers, 0))
         for name in ("max_batch_size", "num_kv_heads", "head_dim"):
-            _set(self, name, _int(name, getattr(self, name), 1))
+            _set(self, name, as_int(name, getattr(self, name), 1))
         _set(self, "max_sequence_length", _seq_len(self.max_sequence_length))
-        _set(self, "num_mamba_layers", _int("num_mamba_layers", self.num_mamba_layers, 0))
+        _set(self, "num_mamba_layers", as_int("num_mamba_layers", self.num_mamba_layers, 0))
         lo = 1 if self.num_mamba_layers else 0
         for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "conv_dim",
                      "conv_kernel"):
-            _set(self, name, _int(name, getattr(self, name), lo))
+            _set(self, name, as_int(name, getattr(self, name), lo))
         for name in ("dtype", "ssm_dtype", "conv_dtype"):
             _dtype(self, name)

@@ -7,8 +7,9 @@ friends, optionally ``layer_types`` or a ``sliding_window``). None has recurrent
 
 from __future__ import annotations
 
+from .._checks import as_int
+from .caches import KVLayerConfig
 from .hf_fields import A, _Cfg, _head_dim, _kv_heads, _Layout, _names
-from .caches import KVLayerConfig, _int
 
 __all__ = ["BUILDERS", "DEFAULTS"]
 
@@ -47,10 +48,10 @@ def _gemma4(c: _Cfg) -> _Layout:
     sliding[-1] = False                  # transformers forces the last layer to full attention
     heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
     full_dim = c.stated("global_head_dim")     # an explicit null means head_dim
-    full_dim = head_dim if full_dim is None else _int("global_head_dim", full_dim, 1)
+    full_dim = head_dim if full_dim is None else as_int("global_head_dim", full_dim, 1)
     global_heads = c.raw.get("num_global_key_value_heads")
     full_heads = (heads if global_heads is None or c.raw.get("attention_k_eq_v") is False
-                  else _int("num_global_key_value_heads", global_heads, 1))
+                  else as_int("num_global_key_value_heads", global_heads, 1))
     n, shared = len(sliding), c.int("num_kv_shared_layers", minimum=0)
     if shared > n:
         raise ValueError(f"num_kv_shared_layers: expected <= {n} (the layer count), got {shared}")

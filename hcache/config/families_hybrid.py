@@ -10,8 +10,9 @@ Gated DeltaNet, each with its own state shape.
 
 from __future__ import annotations
 
+from .._checks import as_int
+from .caches import KVLayerConfig
 from .hf_fields import AM, NONE, A, M, _Cfg, _check_count, _head_dim, _kv_heads, _Layout, _names
-from .caches import KVLayerConfig, _int
 
 __all__ = ["BUILDERS", "DEFAULTS"]
 
@@ -54,7 +55,7 @@ def _per_head(c: _Cfg, key: str, inner: int, heads_key: str) -> int:
     """A Mamba head dim that may be ``"auto"`` (``inner // heads``)."""
     value, heads = c.get(key), c.int(heads_key)
     if value is not None and value != "auto":
-        return _int(key, value, 1)
+        return as_int(key, value, 1)
     if inner % heads:
         raise ValueError(f"{heads_key}: expected a divisor of the Mamba inner size {inner}, "
                          f"got {heads}")
@@ -123,7 +124,7 @@ def _falcon_h1(c: _Cfg) -> _Layout:
     kv = KVLayerConfig(_kv_heads(c), _head_dim(c, "head_dim"))
     d_ssm = c.stated("mamba_d_ssm")      # an explicit null means expand * hidden_size
     inner = (c.int("mamba_expand") * c.int("hidden_size") if d_ssm is None
-             else _int("mamba_d_ssm", d_ssm, 1))
+             else as_int("mamba_d_ssm", d_ssm, 1))
     heads = c.int("mamba_n_heads")
     head_dim = _per_head(c, "mamba_d_head", inner, "mamba_n_heads")
     if heads * head_dim != inner:

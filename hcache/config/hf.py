@@ -1,7 +1,8 @@
-"""Cache layout from a Hugging Face ``config.json`` dict (SPEC §4, ``from_hf_config``).
+"""Cache layout from a Hugging Face ``config.json`` dict (docs/design.md §4, ``from_hf_config``).
 
 One small builder per model family turns the model's fields into a
-:class:`~hcache.config.hf_fields._Layout`; the shared rules are: a key absent (or ``null``) takes the
+:class:`~hcache.config.hf_fields._Layout`; the shared rules are: a key absent (or ``null``) takes
+the
 default of the model's transformers config class (``_DEFAULTS``); head dims come from the
 config's own fields and are derived from ``hidden_size`` only where the model itself does so; a
 Mamba-2 layer's inner size is ``heads * head_dim`` (or ``mamba_d_ssm``) and its conv dim
@@ -9,7 +10,8 @@ Mamba-2 layer's inner size is ``heads * head_dim`` (or ``mamba_d_ssm``) and its 
 naming the field (``TypeError`` for a wrong JSON type).
 
 This module picks the family and assembles the :class:`HybridCacheConfig`; the builders and
-their defaults live in :mod:`hcache.config.families_hybrid` (Mamba hybrids) and :mod:`hcache.config.families_attention`
+their defaults live in :mod:`hcache.config.families_hybrid` (Mamba hybrids) and
+:mod:`hcache.config.families_attention`
 (Gemma 3 / 4 and plain attention models), the field reader in :mod:`hcache.config.hf_fields`.
 """
 
@@ -18,11 +20,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from ..dtypes import dtype_name, resolve_dtype
 from . import families_attention as hf_attention
 from . import families_hybrid as hf_hybrid
-from .hf_fields import _Cfg
 from .caches import HybridCacheConfig, KVCacheConfig, MambaCacheConfig
-from ..dtypes import dtype_name, resolve_dtype
+from .hf_fields import _Cfg
 
 __all__ = ["hybrid_config_from_hf"]
 

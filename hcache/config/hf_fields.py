@@ -2,7 +2,8 @@
 
 :class:`_Cfg` reads a model's ``config.json`` fields with the transformers class defaults behind
 them; :class:`_Layout` is what each family builder (:mod:`hcache.config.families_hybrid`,
-:mod:`hcache.config.families_attention`) returns to :func:`hcache.config.hf.hybrid_config_from_hf`. The
+:mod:`hcache.config.families_attention`) returns to :func:`hcache.config.hf.hybrid_config_from_hf`.
+The
 helpers validate layer-type lists and layer counts and derive attention head dims.
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .caches import LayerType, _int
+from .._checks import as_int
+from .caches import LayerType
 
 A, M, AM, NONE = (LayerType.ATTENTION, LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA,
                   LayerType.NONE)
@@ -46,7 +48,7 @@ class _Cfg:
         key, value = self.find(*keys)
         if value is None:
             raise ValueError(f"{key}: expected an int, got nothing (absent, and no default)")
-        return _int(key, value, minimum)
+        return as_int(key, value, minimum)
 
     def stated(self, key):
         """The value as written, ``null`` included; the default when the key is absent."""

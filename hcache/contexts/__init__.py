@@ -1,4 +1,4 @@
-"""Prefix caching for hybrid models (SPEC §6), mirroring Megatron-LM's
+"""Prefix caching for hybrid models (docs/design.md §6), mirroring Megatron-LM's
 ``core.inference.contexts``: block hashing, the KV block allocator, the paged KV pool, the Mamba
 slot allocator and the dynamic inference context."""
 

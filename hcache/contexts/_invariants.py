@@ -1,4 +1,4 @@
-"""Consistency checks of the prefix-cache allocators' host bookkeeping (SPEC §6).
+"""Consistency checks of the prefix-cache allocators' host bookkeeping (docs/design.md §6).
 
 The allocators' ``check_invariants`` methods delegate here. Each check reads every piece of
 redundant bookkeeping (free stacks, inverse maps, hash maps, per-block mirrors, parent links)

@@ -1,4 +1,4 @@
-"""Leaf-peeling LRU over the forest of registered KV blocks (SPEC §6).
+"""Leaf-peeling LRU over the forest of registered KV blocks (docs/design.md §6).
 
 Registered blocks form a forest through their parent links (``block_parent_ids``, with
 ``block_child_counts`` counting each block's registered children). Invariants relied on here:

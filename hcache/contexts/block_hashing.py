@@ -1,4 +1,4 @@
-"""Chained SHA-256 hashes of the complete blocks of a token sequence (SPEC §6).
+"""Chained SHA-256 hashes of the complete blocks of a token sequence (docs/design.md §6).
 
 ``digest_k = sha256(digest_{k-1} || tokens of block k as little-endian int64)`` with
 ``digest_{-1}`` = 32 zero bytes, and ``hash_k = uint64_le(digest_k[:8]) mod (2^63 - 1) + 1``:
@@ -13,7 +13,7 @@ import hashlib
 
 import numpy as np
 
-from ..config.caches import _int
+from .._checks import as_int
 from ..device import array_module_of
 
 __all__ = ["compute_block_hashes"]
@@ -44,7 +44,7 @@ def compute_block_hashes(tokens, block_size: int) -> list[int]:
     ValueError
         ``block_size < 1``, or ``tokens`` is not 1-D.
     """
-    block_size = _int("block_size", block_size, 1)
+    block_size = as_int("block_size", block_size, 1)
     if array_module_of(tokens) is not np:
         tokens = tokens.get()   # host copy of a CuPy array (synchronizes)
     try:

@@ -1,4 +1,5 @@
-"""The cache-owning part of a serving context for hybrid models with prefix caching (SPEC §6).
+"""The cache-owning part of a serving context for hybrid models with prefix caching (docs/design.md
+§6).
 
 :class:`DynamicInferenceContext` owns the paged KV pool and its :class:`KVBlockAllocator`, the live
 per-request Mamba states, the :class:`MambaSlotAllocator`, request rows and block tables, and the
@@ -23,12 +24,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from ..config.caches import _int
+from .._checks import as_int, int_shape
 from ..device import resolve_device, stream_scope
 from ..dtypes import resolve_dtype, storage_dtype
 from ..errors import CacheCapacityError
 from ..ops.tables import SlotSet
-from ._args import _shape
 from .block_hashing import compute_block_hashes
 from .kv_block_allocator import KVBlockAllocator
 from .mamba_slot_allocator import MambaSlotAllocator
@@ -97,18 +97,18 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
                  device=None):
         self.device = resolve_device(device)
         xp = self.xp = self.device.xp
-        self.block_size_tokens = _int("block_size_tokens", block_size_tokens, 1)
-        self.max_requests = _int("max_requests", max_requests, 1)
-        self.max_blocks_per_request = _int("max_blocks_per_request", max_blocks_per_request, 1)
-        self.num_mamba_layers = _int("num_mamba_layers", num_mamba_layers)
-        self.mamba_chunk_size = _int("mamba_chunk_size", block_size_tokens
+        self.block_size_tokens = as_int("block_size_tokens", block_size_tokens, 1)
+        self.max_requests = as_int("max_requests", max_requests, 1)
+        self.max_blocks_per_request = as_int("max_blocks_per_request", max_blocks_per_request, 1)
+        self.num_mamba_layers = as_int("num_mamba_layers", num_mamba_layers)
+        self.mamba_chunk_size = as_int("mamba_chunk_size", block_size_tokens
                                      if mamba_chunk_size is None else mamba_chunk_size, 1)
         if self.block_size_tokens % self.mamba_chunk_size:
             raise ValueError(f"mamba_chunk_size: expected a divisor of block_size_tokens "
                              f"{self.block_size_tokens}, got {self.mamba_chunk_size}")
-        slots = _int("mamba_cache_slots", mamba_cache_slots)
+        slots = as_int("mamba_cache_slots", mamba_cache_slots)
         self.max_sequence_length = self.max_blocks_per_request * self.block_size_tokens
-        self.max_step_tokens = _int("max_step_tokens", self.max_requests
+        self.max_step_tokens = as_int("max_step_tokens", self.max_requests
                                     * self.max_sequence_length if max_step_tokens is None
                                     else max_step_tokens, 1)
         self.kv_pool = PagedKVPool(list(kv_layer_configs), num_blocks, self.block_size_tokens,
@@ -116,8 +116,8 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         self.kv_block_allocator = KVBlockAllocator(
             num_blocks, enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy)
-        conv_shape = _shape("conv_states_shape", conv_states_shape)
-        ssm_shape = _shape("ssm_states_shape", ssm_states_shape)
+        conv_shape = int_shape("conv_states_shape", conv_states_shape)
+        ssm_shape = int_shape("ssm_states_shape", ssm_states_shape)
         L, R = self.num_mamba_layers, self.max_requests
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)

@@ -1,4 +1,4 @@
-"""Block ids of a paged KV pool: free stack, ref counts, prefix hashes and LRU (SPEC §6).
+"""Block ids of a paged KV pool: free stack, ref counts, prefix hashes and LRU (docs/design.md §6).
 
 Every block is in exactly one of three states:
 
@@ -22,8 +22,7 @@ import logging
 
 import numpy as np
 
-from ..config.caches import _int
-from ._args import _as_ids, _as_int64
+from .._checks import as_int, block_id_array, hash_array
 from ._invariants import check_kv_block_allocator
 from ._lru import LeafPeelingMixin
 
@@ -77,7 +76,7 @@ class KVBlockAllocator(LeafPeelingMixin):
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True,
                  eviction_policy: str = "lru"):
-        n = _int("num_blocks", num_blocks, 1)
+        n = as_int("num_blocks", num_blocks, 1)
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(f"enable_prefix_caching: expected a bool, "
                             f"got {type(enable_prefix_caching).__name__}")
@@ -154,8 +153,8 @@ class KVBlockAllocator(LeafPeelingMixin):
         ``potential_matched_count`` prefix-matched evictable blocks (which then cannot be
         evicted to supply fresh blocks; a cached block with an in-use descendant is not
         evictable, so pinning it costs nothing and it is not counted)."""
-        n = _int("n", n)
-        potential_matched_count = _int("potential_matched_count", potential_matched_count)
+        n = as_int("n", n)
+        potential_matched_count = as_int("potential_matched_count", potential_matched_count)
         if self._free_top >= n:
             return True
         return self.get_allocatable_count() - potential_matched_count >= n
@@ -165,7 +164,7 @@ class KVBlockAllocator(LeafPeelingMixin):
     def advance_clock(self, steps: int = 1) -> int:
         """Advance the LRU clock by ``steps`` (the context does this once per step); returns
         the new value."""
-        self._clock += _int("steps", steps)
+        self._clock += as_int("steps", steps)
         return self._clock
 
     def add_blocks_deregistered_observer(self, fn) -> None:
@@ -189,7 +188,7 @@ class KVBlockAllocator(LeafPeelingMixin):
         TypeError, ValueError
             ``n`` is not an int >= 0.
         """
-        n = _int("n", n)
+        n = as_int("n", n)
         short = n - self._free_top
         evicted = None
         if short > 0:
@@ -219,7 +218,7 @@ class KVBlockAllocator(LeafPeelingMixin):
         ValueError
             An id is a free block (nothing changes).
         """
-        ids = _as_ids("block_ids", block_ids, self._num_blocks)
+        ids = block_id_array("block_ids", block_ids, self._num_blocks)
         free = (self.block_ref_counts[ids] == 0) & (self.block_hashes[ids] == -1)
         if free.any():
             raise ValueError(f"block_ids: expected allocated or cached blocks, got free block "
@@ -240,7 +239,7 @@ class KVBlockAllocator(LeafPeelingMixin):
         ValueError
             A ref count would drop below 0 (nothing changes).
         """
-        ids = _as_ids("block_ids", block_ids, self._num_blocks)
+        ids = block_id_array("block_ids", block_ids, self._num_blocks)
         uniq, counts = np.unique(ids, return_counts=True)
         after = self.block_ref_counts[uniq].astype(np.int64) - counts
         if (after < 0).any():
@@ -282,10 +281,10 @@ class KVBlockAllocator(LeafPeelingMixin):
             Lengths differ, a hash is not positive, a registered block would get a different
             hash, a hash is held by another block, or a block is free (nothing changes).
         """
-        ids = _as_ids("block_ids", block_ids, self._num_blocks)
-        hs = _as_int64("hashes", hashes, ids.shape[0])
+        ids = block_id_array("block_ids", block_ids, self._num_blocks)
+        hs = hash_array("hashes", hashes, ids.shape[0])
         ps = (np.zeros_like(hs) if parent_hashes is None
-              else _as_int64("parent_hashes", parent_hashes, ids.shape[0]))
+              else hash_array("parent_hashes", parent_hashes, ids.shape[0]))
         if (hs <= 0).any():
             raise ValueError(f"hashes: expected positive hashes, got {int(hs[hs <= 0][0])}")
         current = self.block_hashes[ids]
@@ -322,7 +321,7 @@ class KVBlockAllocator(LeafPeelingMixin):
             True when ``n`` blocks were evicted; False (nothing changed) when fewer than ``n``
             are evictable.
         """
-        n = _int("n", n)
+        n = as_int("n", n)
         if n == 0:
             return True
         victims = self._peel_lru(n) if self.caches_released_blocks else None

@@ -1,4 +1,4 @@
-"""The Mamba hash map: which cached Mamba states a prefix match can reach (SPEC §6).
+"""The Mamba hash map: which cached Mamba states a prefix match can reach (docs/design.md §6).
 
 ``hash_to_block_id`` maps a KV block hash to the block whose Mamba state is cached under it,
 mirrored per block by ``_block_hash`` (-1 = not in the map). Invariants kept here:
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._args import _index, _index_array
+from .._checks import check_index, index_array
 
 __all__ = ["MambaHashMapMixin"]
 
@@ -39,11 +39,11 @@ class MambaHashMapMixin:
 
         Raises ``IndexError`` when ``block_id`` is out of range.
         """
-        self._invalidate_blocks_batch([_index("block_id", block_id, self.num_blocks)])
+        self._invalidate_blocks_batch([check_index("block_id", block_id, self.num_blocks)])
 
     def _invalidate_blocks_batch(self, block_ids_list) -> None:
         """Vectorised :meth:`invalidate_block`; blocks without a slot are skipped."""
-        ids = np.unique(_index_array("block_ids_list", block_ids_list, self.num_blocks))
+        ids = np.unique(index_array("block_ids_list", block_ids_list, self.num_blocks))
         if not len(ids):
             return
         slots = self.block_to_slot[ids]
@@ -85,7 +85,7 @@ class MambaHashMapMixin:
             Lengths differ, a block owns no slot, or a hash is not the KV allocator's hash of
             that block (the Mamba map must stay a subset of the KV map). Nothing changes.
         """
-        ids = _index_array("block_ids", block_ids, self.num_blocks)
+        ids = index_array("block_ids", block_ids, self.num_blocks)
         hs = np.asarray(list(hashes), dtype=np.int64).reshape(-1)
         if hs.shape != ids.shape:
             raise ValueError(f"hashes: expected {len(ids)} hashes, got {len(hs)}")

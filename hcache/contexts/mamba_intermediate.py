@@ -26,10 +26,9 @@ import operator
 
 import numpy as np
 
-from ..config.caches import _int
-from ..device import stream_scope
+from .._checks import as_int, check_index, index_array
+from ..device import stream_scope, to_host
 from ..ops.tables import SlotSet
-from ._args import _host, _index, _index_array
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaIntermediateMixin"]
 
@@ -111,17 +110,17 @@ class MambaIntermediateMixin:
             Further absolute block boundaries to snapshot, after the three above, within the
             same filter and the limit of ``MAX_INTERMEDIATE_OFFSETS_PER_REQUEST``.
         """
-        row = _index("current_id", current_id, self.max_requests)
+        row = check_index("current_id", current_id, self.max_requests)
         bs, align = int(self.context.block_size_tokens), int(self.context.mamba_chunk_size)
         finished = int(getattr(req, "finished_chunk_token_count", 0))
         prompt_len = _prompt_length(req)
-        skip = _int("skip_tokens", skip_tokens)
-        chunk = _int("prefill_chunk_length", prefill_chunk_length)
-        matched = _int("num_matched_blocks", num_matched_blocks)
-        required = _int("overall_required_blocks", overall_required_blocks)
+        skip = as_int("skip_tokens", skip_tokens)
+        chunk = as_int("prefill_chunk_length", prefill_chunk_length)
+        matched = as_int("num_matched_blocks", num_matched_blocks)
+        required = as_int("overall_required_blocks", overall_required_blocks)
         if skip >= chunk:
             raise ValueError(f"skip_tokens: expected fewer than {chunk} tokens, got {skip}")
-        table = _host(self.context.request_to_kv_block_ids)[row]
+        table = to_host(self.context.request_to_kv_block_ids)[row]
         first_block = -(-finished // bs)
         if list(table[first_block:first_block + matched]) != list(matched_block_ids)[:matched]:
             raise ValueError("matched_block_ids: expected the block table's matched blocks")
@@ -167,9 +166,9 @@ class MambaIntermediateMixin:
 
         Returns ``(None, None)`` when nothing is pending or the slice is empty.
         """
-        start = _int("prefill_start", prefill_start)
+        start = as_int("prefill_start", prefill_start)
         count = self.max_requests - start if prefill_count is None \
-            else _int("prefill_count", prefill_count)
+            else as_int("prefill_count", prefill_count)
         if start + count > self.max_requests:
             raise IndexError(f"prefill_count: expected rows within [0, {self.max_requests}), "
                              f"got [{start}, {start + count})")
@@ -236,8 +235,8 @@ class MambaIntermediateMixin:
     def _copy_intermediate_to_cache(self, src_offsets, slots, *, stream=None) -> None:
         """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]`` for conv and SSM of
         every layer, one launch. Slots must be distinct."""
-        src = _index_array("src_offsets", src_offsets, self.max_intermediate_count)
-        dst = _index_array("slots", slots, self.max_slots)
+        src = index_array("src_offsets", src_offsets, self.max_intermediate_count)
+        dst = index_array("slots", slots, self.max_slots)
         if len(src) != len(dst):
             raise ValueError(f"slots: expected {len(src)} slots, got {len(dst)}")
         if len(np.unique(dst)) != len(dst):
@@ -246,7 +245,7 @@ class MambaIntermediateMixin:
 
     def _clear_intermediate_state(self, rows=None) -> None:
         """Forget the pending offsets and EOS entries of ``rows`` (default: every row)."""
-        sel = slice(None) if rows is None else _index_array("rows", rows, self.max_requests)
+        sel = slice(None) if rows is None else index_array("rows", rows, self.max_requests)
         self._intermediate_offsets[sel] = 0
         self._intermediate_block_ids[sel] = -1
         self._intermediate_counts[sel] = 0

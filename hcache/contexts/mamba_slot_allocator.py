@@ -1,4 +1,5 @@
-"""Durable Mamba states keyed by KV block id: the Mamba half of hybrid prefix caching (SPEC §6).
+"""Durable Mamba states keyed by KV block id: the Mamba half of hybrid prefix caching
+(docs/design.md §6).
 
 A cached state describes the recurrent (SSM) and conv state of every Mamba layer *after* the last
 token of one KV block, so a request whose prompt matches that block's chained hash can restore it
@@ -30,12 +31,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from ..config.caches import _int
+from .._checks import as_int, check_index, index_array, int_shape
 from ..device import Device, array_module_of, stream_scope
 from ..dtypes import resolve_dtype, storage_dtype
 from ..errors import CacheCapacityError
 from ..ops.tables import SlotSet
-from ._args import _index, _index_array, _shape
 from ._invariants import check_mamba_slot_allocator
 from .mamba_hash_map import MambaHashMapMixin
 from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, MambaIntermediateMixin
@@ -81,7 +81,7 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
     conv_states_shape, ssm_states_shape : tuple of int
         Per-slot shapes (without the layer and slot axes).
     conv_states_dtype, ssm_states_dtype : str or dtype
-        One of the SPEC §2 dtypes; must match the live states' storage dtype.
+        One of the docs/design.md §2 dtypes; must match the live states' storage dtype.
 
     Raises
     ------
@@ -102,10 +102,10 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
     def __init__(self, context, max_slots, num_mamba_layers, conv_states_shape,
                  ssm_states_shape, conv_states_dtype, ssm_states_dtype):
         self.context = context
-        self.max_slots = _int("max_slots", max_slots, 1)
-        self.num_mamba_layers = _int("num_mamba_layers", num_mamba_layers, 1)
-        self.conv_states_shape = _shape("conv_states_shape", conv_states_shape)
-        self.ssm_states_shape = _shape("ssm_states_shape", ssm_states_shape)
+        self.max_slots = as_int("max_slots", max_slots, 1)
+        self.num_mamba_layers = as_int("num_mamba_layers", num_mamba_layers, 1)
+        self.conv_states_shape = int_shape("conv_states_shape", conv_states_shape)
+        self.ssm_states_shape = int_shape("ssm_states_shape", ssm_states_shape)
         kv = context.kv_block_allocator
         self.num_blocks = int(len(kv.block_ref_counts))
         live_conv, live_ssm = context.mamba_conv_states, context.mamba_ssm_states
@@ -181,7 +181,7 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
 
     def get_slot(self, block_id) -> int:
         """The cache slot of KV block ``block_id``, or -1. Raises ``IndexError`` out of range."""
-        return int(self.block_to_slot[_index("block_id", block_id, self.num_blocks)])
+        return int(self.block_to_slot[check_index("block_id", block_id, self.num_blocks)])
 
     def has_state(self, block_id) -> bool:
         """Whether KV block ``block_id`` owns a cache slot (its state has been stored)."""
@@ -189,7 +189,7 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
 
     def can_allocate_slots(self, block_ids) -> bool:
         """Whether :meth:`allocate_slots_batch` would succeed for ``block_ids``."""
-        new, available = self._slot_demand(_index_array("block_ids", block_ids,
+        new, available = self._slot_demand(index_array("block_ids", block_ids,
                                                         self.num_blocks))
         return len(new) <= available
 
@@ -237,7 +237,7 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
         MambaSlotCapacityError
             Free plus evictable slots (other than those of ``block_ids``) are too few.
         """
-        ids = _index_array("block_ids", block_ids, self.num_blocks)
+        ids = index_array("block_ids", block_ids, self.num_blocks)
         new, available = self._slot_demand(ids)
         if len(new) > available:
             raise MambaSlotCapacityError(len(new), available)
@@ -265,7 +265,7 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
         MambaSlotCapacityError
             Fewer than ``num_needed`` candidates; nothing changes.
         """
-        n = _int("num_needed", num_needed)
+        n = as_int("num_needed", num_needed)
         if n == 0:
             return []
         candidates = self._evictable_block_ids(exclude)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import stream_scope
-from ._args import _host, _index, _index_array
+from .._checks import check_index, index_array
+from ..device import stream_scope, to_host
 
 __all__ = ["MambaStateCopyMixin"]
 
@@ -30,7 +30,7 @@ class MambaStateCopyMixin:
     """
 
     def _live_slots(self, rows: np.ndarray) -> np.ndarray:
-        live = _host(self.context.request_to_mamba_state_idx)[rows].astype(np.int64)
+        live = to_host(self.context.request_to_mamba_state_idx)[rows].astype(np.int64)
         bad = (live < 0) | (live >= self.max_requests)
         if bad.any():
             raise ValueError(f"request_indices: expected requests with a live Mamba slot, "
@@ -39,7 +39,7 @@ class MambaStateCopyMixin:
 
     def _rows(self, name, values) -> np.ndarray:
         table = self.context.request_to_mamba_state_idx
-        return _index_array(name, values, len(table))
+        return index_array(name, values, len(table))
 
     def store_from_tensors(self, block_id, layer_idx, ssm_state, conv_state, *,
                            stream=None) -> None:
@@ -50,7 +50,7 @@ class MambaStateCopyMixin:
         of range), ``ValueError`` (block owns no slot, or shape/dtype mismatch).
         """
         slot = self.get_slot(block_id)
-        layer = _index("layer_idx", layer_idx, self.num_mamba_layers)
+        layer = check_index("layer_idx", layer_idx, self.num_mamba_layers)
         if slot < 0:
             raise ValueError(f"block_id: expected a block owning a slot, got {int(block_id)}")
         for name, value, cache in (("ssm_state", ssm_state, self.ssm_states),
@@ -68,7 +68,7 @@ class MambaStateCopyMixin:
         Raises ``IndexError`` (slot or row out of range) or ``ValueError`` (lengths differ, a
         slot repeats or is free, a request has no live slot); nothing is copied then.
         """
-        dst = _index_array("slots", slots, self.max_slots)
+        dst = index_array("slots", slots, self.max_slots)
         rows = self._rows("request_indices", request_indices)
         if len(dst) != len(rows):
             raise ValueError(f"request_indices: expected {len(dst)} rows, got {len(rows)}")
@@ -94,7 +94,7 @@ class MambaStateCopyMixin:
         Returns, per entry, whether it was restored. The requests' live slots must differ.
         """
         rows = self._rows("request_indices", request_indices)
-        ids = _index_array("block_ids", block_ids, self.num_blocks)
+        ids = index_array("block_ids", block_ids, self.num_blocks)
         if len(ids) != len(rows):
             raise ValueError(f"block_ids: expected {len(rows)} blocks, got {len(ids)}")
         live = self._live_slots(rows)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from ..config.caches import KVCacheConfig, KVLayerConfig, _int
+from .._checks import as_int, block_id_array
+from ..config.caches import KVCacheConfig, KVLayerConfig
 from ..device import array_module_of, resolve_device, stream_scope
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
-from ._args import _as_ids
 
 __all__ = ["PagedKVPool"]
 
@@ -33,7 +33,7 @@ class PagedKVPool:
     block_size : int
         Tokens per block (>= 1).
     dtype : str or dtype
-        One of the SPEC §2 dtypes. On CuPy, float8 is stored as ``uint8`` (same bytes).
+        One of the docs/design.md §2 dtypes. On CuPy, float8 is stored as ``uint8`` (same bytes).
     device : None, "cpu", "cuda" or "cuda:N"
 
     Attributes
@@ -58,8 +58,8 @@ class PagedKVPool:
                 raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
                                 f"got {type(lc).__name__}")
         self.layer_configs = configs
-        self.num_blocks = _int("num_blocks", num_blocks, 1)
-        self.block_size = _int("block_size", block_size, 1)
+        self.num_blocks = as_int("num_blocks", num_blocks, 1)
+        self.block_size = as_int("block_size", block_size, 1)
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
         xp = self.xp = self.device.xp
@@ -256,4 +256,4 @@ class PagedKVPool:
                 raise ValueError(f"{name}: expected a 1-D int32 array, got {ids.dtype} "
                                  f"{tuple(ids.shape)}")
             return ids
-        return _as_ids(name, ids, self.num_blocks, padding=True).astype(np.int32)
+        return block_id_array(name, ids, self.num_blocks, padding=True).astype(np.int32)

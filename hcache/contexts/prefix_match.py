@@ -1,4 +1,4 @@
-"""Prefix-match policy of :class:`~hcache.contexts.DynamicInferenceContext` (SPEC §6).
+"""Prefix-match policy of :class:`~hcache.contexts.DynamicInferenceContext` (docs/design.md §6).
 
 The policy (the references' lessons applied):
 

@@ -1,4 +1,4 @@
-"""Per-request records of :class:`~hcache.contexts.DynamicInferenceContext` (SPEC §6).
+"""Per-request records of :class:`~hcache.contexts.DynamicInferenceContext` (docs/design.md §6).
 
 - :class:`PrefixCacheStats`: prefix-cache counters, per request and in total;
 - :class:`StepPlan`: what the engine computes for one request in the current step;

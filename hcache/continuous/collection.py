@@ -1,4 +1,4 @@
-"""The batch handed out by a continuous-batching ``fetch`` (SPEC §5).
+"""The batch handed out by a continuous-batching ``fetch`` (docs/design.md §5).
 
 A :class:`ContinuousBatchingKVCacheCollection` is a non-owning view of one fetched batch: the
 rows' seq_ids, the device ``lookup_table`` (row -> block) and ``cache_lengths`` (row -> committed
@@ -132,7 +132,7 @@ class ContinuousBatchingKVCacheCollection:
             New tokens of each row for a ragged write (their sum is ``total_tokens``). The row
             offsets go to a device buffer preallocated by the manager.
         stream : optional
-            Stream of the launch (SPEC §2); use the stream of ``fetch``. Ignored on cpu.
+            Stream of the launch (docs/design.md §2); use the stream of ``fetch``. Ignored on cpu.
 
         Raises
         ------

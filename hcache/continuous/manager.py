@@ -1,4 +1,4 @@
-"""Continuous-batching KV cache: one block per sequence, all layers (SPEC §5, seed 004).
+"""Continuous-batching KV cache: one block per sequence, all layers (docs/design.md §5).
 
 After MAX's Mojo ``ContinuousBatchingKVCacheManager``. ``blocks_buf`` is
 ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]`` with ``num_blocks =
@@ -33,14 +33,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config.caches import _int as _config_int
+from .._checks import as_int
 from ..config.caches import _set
-from .collection import ContinuousBatchingKVCacheCollection
-from .diagnostics import ContinuousBatchingDiagnosticsMixin
 from ..device import resolve_device, stream_scope
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..errors import CacheCapacityError
 from ..ops.tables import KVGroup
+from .collection import ContinuousBatchingKVCacheCollection
+from .diagnostics import ContinuousBatchingDiagnosticsMixin
 
 __all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
            "ContinuousBatchingKVCacheCollection", "BatchInFlightError"]
@@ -75,7 +75,7 @@ def _seq_id(value, name="seq_id") -> int:
 
 
 def _int(name: str, value, minimum: int = 0) -> int:
-    return _config_int(name, _seq_id(value, name), minimum)
+    return as_int(name, _seq_id(value, name), minimum)
 
 
 class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
@@ -84,7 +84,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
     Parameters
     ----------
     dtype : str or numpy.dtype
-        One of the seven cache dtypes (SPEC §2).
+        One of the seven cache dtypes (docs/design.md §2).
     kv_params : KVCacheStaticParams
     max_batch_size, max_seq_len, num_layers : int
         Each >= 1; ``max_seq_len`` below 2**31.
@@ -231,7 +231,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
             If another thread's batch is in flight, wait (up to ``timeout`` seconds) for its
             ``step`` instead of raising.
         stream : optional
-            Stream of the host-to-device copies of the index buffers (SPEC §2).
+            Stream of the host-to-device copies of the index buffers (docs/design.md §2).
 
         Returns
         -------

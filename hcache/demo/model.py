@@ -1,6 +1,7 @@
 """The tiny hybrid model of ``python -m hcache demo``: random weights, NumPy on the host.
 
-A Nemotron-H-style decoder built from a :class:`~hcache.config.caches.HybridCacheConfig`: Mamba-2-like
+A Nemotron-H-style decoder built from a :class:`~hcache.config.caches.HybridCacheConfig`:
+Mamba-2-like
 layers (a depthwise causal conv over the last ``conv_kernel`` inputs, then a diagonal selective
 recurrence on a state ``[heads, head_dim, state_size]``), grouped-query attention layers (no
 positional encoding: the Mamba layers carry order) and MLP layers, each pre-normed and residual.

@@ -1,4 +1,5 @@
-"""``python -m hcache demo`` (SPEC §7): a small hybrid model served by hcache, checked exactly.
+"""``python -m hcache demo`` (docs/design.md §7): a small hybrid model served by hcache, checked
+exactly.
 
 A random-weight Nemotron-H-style model (:mod:`hcache.demo.model`; its math runs in NumPy on the
 host, its caches live on the device, bound to it by :mod:`hcache.demo.adapters`) generates
@@ -27,13 +28,13 @@ from collections import deque
 
 import numpy as np
 
-from .adapters import BlockCache, PagedCache, SlotCache, host
-from .model import TinyHybridModel, reference_logits
 from ..config.caches import HybridCacheConfig
 from ..contexts import DynamicInferenceContext
 from ..continuous.manager import ContinuousBatchingKVCacheManager, KVCacheStaticParams
 from ..device import resolve_device
 from ..slots.hybrid import HybridCacheManager
+from .adapters import BlockCache, PagedCache, SlotCache, host
+from .model import TinyHybridModel, reference_logits
 
 __all__ = ["run_demo", "NEMOTRON_H_CONFIG"]
 

@@ -1,4 +1,4 @@
-// Mapping-based batch compaction (SPEC §3.3): mapping[old] = new slot, or -1 (evicted).
+// Mapping-based batch compaction (docs/design.md §3.3): mapping[old] = new slot, or -1 (evicted).
 //
 // Correct for any injective mapping of [0, old_batch) into [0, new_batch), in place, without
 // scratch memory. hc_compaction_plan turns the mapping into a schedule of slot moves:

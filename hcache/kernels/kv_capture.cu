@@ -1,4 +1,4 @@
-// Prompt-cache capture and restore (SPEC §3.5): the first n tokens of slot `slot` of every layer
+// Prompt-cache capture and restore (docs/design.md §3.5): the first n tokens of slot `slot` of every layer
 // of a head-dim group, to or from compact per-layer tensors [2, H_l, n, D].
 //
 // cache:   KVLayerInfo [num_layers], caches [num_slots, 2, H_l, S, D]

@@ -1,4 +1,4 @@
-// Batched per-layer KV writes (SPEC §3.2).
+// Batched per-layer KV writes (docs/design.md §3.2).
 //
 // New tokens arrive as a ragged batch: K and V [num_tokens, H, D] per layer, token t belonging to
 // batch row b when seq_offsets[b] <= t < seq_offsets[b + 1] (or b = t / uniform_tokens when

@@ -1,4 +1,4 @@
-// Sequence-length bookkeeping on the device (part of the batch API, SPEC §4).
+// Sequence-length bookkeeping on the device (part of the batch API, docs/design.md §4).
 //
 // hc_lengths_add: lengths[i] += (inc ? inc[i] : scalar) for i < n, all or nothing: if any
 // increment is negative or any result would pass max_len, nothing changes and *status gets 1. The check and the update run in

@@ -1,4 +1,4 @@
-// Slot copies (SPEC §3.4): dst_t[dst_idx[i]] = src_t[src_idx[i]] for every tensor t of a set and
+// Slot copies (docs/design.md §3.4): dst_t[dst_idx[i]] = src_t[src_idx[i]] for every tensor t of a set and
 // every pair i, in one launch. Used for prompt-cache capture/restore of Mamba states, the Mamba
 // prefix cache (store/restore), intermediate-state commits and paged-block copy-on-write.
 //

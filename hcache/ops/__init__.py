@@ -1,4 +1,4 @@
-"""Typed launch wrappers, one per kernel (SPEC §3).
+"""Typed launch wrappers, one per kernel (docs/design.md §3).
 
 Each wrapper validates its arrays (shape, dtype, array module, contiguity), casts every scalar to
 the C type of the kernel's parameter, computes the grid in one visible place and launches on the
@@ -16,11 +16,11 @@ the current CUDA device (the managers make theirs current around every call).
 
 from __future__ import annotations
 
-from .reference import compaction_plan_size
 from ._launch import BLOCK, CupyLauncher, host_backend
 from .compact import compaction_plan, kv_compact, slots_compact
-from .kv_write import kv_write
 from .kv_capture import kv_capture, kv_prefix_copy, kv_restore
+from .kv_write import kv_write
+from .reference import compaction_plan_size
 from .slot_copy import lengths_add, slot_copy
 
 __all__ = ["BLOCK", "compaction_plan_size", "compaction_plan", "kv_compact", "slots_compact",

@@ -6,8 +6,9 @@ import contextlib
 
 import numpy as np
 
+from .._checks import int32_array
+from ..device import Device, data_pointer, stream_handle, stream_scope
 from . import _loader as _kernels
-from ..device import Device, array_module_of, data_pointer, stream_handle, stream_scope
 from .reference import PLAN_HEADER, compaction_plan_size, plan_max_batch
 
 BLOCK = 256          # threads per block for every kernel
@@ -76,19 +77,6 @@ def i64(x) -> np.int64:
     return np.int64(int(x))
 
 
-INT_MIN, INT_MAX = -(2**31), 2**31 - 1
-
-
-def c_int(name, x, lo: int = INT_MIN, hi: int = INT_MAX) -> int:
-    """``x`` as a Python ``int`` in ``[lo, hi]`` (by default the range of the C ``int`` it is
-    passed as), checked the same way for the reference and the kernels."""
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-        raise TypeError(f"{name}: expected an int, got {type(x).__name__}")
-    if not lo <= int(x) <= hi:
-        raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {int(x)}")
-    return int(x)
-
-
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -103,27 +91,13 @@ def grid_z(span_bytes: int) -> int:
     return max(1, min(MAX_GRID_Z, ceil_div(span_bytes, 16 * BLOCK * 4)))
 
 
-def check_index_array(name, a, xp, *, min_len=0, ndim=1):
-    if a is None:
-        return
-    if array_module_of(a) is not xp or not isinstance(a, xp.ndarray):
-        raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
-    if a.dtype != np.int32:
-        raise ValueError(f"{name}: expected dtype int32, got {a.dtype}")
-    if a.ndim != ndim or (a.shape[0] if a.ndim else 0) < min_len:
-        raise ValueError(f"{name}: expected {ndim}-D with at least {min_len} rows, "
-                         f"got shape {tuple(a.shape)}")
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{name}: expected a C-contiguous array")
-
-
 def check_plan(plan, xp, num_slots: int) -> int:
     """Validate a compaction plan for tensors of ``num_slots`` slots; return its max_batch.
 
     The plan's contents are device data (unchecked); its size says which slots its schedule
     may name, so a plan for more slots than the tensors have is refused here.
     """
-    check_index_array("plan", plan, xp, min_len=PLAN_HEADER)
+    int32_array("plan", plan, xp, min_len=PLAN_HEADER)
     max_batch = plan_max_batch(plan)
     if plan.shape[0] != compaction_plan_size(max_batch):
         raise ValueError(f"plan: expected length 4 + 8 * max_batch, got {plan.shape[0]}")
@@ -135,7 +109,7 @@ def check_plan(plan, xp, num_slots: int) -> int:
 
 def check_status(status, xp):
     if status is not None:
-        check_index_array("status", status, xp, min_len=1)
+        int32_array("status", status, xp, min_len=1)
 
 
 def upload_table(run, group, host: np.ndarray):

@@ -15,8 +15,8 @@ import os
 from functools import cache
 from pathlib import Path
 
-from . import _loader as _kernels
 from ..errors import KernelCompileError
+from . import _loader as _kernels
 
 __all__ = ["find_libnvrtc", "nvrtc_version", "compile_family"]
 

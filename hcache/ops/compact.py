@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from . import reference as ref
+from .._checks import check_int, int32_array
 from ..device import array_module_of, data_pointer
+from . import reference as ref
 from ._launch import (
     BLOCK,
-    c_int,
     ceil_div,
-    check_index_array,
     check_plan,
     grid_x,
     grid_z,
@@ -35,15 +34,15 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
         Current lengths, for the longest moved span (``plan[2]``): :func:`kv_compact` moves
         no token at or past it, so without ``lengths`` it moves no KV data at all.
     """
-    old_batch = c_int("old_batch", old_batch)
-    new_batch = c_int("new_batch", new_batch)
+    old_batch = check_int("old_batch", old_batch)
+    new_batch = check_int("new_batch", new_batch)
     xp = array_module_of(plan)
-    check_index_array("plan", plan, xp, min_len=ref.PLAN_HEADER)
+    int32_array("plan", plan, xp, min_len=ref.PLAN_HEADER)
     max_batch = ref.plan_max_batch(plan)
     if plan.shape[0] != ref.compaction_plan_size(max_batch):
         raise ValueError(f"plan: expected length 4 + 8 * max_batch, got {plan.shape[0]}")
-    check_index_array("mapping", mapping, xp, min_len=old_batch)
-    check_index_array("lengths", lengths, xp, min_len=max_batch)
+    int32_array("mapping", mapping, xp, min_len=old_batch)
+    int32_array("lengths", lengths, xp, min_len=max_batch)
     run = launcher(xp, backend, stream)
     if run is None:
         return ref.compaction_plan(mapping, old_batch, new_batch, plan, lengths=lengths)
@@ -61,7 +60,7 @@ def kv_compact(group, plan, lengths, *, stream=None, backend=None):
     if group.layout != "HND":
         raise ValueError("group: expected an HND group for compaction, got NHD")
     max_batch = check_plan(plan, xp, group.num_slots)
-    check_index_array("lengths", lengths, xp, min_len=group.num_slots)
+    int32_array("lengths", lengths, xp, min_len=group.num_slots)
     run = launcher(xp, backend, stream)
     if run is None:
         return ref.kv_compact(group, plan, lengths)

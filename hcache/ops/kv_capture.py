@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference as ref
+from .._checks import check_int
 from ..device import array_module_of, data_pointer
-from .tables import pack_kv_layer_infos
+from . import reference as ref
 from ._launch import (
     BLOCK,
-    c_int,
     check_status,
     grid_z,
     i32,
@@ -17,6 +16,7 @@ from ._launch import (
     ptr,
     upload_table,
 )
+from .tables import pack_kv_layer_infos
 
 
 def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, stream=None,
@@ -25,8 +25,8 @@ def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, s
     ``compact`` (one ``[2, H_l, n, D]`` tensor per layer, ``n >= num_tokens``), one launch.
     Prefer :func:`kv_capture` / :func:`kv_restore`, which validate the slot and length first.
     """
-    slot = c_int("slot", slot)
-    num_tokens = c_int("num_tokens", num_tokens)
+    slot = check_int("slot", slot)
+    num_tokens = check_int("num_tokens", num_tokens)
     xp = group.xp
     if group.layout != "HND":
         raise ValueError("group: expected an HND group, got NHD")

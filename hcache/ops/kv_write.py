@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference as ref
+from .._checks import check_int, int32_array
 from ..device import array_module_of, data_pointer
+from . import reference as ref
 from ._launch import (
     BLOCK,
-    c_int,
     ceil_div,
-    check_index_array,
     check_status,
     grid_x,
     i32,
@@ -94,22 +93,22 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
     for j, li in enumerate(positions_in_group):
         _check_rows(f"k[{j}]", ks[j], group, li, num_tokens, xp)
         _check_rows(f"v[{j}]", vs[j], group, li, num_tokens, xp)
-    uniform_tokens = c_int("uniform_tokens", uniform_tokens)
-    check_index_array("seq_offsets", seq_offsets, xp)
+    uniform_tokens = check_int("uniform_tokens", uniform_tokens)
+    int32_array("seq_offsets", seq_offsets, xp)
     if batch is None:
         batch = (int(seq_offsets.shape[0]) - 1 if seq_offsets is not None
                  else (num_tokens // uniform_tokens if uniform_tokens > 0 else 0))
-    batch = c_int("batch", batch)
+    batch = check_int("batch", batch)
     if batch < 0:
         raise ValueError(f"batch: expected >= 0, got {batch}")
     if seq_offsets is None and uniform_tokens <= 0:
         raise ValueError("seq_offsets: expected seq_offsets or uniform_tokens > 0 (rows of the "
                          f"tokens), got neither (uniform_tokens={uniform_tokens})")
-    check_index_array("seq_offsets", seq_offsets, xp, min_len=batch + 1)
-    check_index_array("cache_lengths", cache_lengths, xp, min_len=batch)
-    check_index_array("positions", positions, xp, min_len=num_tokens)
-    check_index_array("row_to_slot", row_to_slot, xp, min_len=batch)
-    check_index_array("block_table", block_table, xp, min_len=batch, ndim=2)
+    int32_array("seq_offsets", seq_offsets, xp, min_len=batch + 1)
+    int32_array("cache_lengths", cache_lengths, xp, min_len=batch)
+    int32_array("positions", positions, xp, min_len=num_tokens)
+    int32_array("row_to_slot", row_to_slot, xp, min_len=batch)
+    int32_array("block_table", block_table, xp, min_len=batch, ndim=2)
     check_status(status, xp)
     run = launcher(xp, backend, stream)
     kwargs = dict(seq_offsets=seq_offsets, uniform_tokens=uniform_tokens, batch=batch,

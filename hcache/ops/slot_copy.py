@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference as ref
+from .._checks import INT32_MAX, check_int, int32_array
 from ..device import array_module_of
+from . import reference as ref
 from ._launch import (
     BLOCK,
-    INT_MAX,
-    c_int,
     ceil_div,
-    check_index_array,
     check_status,
     grid_x,
     i32,
@@ -35,8 +33,8 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None, stream=None, backend=None
         Incremented once per out-of-range pair.
     """
     xp = slots.xp
-    check_index_array("src_idx", src_idx, xp)
-    check_index_array("dst_idx", dst_idx, xp, min_len=src_idx.shape[0])
+    int32_array("src_idx", src_idx, xp)
+    int32_array("dst_idx", dst_idx, xp, min_len=src_idx.shape[0])
     check_status(status, xp)
     n = int(src_idx.shape[0])
     run = launcher(xp, backend, stream)
@@ -71,17 +69,17 @@ def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None, bac
         A scalar of the wrong type or out of range, or a bad array (nothing changes).
     """
     xp = array_module_of(lengths)
-    check_index_array("lengths", lengths, xp)
-    n = c_int("n", n, 0, int(lengths.shape[0]))
-    max_len = c_int("max_len", max_len, 0, INT_MAX)
+    int32_array("lengths", lengths, xp)
+    n = check_int("n", n, 0, int(lengths.shape[0]))
+    max_len = check_int("max_len", max_len, 0, INT32_MAX)
     check_status(status, xp)
     scalar = 0
     inc = None
     if isinstance(increment, (int, np.integer)) and not isinstance(increment, bool):
-        scalar = c_int("increment", increment)
+        scalar = check_int("increment", increment)
     else:
         inc = increment
-        check_index_array("increment", inc, xp, min_len=n)
+        int32_array("increment", inc, xp, min_len=n)
     run = launcher(xp, backend, stream)
     if run is None:
         return ref.lengths_add(lengths, n, increment if inc is None else inc[:n], max_len,

@@ -1,6 +1,7 @@
 """Descriptors that the multi-layer kernels read: head-dim groups and slot sets.
 
-A :class:`KVGroup` is the unit of one launch for attention data (SPEC §3.1): the layers of one
+A :class:`KVGroup` is the unit of one launch for attention data (docs/design.md §3.1): the layers
+of one
 head dim, with a device array of ``KVLayerInfo {uint64 data; int32 num_kv_heads; int32
 max_seq_len}`` built once. A :class:`SlotSet` is the unit of one launch for whole-slot copies
 (Mamba states, lengths, paged blocks): a device array of ``SlotTensorInfo {uint64 src, dst;

@@ -1,4 +1,4 @@
-"""The batch API shared by the contiguous-slot managers (SPEC §4 "Batch API").
+"""The batch API shared by the contiguous-slot managers (docs/design.md §4 "Batch API").
 
 One device ``int32 [max_batch]`` lengths array (the past length of every slot, bound by a
 runtime as ``kvcache_start_index``), the active batch size, the ``kv_cache_all_empty`` flag, and
@@ -22,12 +22,12 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .._checks import check_index, check_int, host_ints, launch_scope, upload_ints
-from .batch_compaction import BatchCompaction
-from ..device import array_module_of
+from .._checks import check_int, host_ints
+from ..device import array_module_of, launch_scope, upload_ints
 from ..ops.tables import SlotSet
+from .batch_compaction import BatchCompaction
 
-__all__ = ["BatchAPI", "check_index", "check_int", "launch_scope"]
+__all__ = ["BatchAPI"]
 
 
 class BatchAPI(BatchCompaction):

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .._checks import check_int, host_ints, launch_scope, upload_ints
-from ..device import array_module_of
+from .._checks import check_int, host_ints
+from ..device import array_module_of, launch_scope, upload_ints
 
 __all__ = ["BatchCompaction"]
 

@@ -1,4 +1,5 @@
-"""Caches of a hybrid attention + Mamba model, routed by absolute decoder-layer index (seed 000).
+"""Caches of a hybrid attention + Mamba model, routed by absolute decoder-layer index
+(TensorRT-Edge-LLM's HybridCacheManager).
 
 A :class:`HybridCacheManager` owns a :class:`~hcache.slots.kv.KVCacheManager` (one cache
 per attention layer that owns one), a :class:`~hcache.slots.mamba.MambaCacheManager`
@@ -15,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .batch import BatchAPI, check_index, launch_scope
+from .._checks import check_index
 from ..config.caches import HybridCacheConfig, LayerType
-from ..device import resolve_device
+from ..device import launch_scope, resolve_device
+from .batch import BatchAPI
 from .kv import KVCacheManager
 from .mamba import MambaCacheManager
 

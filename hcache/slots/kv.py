@@ -1,4 +1,4 @@
-"""Per-layer KV caches for attention layers of any head count and head dim (seed 001, SPEC §4).
+"""Per-layer KV caches for attention layers of any head count and head dim (docs/design.md §4).
 
 Layer ``i`` (local attention index) owns one C-contiguous cache ``[max_batch, 2, H_i, S, D_i]``
 (K plane then V plane, HND). Layers are grouped by head dim in first-seen order; each group is a
@@ -8,9 +8,9 @@ Layer ``i`` (local attention index) owns one C-contiguous cache ``[max_batch, 2,
 from __future__ import annotations
 
 from .. import ops
-from .batch import check_index, check_int, launch_scope
+from .._checks import check_index, check_int
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import array_module_of, resolve_device
+from ..device import array_module_of, launch_scope, resolve_device
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup, group_layers_by_head_dim
 

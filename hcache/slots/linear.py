@@ -1,4 +1,4 @@
-"""One monolithic KV buffer for uniform models, plus optional Mamba states (seed 002, SPEC §4).
+"""One monolithic KV buffer for uniform models, plus optional Mamba states (docs/design.md §4).
 
 ``kv [L, max_batch, 2, H, S, D]``: decoder layer ``l``'s cache is the C-contiguous view
 ``kv[l]``. Mamba states, when the config has Mamba layers, live in a
@@ -8,11 +8,12 @@ manager; compaction moves the KV tokens, the Mamba states and the lengths.
 
 from __future__ import annotations
 
-from .batch import BatchAPI, check_index, launch_scope
+from .._checks import check_index
 from ..config.caches import LinearCacheConfig, MambaCacheConfig
-from ..device import resolve_device
+from ..device import launch_scope, resolve_device
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
+from .batch import BatchAPI
 from .mamba import MambaCacheManager
 
 __all__ = ["LinearKVCache"]

@@ -1,4 +1,4 @@
-"""Recurrent (Mamba / state-space / gated delta-net) states of every slot (SPEC §4).
+"""Recurrent (Mamba / state-space / gated delta-net) states of every slot (docs/design.md §4).
 
 One buffer per kind, ``recurrent [L, max_batch, num_heads, head_dim, state_size]`` and
 ``conv [L, max_batch, conv_dim, conv_kernel]``, zeroed at construction; layer ``l``'s state is
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .batch import check_index, launch_scope
+from .._checks import check_index
 from ..config.caches import MambaCacheConfig
-from ..device import array_module_of, resolve_device
+from ..device import array_module_of, launch_scope, resolve_device
 from ..dtypes import storage_dtype
 from ..ops.tables import SlotSet
 
