@@ -15,7 +15,7 @@ from functools import cache
 import numpy as np
 
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
-           "launch_scope", "upload_ints", "to_host", "array_module_of", "data_pointer"]
+           "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer"]
 
 
 @cache
@@ -175,17 +175,22 @@ def launch_scope(device: Device, stream):
         yield
 
 
-def upload_ints(dst, host: np.ndarray) -> None:
-    """``dst[:len(host)] = host`` as int32: host to device on the current stream (a plain copy
-    for a NumPy ``dst``)."""
+def upload(dst, host: np.ndarray) -> None:
+    """``dst[:len(host)] = host``: host to device on the current stream (a plain copy for a NumPy
+    ``dst``). The one way the package copies host data into device buffers; ``host`` must have
+    ``dst``'s dtype and trailing shape."""
     n = host.shape[0]
     if n == 0:
         return
-    values = host.astype(np.int32)
     if isinstance(dst, np.ndarray):
-        dst[:n] = values
+        dst[:n] = host
     else:
-        dst[:n].set(values)
+        dst[:n].set(np.ascontiguousarray(host))
+
+
+def upload_ints(dst, host: np.ndarray) -> None:
+    """:func:`upload` of host integers into an int32 ``dst``."""
+    upload(dst, host.astype(np.int32))
 
 
 def to_host(array) -> np.ndarray:
