@@ -6,7 +6,7 @@ live in :mod:`hcache.ops` (with their NumPy reference in :mod:`hcache.ops.refere
 
 from __future__ import annotations
 
-from .config.caches import (
+from .config import (
                       HybridCacheConfig,
                       KVCacheConfig,
                       KVLayerConfig,
@@ -53,7 +53,7 @@ def _keep_old_module_paths() -> None:
 
 
 _OLD_MODULE_PATHS = {
-    "configs": "config.caches", "hf_config": "config.hf", "layout": "ops.tables",
+    "configs": "config.caches", "hf_config": "config.caches", "layout": "ops.tables",
     "reference": "ops.reference", "batch_state": "slots.batch", "kv_cache_manager": "slots.kv",
     "mamba_cache_manager": "slots.mamba", "hybrid_cache_manager": "slots.hybrid",
     "linear_kv_cache": "slots.linear", "continuous_batching": "continuous.manager",

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hcache.config import hybrid_config_from_hf
 from hcache.config.caches import HybridCacheConfig, KVLayerConfig, LayerType
-from hcache.config.hf import hybrid_config_from_hf
 
 A, M, AM, NONE = (LayerType.ATTENTION, LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA,
                   LayerType.NONE)

@@ -7,15 +7,16 @@ tuples and dtypes by their docs/design.md §2 names, so configs are hashable and
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .._checks import INT32_MAX, as_int
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, resolve_dtype
+from .hf import read_hf_layout
+from .layers import KVLayerConfig, LayerType, _set
 
 __all__ = ["LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
-           "HybridCacheConfig", "LinearCacheConfig"]
+           "HybridCacheConfig", "LinearCacheConfig", "hybrid_config_from_hf"]
 
 
 def _seq_len(value) -> int:
@@ -26,48 +27,11 @@ def _seq_len(value) -> int:
     return value
 
 
-def _set(obj, name, value):
-    object.__setattr__(obj, name, value)
-
-
 def _dtype(obj, name):
     try:
         _set(obj, name, dtype_name(getattr(obj, name)))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {str(exc).split(': ', 1)[-1]}") from None
-
-
-class LayerType(enum.Enum):
-    """Kind of one decoder layer."""
-
-    ATTENTION = "attention"
-    MAMBA = "mamba"
-    ATTENTION_AND_MAMBA = "attention_and_mamba"  # Falcon-H1 / Zamba2 hybrid layers
-    NONE = "none"                                # MLP/MoE-only layer: no cache
-
-    @property
-    def has_attention(self) -> bool:
-        return self in (LayerType.ATTENTION, LayerType.ATTENTION_AND_MAMBA)
-
-    @property
-    def has_mamba(self) -> bool:
-        return self in (LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA)
-
-    @classmethod
-    def coerce(cls, value, name: str = "layer_type") -> LayerType:
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                pass
-            raise ValueError(f"{name}: expected a LayerType, got {value!r}")
-        raise TypeError(f"{name}: expected a LayerType or its name, got {type(value).__name__}")
 
 
 class _FrozenMapping(Mapping):
@@ -95,21 +59,6 @@ class _FrozenMapping(Mapping):
 
     def __reduce__(self):
         return (type(self), (self._data,))
-
-
-@dataclass(frozen=True)
-class KVLayerConfig:
-    """KV shape of one attention layer; ``sliding_window`` is recorded from the model."""
-
-    num_kv_heads: int
-    head_dim: int
-    sliding_window: int | None = None
-
-    def __post_init__(self):
-        _set(self, "num_kv_heads", as_int("num_kv_heads", self.num_kv_heads, 1))
-        _set(self, "head_dim", as_int("head_dim", self.head_dim, 1))
-        if self.sliding_window is not None:
-            _set(self, "sliding_window", as_int("sliding_window", self.sliding_window, 1))
 
 
 @dataclass(frozen=True)
@@ -247,9 +196,7 @@ class HybridCacheConfig:
     def from_hf_config(cls, config_dict, *, max_batch_size, max_sequence_length,
                        kv_dtype="float16", ssm_dtype="float32", conv_dtype=None):
         """Build the layout from a Hugging Face ``config.json`` dict (see
-        :func:`hcache.config.hf.hybrid_config_from_hf`)."""
-        from .hf import hybrid_config_from_hf
-
+        :func:`hybrid_config_from_hf`)."""
         return hybrid_config_from_hf(config_dict, max_batch_size=max_batch_size,
                                      max_sequence_length=max_sequence_length,
                                      kv_dtype=kv_dtype, ssm_dtype=ssm_dtype,
@@ -290,3 +237,50 @@ class LinearCacheConfig:
             _set(self, name, as_int(name, getattr(self, name), lo))
         for name in ("dtype", "ssm_dtype", "conv_dtype"):
             _dtype(self, name)
+
+
+def hybrid_config_from_hf(config_dict, *, max_batch_size, max_sequence_length,
+                          kv_dtype="float16", ssm_dtype="float32",
+                          conv_dtype=None) -> HybridCacheConfig:
+    """Build the cache layout of a model from its Hugging Face ``config.json``.
+
+    Parameters
+    ----------
+    config_dict : Mapping
+        The parsed ``config.json`` (a nested ``text_config`` is used when present) of
+        Nemotron-H / Nemotron-Nano-v2 / Nemotron-3, Jamba, Granite-4.0-H, Falcon-H1, Zamba2,
+        Qwen3-Next, Gemma 3 / 4 or any plain attention model. The family is read from
+        ``model_type``, then ``architectures``, then from family-specific fields.
+    max_batch_size, max_sequence_length : int
+        Slots and tokens per slot of the KV caches (and slots of the Mamba states).
+    kv_dtype, ssm_dtype : str or dtype
+        Dtypes of the KV caches and of the recurrent states.
+    conv_dtype : str or dtype, optional
+        Dtype of the conv states; ``None`` means ``kv_dtype``.
+
+    Returns
+    -------
+    HybridCacheConfig
+        ``layer_types`` by absolute decoder index (MLP/MoE-only layers are ``LayerType.NONE``),
+        one ``KVLayerConfig`` per cache-owning attention layer, a ``MambaCacheConfig`` (``None``
+        without recurrent layers) and Gemma 4's ``kv_sharing``.
+
+    Raises
+    ------
+    TypeError
+        ``config_dict`` is not a mapping, or a field or dtype has the wrong type.
+    ValueError
+        An unsupported or inconsistent config (the message names the field), or a bad dtype,
+        batch size or sequence length.
+    """
+    kv_dt = dtype_name(resolve_dtype(kv_dtype, name="kv_dtype"))
+    ssm_dt = dtype_name(resolve_dtype(ssm_dtype, name="ssm_dtype"))
+    conv_dt = kv_dt if conv_dtype is None else dtype_name(resolve_dtype(conv_dtype,
+                                                                        name="conv_dtype"))
+    layout = read_hf_layout(config_dict)
+    owners = [layout.kv[i] for i in sorted(layout.kv) if i not in layout.sharing]
+    kv = KVCacheConfig(max_batch_size, max_sequence_length, owners, kv_dt)
+    n_mamba = sum(1 for t in layout.types if t.has_mamba)
+    mamba = (MambaCacheConfig(n_mamba, max_batch_size, **layout.mamba, ssm_dtype=ssm_dt,
+                              conv_dtype=conv_dt) if n_mamba else None)
+    return HybridCacheConfig(layout.types, kv, mamba, max_batch_size, layout.sharing or None)

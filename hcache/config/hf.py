@@ -1,18 +1,12 @@
-"""Cache layout from a Hugging Face ``config.json`` dict (docs/design.md §4, ``from_hf_config``).
+"""Reading a Hugging Face ``config.json`` dict into a cache layout (docs/design.md §4).
 
-One small builder per model family turns the model's fields into a
-:class:`~hcache.config.hf_fields._Layout`; the shared rules are: a key absent (or ``null``) takes
-the
-default of the model's transformers config class (``_DEFAULTS``); head dims come from the
-config's own fields and are derived from ``hidden_size`` only where the model itself does so; a
-Mamba-2 layer's inner size is ``heads * head_dim`` (or ``mamba_d_ssm``) and its conv dim
-``inner + 2 * n_groups * d_state``; an unsupported or inconsistent value raises ``ValueError``
-naming the field (``TypeError`` for a wrong JSON type).
-
-This module picks the family and assembles the :class:`HybridCacheConfig`; the builders and
-their defaults live in :mod:`hcache.config.families_hybrid` (Mamba hybrids) and
-:mod:`hcache.config.families_attention`
-(Gemma 3 / 4 and plain attention models), the field reader in :mod:`hcache.config.hf_fields`.
+:func:`read_hf_layout` picks the model family (from ``model_type``, then ``architectures``, then
+family-specific fields) and runs its builder from :mod:`hcache.config.families` over a
+:class:`~hcache.config.hf_fields._Cfg` reader. The shared rules: a key absent (or ``null``) takes
+the default of the model's transformers config class; head dims come from the config's own fields
+and are derived from ``hidden_size`` only where the model itself does so; an unsupported or
+inconsistent value raises ``ValueError`` naming the field (``TypeError`` for a wrong JSON type).
+:meth:`hcache.HybridCacheConfig.from_hf_config` turns the layout into a config.
 """
 
 from __future__ import annotations
@@ -20,17 +14,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from ..dtypes import dtype_name, resolve_dtype
-from . import families_attention as hf_attention
-from . import families_hybrid as hf_hybrid
-from .caches import HybridCacheConfig, KVCacheConfig, MambaCacheConfig
-from .hf_fields import _Cfg
+from .families import BUILDERS as _BUILDERS
+from .families import DEFAULTS as _DEFAULTS
+from .hf_fields import _Cfg, _Layout
 
-__all__ = ["hybrid_config_from_hf"]
-
-# Defaults of the transformers config classes, for the keys the builders read.
-_DEFAULTS: dict[str, dict] = {**hf_hybrid.DEFAULTS, **hf_attention.DEFAULTS}
-_BUILDERS = {**hf_hybrid.BUILDERS, **hf_attention.BUILDERS}
+__all__ = ["read_hf_layout"]
 
 # Fallbacks when neither model_type nor architectures names a known family.
 _FIELD_HINTS = (("hybrid_override_pattern", "nemotron_h"), ("mamba_num_heads", "nemotron_h"),
@@ -67,52 +55,26 @@ def _select(config: Mapping) -> tuple[str, dict]:
     return family, fields
 
 
-def hybrid_config_from_hf(config_dict, *, max_batch_size, max_sequence_length,
-                          kv_dtype="float16", ssm_dtype="float32",
-                          conv_dtype=None) -> HybridCacheConfig:
-    """Build the cache layout of a model from its Hugging Face ``config.json``.
-
-    Parameters
-    ----------
-    config_dict : Mapping
-        The parsed ``config.json`` (a nested ``text_config`` is used when present) of
-        Nemotron-H / Nemotron-Nano-v2 / Nemotron-3, Jamba, Granite-4.0-H, Falcon-H1, Zamba2,
-        Qwen3-Next, Gemma 3 / 4 or any plain attention model. The family is read from
-        ``model_type``, then ``architectures``, then from family-specific fields.
-    max_batch_size, max_sequence_length : int
-        Slots and tokens per slot of the KV caches (and slots of the Mamba states).
-    kv_dtype, ssm_dtype : str or dtype
-        Dtypes of the KV caches and of the recurrent states.
-    conv_dtype : str or dtype, optional
-        Dtype of the conv states; ``None`` means ``kv_dtype``.
+def read_hf_layout(config_dict) -> _Layout:
+    """The layer kinds and cache shapes of a model, read from its ``config.json`` dict.
 
     Returns
     -------
-    HybridCacheConfig
-        ``layer_types`` by absolute decoder index (MLP/MoE-only layers are ``LayerType.NONE``),
-        one ``KVLayerConfig`` per cache-owning attention layer, a ``MambaCacheConfig`` (``None``
-        without recurrent layers) and Gemma 4's ``kv_sharing``.
+    _Layout
+        ``types`` (one :class:`LayerType` per decoder layer), ``kv`` (decoder layer ->
+        :class:`KVLayerConfig` for every attention layer), ``mamba`` (the recurrent and conv
+        state shape fields, ``None`` without Mamba layers) and ``sharing`` (layer -> the earlier
+        layer whose KV cache it reads).
 
     Raises
     ------
     TypeError
-        ``config_dict`` is not a mapping, or a field or dtype has the wrong type.
+        ``config_dict`` is not a mapping, or a field has the wrong JSON type.
     ValueError
-        An unsupported or inconsistent config (the message names the field), or a bad dtype,
-        batch size or sequence length.
+        An unsupported or inconsistent config; the message names the field.
     """
     if not isinstance(config_dict, Mapping):
         raise TypeError(f"config_dict: expected a mapping (a parsed config.json), "
                         f"got {type(config_dict).__name__}")
-    kv_dt = dtype_name(resolve_dtype(kv_dtype, name="kv_dtype"))
-    ssm_dt = dtype_name(resolve_dtype(ssm_dtype, name="ssm_dtype"))
-    conv_dt = kv_dt if conv_dtype is None else dtype_name(resolve_dtype(conv_dtype,
-                                                                        name="conv_dtype"))
     family, fields = _select(config_dict)
-    layout = _BUILDERS[family](_Cfg(fields, _DEFAULTS[family]))
-    owners = [layout.kv[i] for i in sorted(layout.kv) if i not in layout.sharing]
-    kv = KVCacheConfig(max_batch_size, max_sequence_length, owners, kv_dt)
-    n_mamba = sum(1 for t in layout.types if t.has_mamba)
-    mamba = (MambaCacheConfig(n_mamba, max_batch_size, **layout.mamba, ssm_dtype=ssm_dt,
-                              conv_dtype=conv_dt) if n_mamba else None)
-    return HybridCacheConfig(layout.types, kv, mamba, max_batch_size, layout.sharing or None)
+    return _BUILDERS[family](_Cfg(fields, _DEFAULTS[family]))

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .._checks import as_int
-from .caches import LayerType
+from .layers import LayerType
 
 A, M, AM, NONE = (LayerType.ATTENTION, LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA,
                   LayerType.NONE)

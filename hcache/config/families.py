@@ -1,27 +1,36 @@
-"""Layouts of the Mamba + attention hybrid families from their Hugging Face fields.
+"""Model-family tables: how each supported ``model_type`` lays out its caches.
 
-Nemotron-H (Nemotron-Nano-v2, Nemotron-3), Jamba, Granite-4.0-H, Falcon-H1, Zamba2 and
-Qwen3-Next: one builder per family reads the layer types (a per-layer list, a pattern string or
-a period), one attention shape for every attention layer, and the shape of the recurrent state.
-A Mamba-2 layer's inner size is ``heads * head_dim`` (or ``mamba_d_ssm``) and its conv dim
-``inner + 2 * n_groups * d_state``; Jamba is Mamba-1 and Qwen3-Next's linear attention is
-Gated DeltaNet, each with its own state shape.
+Mamba + attention hybrids — Nemotron-H (Nemotron-Nano-v2, Nemotron-3), Jamba, Granite-4.0-H,
+Falcon-H1, Zamba2 and Qwen3-Next: one builder per family reads the layer types (a per-layer
+list, a pattern string or a period), one attention shape for every attention layer, and the shape
+of the recurrent state. A Mamba-2 layer's inner size is ``heads * head_dim`` (or ``mamba_d_ssm``)
+and its conv dim ``inner + 2 * n_groups * d_state``; Jamba is Mamba-1 and Qwen3-Next's linear
+attention is Gated DeltaNet, each with its own state shape.
+
+Attention-only families — Gemma 3 and Gemma 4 (sliding and full attention layers, Gemma 4 with its
+own full-attention shape and cross-layer KV sharing) and any plain attention model
+(``num_attention_heads`` and friends, optionally ``layer_types`` or a ``sliding_window``).
+
+``DEFAULTS`` holds the defaults of the transformers config classes for the keys the builders read;
+``BUILDERS`` maps a family to its builder.
 """
 
 from __future__ import annotations
 
 from .._checks import as_int
-from .caches import KVLayerConfig
 from .hf_fields import AM, NONE, A, M, _Cfg, _check_count, _head_dim, _kv_heads, _Layout, _names
+from .layers import KVLayerConfig
 
 __all__ = ["BUILDERS", "DEFAULTS"]
+
+# --- Mamba + attention hybrids ---------------------------------------------------------------
 
 _NEMOTRON_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 _ZAMBA2_BLOCKS = (("mamba",) + (("mamba",) * 5 + ("hybrid",)) * 7 + ("mamba",) * 4
                   + ("hybrid",) + ("mamba",) * 3 + ("hybrid",) + ("mamba",) * 2)
 
 # Defaults of the transformers config classes, for the keys these builders read.
-DEFAULTS: dict[str, dict] = {
+_HYBRID_DEFAULTS: dict[str, dict] = {
     "nemotron_h": dict(hybrid_override_pattern=_NEMOTRON_PATTERN, num_attention_heads=32,
                        num_key_value_heads=8, head_dim=128, mamba_num_heads=128,
                        mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4),
@@ -162,5 +171,85 @@ def _qwen3_next(c: _Cfg) -> _Layout:
     return _Layout(types, _uniform(types, kv), mamba)
 
 
-BUILDERS = {"nemotron_h": _nemotron_h, "jamba": _jamba, "granitemoehybrid": _granite,
+_HYBRID_BUILDERS = {"nemotron_h": _nemotron_h, "jamba": _jamba, "granitemoehybrid": _granite,
             "falcon_h1": _falcon_h1, "zamba2": _zamba2, "qwen3_next": _qwen3_next}
+
+
+# --- attention-only families -----------------------------------------------------------------
+
+# Defaults of the transformers config classes, for the keys these builders read.
+_ATTENTION_DEFAULTS: dict[str, dict] = {
+    "gemma3": dict(num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, sliding_window=4096, sliding_window_pattern=6),
+    "gemma4": dict(num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, global_head_dim=512, sliding_window=512,
+                   sliding_window_pattern=6, num_kv_shared_layers=0),
+    "plain": {},
+}
+
+_SLIDING = ("sliding_attention", "full_attention")
+
+
+def _sliding_flags(c: _Cfg) -> list[bool]:
+    """Per layer: sliding (True) or full attention, from ``layer_types``, else every
+    ``sliding_window_pattern``-th layer is full."""
+    names = _names(c, ("layer_types",), _SLIDING)
+    if names is not None:
+        return [n == "sliding_attention" for n in names]
+    pattern = c.int("sliding_window_pattern")
+    return [(i + 1) % pattern != 0 for i in range(c.int("num_hidden_layers"))]
+
+
+def _gemma3(c: _Cfg) -> _Layout:
+    sliding, window = _sliding_flags(c), c.int("sliding_window")
+    heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
+    kv = {i: KVLayerConfig(heads, head_dim, window if s else None) for i, s in enumerate(sliding)}
+    return _Layout([A] * len(sliding), kv)
+
+
+def _gemma4(c: _Cfg) -> _Layout:
+    sliding, window = _sliding_flags(c), c.int("sliding_window")
+    sliding[-1] = False                  # transformers forces the last layer to full attention
+    heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
+    full_dim = c.stated("global_head_dim")     # an explicit null means head_dim
+    full_dim = head_dim if full_dim is None else as_int("global_head_dim", full_dim, 1)
+    global_heads = c.raw.get("num_global_key_value_heads")
+    full_heads = (heads if global_heads is None or c.raw.get("attention_k_eq_v") is False
+                  else as_int("num_global_key_value_heads", global_heads, 1))
+    n, shared = len(sliding), c.int("num_kv_shared_layers", minimum=0)
+    if shared > n:
+        raise ValueError(f"num_kv_shared_layers: expected <= {n} (the layer count), got {shared}")
+    kv, sharing, last_owner = {}, {}, {}
+    for i, s in enumerate(sliding):
+        kv[i] = KVLayerConfig(heads, head_dim, window) if s else KVLayerConfig(full_heads,
+                                                                              full_dim)
+        # Layer i >= n - shared reads the cache of the last earlier owner of its own kind;
+        # with no such owner it keeps (and becomes the owner of) its own cache.
+        if i >= n - shared and s in last_owner:
+            sharing[i] = last_owner[s]
+        else:
+            last_owner[s] = i
+    return _Layout([A] * n, kv, None, sharing)
+
+
+def _plain(c: _Cfg) -> _Layout:
+    if c.raw.get("num_attention_heads") is None and c.raw.get("num_key_value_heads") is None:
+        raise ValueError(f"model_type: expected a supported hybrid model or a config with "
+                         f"attention fields (num_attention_heads), "
+                         f"got {c.raw.get('model_type')!r}")
+    heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
+    window = c.get("sliding_window") if c.raw.get("use_sliding_window") is not False else None
+    names = _names(c, ("layer_types",), ("full_attention", "sliding_attention",
+                                         "chunked_attention", "attention"))
+    if names is None:
+        names = ["sliding_attention" if window else "full_attention"] * c.int("num_hidden_layers")
+    kv = {i: KVLayerConfig(heads, head_dim, window if n == "sliding_attention" else None)
+          for i, n in enumerate(names)}
+    return _Layout([A] * len(names), kv)
+
+
+_ATTENTION_BUILDERS = {"gemma3": _gemma3, "gemma4": _gemma4, "plain": _plain}
+
+
+DEFAULTS: dict[str, dict] = {**_HYBRID_DEFAULTS, **_ATTENTION_DEFAULTS}
+BUILDERS = {**_HYBRID_BUILDERS, **_ATTENTION_BUILDERS}

@@ -1,0 +1,63 @@
+"""The per-layer vocabulary of a cache layout: what kind each decoder layer is, and the KV shape
+of one attention layer (docs/design.md §4)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .._checks import as_int
+
+__all__ = ["LayerType", "KVLayerConfig"]
+
+
+def _set(obj, name, value):
+    object.__setattr__(obj, name, value)
+
+
+class LayerType(enum.Enum):
+    """Kind of one decoder layer."""
+
+    ATTENTION = "attention"
+    MAMBA = "mamba"
+    ATTENTION_AND_MAMBA = "attention_and_mamba"  # Falcon-H1 / Zamba2 hybrid layers
+    NONE = "none"                                # MLP/MoE-only layer: no cache
+
+    @property
+    def has_attention(self) -> bool:
+        return self in (LayerType.ATTENTION, LayerType.ATTENTION_AND_MAMBA)
+
+    @property
+    def has_mamba(self) -> bool:
+        return self in (LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA)
+
+    @classmethod
+    def coerce(cls, value, name: str = "layer_type") -> LayerType:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                pass
+            raise ValueError(f"{name}: expected a LayerType, got {value!r}")
+        raise TypeError(f"{name}: expected a LayerType or its name, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class KVLayerConfig:
+    """KV shape of one attention layer; ``sliding_window`` is recorded from the model."""
+
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        _set(self, "num_kv_heads", as_int("num_kv_heads", self.num_kv_heads, 1))
+        _set(self, "head_dim", as_int("head_dim", self.head_dim, 1))
+        if self.sliding_window is not None:
+            _set(self, "sliding_window", as_int("sliding_window", self.sliding_window, 1))
