@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (see README "GPU checks"): the gpu test tier, compute-sanitizer
-# memcheck and racecheck over the kernel tier, and the benchmarks. Run from the repository root:
+# memcheck and racecheck over the kernel tier, and the benchmarks (`python -m hcache bench`). Run
+# from the repository root:
 #   PYTHONPATH=. OUT=/some/dir bash bench/gpu_session.sh
 # Everything is logged under $OUT; the last lines printed are a summary.
 set -uo pipefail

@@ -1,27 +1,77 @@
-"""``python -m hcache bench`` runs on the CPU (reference path, and says so) and writes JSON."""
+"""``python -m hcache bench`` runs on the CPU (reference path, and says so) and writes JSON; the
+bench package has one module per kernel family, named like its ``.cu`` file."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
+
+import hcache
 from hcache.__main__ import main
+from hcache.bench import KERNEL_BENCHES
+from hcache.bench import main as bench_main
+from hcache.bench._common import BenchContext
+
+KERNEL_FAMILIES = {p.stem for p in (Path(hcache.__file__).parent / "kernels").glob("*.cu")}
+
+
+def test_one_bench_module_per_kernel_family():
+    assert KERNEL_FAMILIES == {"kv_write", "compact", "slot_copy", "kv_capture", "lengths"}
+    assert {b.FAMILY for b in KERNEL_BENCHES} == KERNEL_FAMILIES
+    for bench in KERNEL_BENCHES:
+        assert bench.__name__ == f"hcache.bench.{bench.FAMILY}"
 
 
 def test_bench_on_cpu_writes_every_family(tmp_path, capsys):
     assert main(["bench", "--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*.json")
     report = json.loads(path.read_text())
-    assert "reference" in report["note"]
-    families = {r["family"] for r in report["rows"]}
-    assert families == {"kv_write", "compaction", "slot_copy", "kv_capture"}
+    assert "reference" in report["note"] and report["backend"] == "cpu"
+    assert {r["family"] for r in report["rows"]} == KERNEL_FAMILIES
+    models = {r["model"] for r in report["rows"] if r["family"] != "lengths"}
+    assert models == {"nemotron-h-like", "gemma-like"}
     for r in report["rows"]:
         assert r["us"] > 0 and r["bytes"] >= 0 and r["launches"] >= 1
-    assert "NumPy reference path" in capsys.readouterr().out
+        assert r["vs_copy"] > 0 and r["speedup_vs_naive"] > 0
+    out = capsys.readouterr().out
+    assert "NumPy reference path" in out and str(path) in out
+
+
+def test_bench_default_out_is_bench_results_under_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert bench_main("cpu", quick=True, benches=KERNEL_BENCHES[-1:]) == 0
+    (path,) = (tmp_path / "bench" / "results").glob("*.json")
+    assert {r["family"] for r in json.loads(path.read_text())["rows"]} == {"lengths"}
+
+
+def test_runner_takes_any_list_of_bench_modules(tmp_path):
+    class Host:  # a stand-in for a host-overhead benchmark module
+        FAMILY = "host"
+
+        @staticmethod
+        def run(ctx: BenchContext) -> list[dict]:
+            return [ctx.measure("any", "noop", lambda: None, 0, None, 1)]
+
+    assert bench_main("cpu", tmp_path, quick=True, benches=[Host]) == 0
+    (path,) = tmp_path.glob("*.json")
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["family"] == "host" and row["speedup_vs_naive"] is None
+
+
+def test_bench_help_documents_the_options(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--device", "--out", "--quick", "bench/results"):
+        assert option in out
 
 
 def test_info_reports_every_kernel_family(capsys):
     assert main(["info", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    for family in ("kv_write", "compact", "slot_copy", "kv_capture", "lengths"):
+    for family in KERNEL_FAMILIES:
         assert family in out
     assert "bfloat16" in out and "device      cpu" in out

@@ -1,10 +1,13 @@
 """The built wheel ships ``kernels/*.cu``/``*.cuh`` inside the package, and a non-editable
-install finds and compiles them from site-packages, not from the checkout."""
+install finds and compiles them from site-packages, not from the checkout; ``python -m hcache
+bench`` runs from such an install in a fresh venv."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -15,14 +18,24 @@ import pytest
 from hcache.ops import _loader as _kernels
 
 ROOT = Path(__file__).resolve().parent.parent
+_SKIP = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
+                               ".venv", ".pytest_cache", ".ruff_cache", ".benchmarks")
+
+
+def _not_for_the_wheel(folder, names):
+    """Build outputs and caches anywhere, and the checkout's ``bench/`` folder (committed
+    results); ``hcache/bench`` is package code and stays."""
+    skip = set(_SKIP(folder, names))
+    if Path(folder).resolve() == ROOT and "bench" in names:
+        skip.add("bench")
+    return skip
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     out = tmp_path_factory.mktemp("wheel")
     src = tmp_path_factory.mktemp("src") / "hcache"  # a clean copy: no stale build/ folder
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis", "bench"))
+    shutil.copytree(ROOT, src, ignore=_not_for_the_wheel)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
                            "--no-build-isolation", "-q", "-w", str(out), str(src)],
                           capture_output=True, text=True)
@@ -68,3 +81,46 @@ def test_non_editable_install_loads_kernels_from_the_package(wheel, tmp_path):
     assert out[1] == "True"
     assert out[2] == "8.0"
     assert _kernels.kernel_dir() != Path(out[0])
+
+
+def test_bench_runs_from_the_wheel_in_a_fresh_venv(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    # numpy, ml_dtypes and pip come from the system site (no network); --without-pip saves
+    # the ensurepip run.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(venv)], check=True, capture_output=True)
+    if sys.prefix != sys.base_prefix:
+        # Tests running in a venv: --system-site-packages sees the base interpreter's site, not
+        # this one; list this one as plain paths (its .pth files, e.g. an editable hcache's
+        # finder, do not run).
+        (next(venv.glob("lib*/python*/site-packages")) / "outer_site.pth").write_text(
+            "\n".join(site.getsitepackages()) + "\n")
+    bindir = venv / ("Scripts" if os.name == "nt" else "bin")
+    python = bindir / ("python.exe" if os.name == "nt" else "python")
+    work = tmp_path / "elsewhere"  # outside the checkout: nothing of it on sys.path
+    work.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "HCACHE_DEVICE")}
+
+    def run(*args):
+        proc = subprocess.run([str(a) for a in args], cwd=work, env=env, capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, f"{args}:\n{proc.stdout}\n{proc.stderr}"
+        return proc.stdout
+
+    run(python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed", "-q",
+        wheel)
+    where = run(python, "-c", "import hcache.bench; print(hcache.__file__)").strip()
+    assert Path(where).is_relative_to(venv), f"imported {where}, not the wheel's hcache"
+    for cli in ((python, "-m", "hcache"), (bindir / "hcache",)):
+        text = run(*cli, "bench", "--help")
+        assert all(opt in text for opt in ("--device", "--out", "--quick"))
+    out = tmp_path / "results"
+    text = run(python, "-m", "hcache", "bench", "--device", "cpu", "--quick", "--out", out)
+    assert "NumPy reference path" in text
+    (path,) = out.glob("*.json")
+    rows = json.loads(path.read_text())["rows"]
+    families = {p.stem for p in (ROOT / "hcache" / "kernels").glob("*.cu")}
+    assert {r["family"] for r in rows} == families
+    assert all(r["us"] > 0 and r["launches"] >= 1 for r in rows)
+    assert not (work / "bench").exists()

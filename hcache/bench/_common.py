@@ -1,0 +1,131 @@
+"""What every benchmark module shares: the timer, the model shapes, the copy baseline and the
+report row (docs/design.md §8).
+
+A benchmark module names its row family in ``FAMILY`` and has ``run(ctx) -> list[dict]``, one
+row per case built by :meth:`BenchContext.measure`; the runner adds ``family`` to each row.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hcache.device import Device
+from hcache.ops.tables import KVGroup
+
+__all__ = ["DTYPE", "Timer", "BenchContext", "Mamba", "Model", "models", "kv_groups",
+           "mamba_states"]
+
+DTYPE = np.float16  # KV caches and conv states; SSM states are float32
+
+
+class Timer:
+    """Median time of ``fn()`` in µs over ``repeat`` runs, after ``warmup`` untimed runs.
+
+    On a GPU each run is bracketed by CuPy CUDA events on the current stream (the device time
+    of the work ``fn`` enqueues); on the CPU by ``time.perf_counter_ns``.
+    """
+
+    def __init__(self, xp, repeat: int, warmup: int):
+        self.xp, self.repeat, self.warmup = xp, repeat, warmup
+
+    def __call__(self, fn) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        if self.xp is np:
+            for _ in range(self.repeat):
+                t0 = time.perf_counter_ns()
+                fn()
+                times.append((time.perf_counter_ns() - t0) / 1e3)
+        else:
+            start, end = self.xp.cuda.Event(), self.xp.cuda.Event()
+            for _ in range(self.repeat):
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(self.xp.cuda.get_elapsed_time(start, end) * 1e3)  # ms -> µs
+        return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """One bench run: the device, its timer, and ``scale`` (1 on a GPU; on the CPU shapes are
+    divided by it so that the reference path finishes quickly)."""
+
+    device: Device
+    timer: Timer
+    scale: int
+
+    @property
+    def xp(self):
+        return self.device.xp
+
+    def copy_us(self, nbytes: int) -> float:
+        """µs of one device-to-device copy moving ``nbytes`` (read + written)."""
+        half = max(nbytes // 2, 16)
+        src, dst = self.xp.ones(half, np.uint8), self.xp.empty(half, np.uint8)
+        return self.timer(lambda: dst.__setitem__(Ellipsis, src))
+
+    def measure(self, model: str, case: str, fn, nbytes: int, naive, launches: int) -> dict:
+        """Time ``fn``, a copy of the same bytes and ``naive`` (the obvious CuPy alternative, or
+        None); return the report row (without ``family``).
+
+        ``nbytes`` counts the bytes that must move, read + written; ``launches`` the kernel
+        launches of one ``fn()`` on a GPU.
+        """
+        us = self.timer(fn)
+        copy_us = self.copy_us(nbytes)
+        naive_us = self.timer(naive) if naive is not None else None
+        return {"model": model, "case": case, "us": round(us, 3), "bytes": int(nbytes),
+                "GBps": round(nbytes / us / 1e3, 2) if us else None,
+                "vs_copy": round(copy_us / us, 3) if us else None,
+                "speedup_vs_naive": round(naive_us / us, 2) if naive_us and us else None,
+                "launches": launches}
+
+
+@dataclass(frozen=True)
+class Mamba:
+    """Mamba-2 layers: ``layers`` SSM states ``[slots, *ssm]`` (float32) and as many conv
+    states ``[slots, *conv]`` (:data:`DTYPE`)."""
+
+    layers: int
+    ssm: tuple[int, ...]
+    conv: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Model:
+    """A benchmark model: ``attention`` is ``(kv heads, head dim)`` per attention layer."""
+
+    name: str
+    attention: tuple[tuple[int, int], ...]
+    mamba: Mamba | None
+
+
+def models(scale: int) -> list[Model]:
+    """A Nemotron-H-like hybrid (4 attention layers of 8 KV heads × 128, 24 Mamba-2 layers) and
+    a Gemma-like heterogeneous model (5 sliding layers of head dim 256, 1 full layer of 512)."""
+    nemotron = Model("nemotron-h-like", ((8, 128),) * 4,
+                     Mamba(24, (128 // scale, 64, 128 // scale), (8192 // scale, 4)))
+    gemma = Model("gemma-like", ((16, 256),) * 5 + ((4, 512),), None)
+    return [nemotron, gemma]
+
+
+def kv_groups(xp, model: Model, slots: int, seq: int) -> list[tuple[KVGroup, list]]:
+    """Zeroed HND caches ``[slots, 2, H, seq, D]`` of ``model``'s attention layers, one
+    ``(KVGroup, layers)`` per head dim (one launch each)."""
+    by_dim: dict[int, list] = {}
+    for heads, dim in model.attention:
+        by_dim.setdefault(dim, []).append(xp.zeros((slots, 2, heads, seq, dim), DTYPE))
+    return [(KVGroup(layers), layers) for layers in by_dim.values()]
+
+
+def mamba_states(xp, mamba: Mamba, slots: int, fill: float = 0.0) -> list:
+    """``mamba.layers`` SSM states then as many conv states, ``slots`` slots each."""
+    return ([xp.full((slots, *mamba.ssm), fill, np.float32) for _ in range(mamba.layers)]
+            + [xp.full((slots, *mamba.conv), fill, DTYPE) for _ in range(mamba.layers)])
