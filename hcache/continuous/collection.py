@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import ops
-from ..device import array_module_of, stream_scope
+from ..device import array_module_of, stream_handle
+from .params import token_counts
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
 
@@ -21,7 +21,9 @@ __all__ = ["ContinuousBatchingKVCacheCollection"]
 class ContinuousBatchingKVCacheCollection:
     """One fetched batch of a ``ContinuousBatchingKVCacheManager``.
 
-    Built only by the manager's ``fetch``; do not construct it directly.
+    Built only by the manager's ``fetch``; do not construct it directly. It reads and writes
+    the manager's device buffers through the :class:`~hcache.continuous.store.KVBlockStore`
+    that the manager hands it.
 
     Attributes
     ----------
@@ -36,14 +38,15 @@ class ContinuousBatchingKVCacheCollection:
         row's first new token). Same lifetime as ``lookup_table``.
     """
 
-    __slots__ = ("_manager", "seq_ids", "lookup_table", "cache_lengths", "_blocks", "_lengths",
-                 "_id_set")
+    __slots__ = ("_manager", "_store", "seq_ids", "lookup_table", "cache_lengths", "_blocks",
+                 "_lengths")
 
-    def __init__(self, manager, seq_ids, lookup_table, cache_lengths, host_blocks, host_lengths):
+    def __init__(self, manager, store, seq_ids, host_blocks, host_lengths):
         self._manager = manager
+        self._store = store
         self.seq_ids = tuple(seq_ids)
-        self.lookup_table = lookup_table
-        self.cache_lengths = cache_lengths
+        self.lookup_table = store.lookup_table[:len(self.seq_ids)]
+        self.cache_lengths = store.cache_lengths[:len(self.seq_ids)]
         # Host mirrors of the two device arrays: committed lengths cannot change while the
         # batch is in flight (only ``step`` commits, and release of an in-flight seq is refused),
         # so ``write`` validates positions against them without reading the device.
@@ -51,7 +54,6 @@ class ContinuousBatchingKVCacheCollection:
         self._lengths = np.array(host_lengths, dtype=np.int64)
         self._blocks.flags.writeable = False
         self._lengths.flags.writeable = False
-        self._id_set = frozenset(self.seq_ids)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -101,12 +103,12 @@ class ContinuousBatchingKVCacheCollection:
         IndexError
             ``layer`` is outside ``[0, num_layers)``.
         """
-        return self._manager._kv_view(0, layer)
+        return self._store.kv_view(0, layer)
 
     def value_cache(self, layer: int):
         """Values of decoder layer ``layer``: a view of ``blocks_buf[:, 1, layer]``; see
         :meth:`key_cache`."""
-        return self._manager._kv_view(1, layer)
+        return self._store.kv_view(1, layer)
 
     # --- command ----------------------------------------------------------------------------
 
@@ -145,16 +147,17 @@ class ContinuousBatchingKVCacheCollection:
         IndexError
             ``layer`` is outside ``[0, num_layers)``.
         """
-        m = self._manager
-        scope = stream_scope(stream, m.device)   # validates ``stream`` (on cpu too)
-        with m._cond:   # held across the launch: a concurrent step cannot end the batch
-            m._check_active(self, "write")
-            layer = m._layer(layer)
-            group = m._group
+        store = self._store
+        stream_handle(stream)   # validates ``stream`` (on cpu too) before anything
+        with store.lock:   # held across the launch: a concurrent step cannot end the batch
+            if not self.is_active:
+                raise ValueError("write: expected the batch in flight, got an ended collection")
+            layer = store.check_layer(layer)
+            group = store.group
             heads, size = group.num_kv_heads[0], group.head_dim
             ragged = seq_lengths is not None
             if ragged:
-                counts = np.asarray(m._lengths_arg(seq_lengths, self.batch_size, "seq_lengths"),
+                counts = np.asarray(token_counts(seq_lengths, self.batch_size, "seq_lengths"),
                                     dtype=np.int64)
             for name, a in (("key", key), ("value", value)):
                 self._check_rows(name, a, heads, size, group.xp, group.dtype, ragged)
@@ -166,26 +169,15 @@ class ContinuousBatchingKVCacheCollection:
                                  f"seq_lengths), got {key.shape[0]}")
             if not ragged:
                 counts = np.full(self.batch_size, int(key.shape[1]), dtype=np.int64)
-            over = np.flatnonzero(self._lengths + counts > m.max_seq_len)
+            over = np.flatnonzero(self._lengths + counts > store.max_seq_len)
             if over.size:
                 i = int(over[0])
                 raise ValueError(f"key: expected at most "
-                                 f"{m.max_seq_len - int(self._lengths[i])} new tokens for row "
-                                 f"{i} (seq_id {self.seq_ids[i]}), got {int(counts[i])}")
-            if not counts.any():
-                return
-            rows = dict(layers=layer, batch=self.batch_size, cache_lengths=self.cache_lengths,
-                        row_to_slot=self.lookup_table, stream=stream)
-            with m.device.scope(), scope:
-                if ragged:
-                    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-                    m._upload(m._dev_offsets, offsets)
-                    ops.kv_write(group, key, value,
-                                 seq_offsets=m._dev_offsets[:self.batch_size + 1], **rows)
-                else:
-                    ops.kv_write(group, key.reshape(-1, heads, size),
-                                 value.reshape(-1, heads, size),
-                                 uniform_tokens=int(key.shape[1]), **rows)
+                                 f"{store.max_seq_len - int(self._lengths[i])} new tokens for "
+                                 f"row {i} (seq_id {self.seq_ids[i]}), got {int(counts[i])}")
+            if counts.any():
+                store.write(layer, key, value, batch=self.batch_size, counts=counts,
+                            ragged=ragged, stream=stream)
 
     def _check_rows(self, name, a, heads, size, xp, dtype, ragged=False) -> None:
         if array_module_of(a) is not xp or not hasattr(a, "shape"):

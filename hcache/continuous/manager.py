@@ -21,64 +21,38 @@ Design decisions (where the reference is silent or not thread-safe):
   every method validates, then mutates, under it. ``write`` holds it across the launch so that a
   concurrent ``step`` cannot end the batch half-way. ``fetch`` and ``write`` should use one
   stream (the index buffers are reused by the next ``fetch``).
+
+The manager keeps the books (free heap, live sequences, the batch in flight). Its device side,
+``blocks_buf``, the index buffers and the lock, is a :class:`~hcache.continuous.store.KVBlockStore`
+that it shares with the batches it hands out
+(:class:`~hcache.continuous.collection.ContinuousBatchingKVCacheCollection`).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import operator
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import as_int
-from ..config.caches import _set
-from ..device import resolve_device, stream_scope
-from ..dtypes import dtype_name, resolve_dtype, storage_dtype
+from .._checks import INT32_MAX, as_int
+from ..device import resolve_device, stream_handle, to_host
+from ..dtypes import dtype_name, resolve_dtype
 from ..errors import CacheCapacityError
-from ..ops.tables import KVGroup
 from .collection import ContinuousBatchingKVCacheCollection
-from .diagnostics import ContinuousBatchingDiagnosticsMixin
+from .params import KVCacheStaticParams, exact_int, token_counts
+from .store import KVBlockStore
 
 __all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
            "ContinuousBatchingKVCacheCollection", "BatchInFlightError"]
-
-_INT32_MAX = 2**31 - 1
 
 
 class BatchInFlightError(ValueError):
     """``fetch`` was called while another batch is in flight (not yet stepped)."""
 
 
-@dataclass(frozen=True)
-class KVCacheStaticParams:
-    """Per-layer KV geometry: ``num_heads`` KV heads of ``head_size`` elements, both >= 1."""
-
-    num_heads: int
-    head_size: int
-
-    def __post_init__(self):
-        _set(self, "num_heads", _int("num_heads", self.num_heads, 1))
-        _set(self, "head_size", _int("head_size", self.head_size, 1))
-
-
-def _seq_id(value, name="seq_id") -> int:
-    # ``operator.index``, not ``int``: a 0-d float array has ``__index__`` but is no int.
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
-
-
-def _int(name: str, value, minimum: int = 0) -> int:
-    return as_int(name, _seq_id(value, name), minimum)
-
-
-class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
+class ContinuousBatchingKVCacheManager:
     """KV caches of up to ``max_batch_size`` live sequences, one block each.
 
     Parameters
@@ -94,11 +68,6 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
     ------
     TypeError, ValueError
         An argument has the wrong type or value.
-
-    Notes
-    -----
-    :meth:`check_invariants` and :meth:`memory_report` come from
-    :class:`~hcache.continuous.diagnostics.ContinuousBatchingDiagnosticsMixin`.
     """
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
@@ -108,25 +77,17 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
                             f"got {type(kv_params).__name__}")
         self._dtype = resolve_dtype(dtype)
         self._kv_params = kv_params
-        self._num_blocks = _int("max_batch_size", max_batch_size, 1)
-        self._max_seq_len = _int("max_seq_len", max_seq_len, 1)
-        if self._max_seq_len > _INT32_MAX:
-            raise ValueError(f"max_seq_len: expected at most {_INT32_MAX}, got {max_seq_len}")
-        self._num_layers = _int("num_layers", num_layers, 1)
+        self._num_blocks = as_int("max_batch_size", max_batch_size, 1)
+        self._max_seq_len = as_int("max_seq_len", max_seq_len, 1)
+        if self._max_seq_len > INT32_MAX:
+            raise ValueError(f"max_seq_len: expected at most {INT32_MAX}, got {max_seq_len}")
+        self._num_layers = as_int("num_layers", num_layers, 1)
         self._device = resolve_device(device)
-        xp = self._device.xp
-        n, heads, size = self._num_blocks, kv_params.num_heads, kv_params.head_size
-        with self._device.scope():
-            self._storage = storage_dtype(self._dtype, xp)
-            self._blocks = xp.zeros((n, 2, self._num_layers, self._max_seq_len, heads, size),
-                                       dtype=self._storage)
-            # Per-layer NHD views [num_blocks, 2, max_seq_len, H, D]: one group, one launch.
-            self._group = KVGroup([self._blocks[:, :, layer]
-                                   for layer in range(self._num_layers)], layout="NHD")
-            self._dev_lookup = xp.zeros((n,), dtype=np.int32)
-            self._dev_lengths = xp.zeros((n,), dtype=np.int32)
-            self._dev_offsets = xp.zeros((n + 1,), dtype=np.int32)   # ragged writes
-        self._cond = threading.Condition(threading.RLock())
+        n = self._num_blocks
+        self._store = KVBlockStore(self._device, self._dtype, n, self._num_layers,
+                                   self._max_seq_len, kv_params.num_heads, kv_params.head_size)
+        self._cond = self._store.lock                  # one lock for the manager and its batch
+        # Every block is on the free heap or held by exactly one live sequence.
         self._free: list[int] = list(range(n))        # a heap: claim takes the lowest block
         self._block_of: dict[int, int] = {}            # live seq_id -> block
         self._lengths: dict[int, int] = {}             # live seq_id -> committed tokens
@@ -148,7 +109,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
     def blocks_buf(self):
         """The cache, ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]``
         (K at ``[:, 0]``, V at ``[:, 1]``), allocated once; zero-copy on both devices."""
-        return self._blocks
+        return self._store.blocks
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -175,13 +136,13 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
 
     def can_claim(self, batch_size: int) -> bool:
         """True when ``claim(batch_size)`` would succeed now."""
-        n = _int("batch_size", batch_size, 0)
+        n = as_int("batch_size", batch_size, 0)
         with self._cond:
             return n <= len(self._free)
 
     def block_of(self, seq_id: int) -> int:
         """The block of a live sequence. Raises ``ValueError`` for an unknown id."""
-        sid = _seq_id(seq_id)
+        sid = exact_int("seq_id", seq_id)
         with self._cond:
             if sid not in self._block_of:
                 raise ValueError(f"seq_id: expected a live sequence, got {sid}")
@@ -205,7 +166,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
             Fewer than ``batch_size`` free blocks (``.required``, ``.available``); nothing is
             claimed.
         """
-        n = _int("batch_size", batch_size, 0)
+        n = as_int("batch_size", batch_size, 0)
         with self._cond:
             available = len(self._free)
             if n > available:
@@ -253,7 +214,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
         """
         if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
             raise TypeError(f"seq_ids: expected a sequence of int, got {type(seq_ids).__name__}")
-        ids = [_seq_id(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
+        ids = [exact_int(f"seq_ids[{i}]", s) for i, s in enumerate(seq_ids)]
         if not ids:
             raise ValueError("seq_ids: expected at least one seq_id, got 0")
         if len(set(ids)) != len(ids):
@@ -265,7 +226,7 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
                                 f"got {type(timeout).__name__}")
             if math.isnan(timeout) or timeout < 0:
                 raise ValueError(f"timeout: expected seconds >= 0, got {timeout}")
-        scope = stream_scope(stream, self._device)   # validates ``stream`` first
+        stream_handle(stream)   # validates ``stream`` before anything
         with self._cond:
             if self._inflight is not None:
                 # the Thread object, not get_ident(): idents are recycled once a thread exits
@@ -281,11 +242,8 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
             batch = len(ids)
             blocks = np.fromiter((self._block_of[s] for s in ids), np.int32, batch)
             lengths = np.fromiter((self._lengths[s] for s in ids), np.int32, batch)
-            with self._device.scope(), scope:
-                self._upload(self._dev_lookup, blocks)
-                self._upload(self._dev_lengths, lengths)
-            coll = ContinuousBatchingKVCacheCollection(self, ids, self._dev_lookup[:batch],
-                                                       self._dev_lengths[:batch], blocks, lengths)
+            self._store.load_batch(blocks, lengths, stream)
+            coll = ContinuousBatchingKVCacheCollection(self, self._store, ids, blocks, lengths)
             self._inflight, self._inflight_owner = coll, threading.current_thread()
             return coll
 
@@ -302,14 +260,15 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
         """
         with self._cond:
             self._check_active(collection, "step")
-            add = self._lengths_arg(valid_lengths, collection.batch_size)
+            add = token_counts(valid_lengths, collection.batch_size)
             # Python ints: a huge length must be refused, not wrap around in int64.
-            new = [n + a for n, a in zip(collection._lengths.tolist(), add, strict=True)]
+            old = collection.host_cache_lengths
+            new = [n + a for n, a in zip(old, add, strict=True)]
             over = [i for i, n in enumerate(new) if n > self._max_seq_len]
             if over:
                 i = over[0]
                 raise ValueError(f"valid_lengths[{i}]: expected at most "
-                                 f"{self._max_seq_len - int(collection._lengths[i])} for seq_id "
+                                 f"{self._max_seq_len - old[i]} for seq_id "
                                  f"{collection.seq_ids[i]}, got {add[i]}")
             for sid, n in zip(collection.seq_ids, new, strict=True):
                 self._lengths[sid] = n
@@ -326,59 +285,108 @@ class ContinuousBatchingKVCacheManager(ContinuousBatchingDiagnosticsMixin):
         ValueError
             Unknown (or already released) ``seq_id``, or one in the in-flight batch.
         """
-        sid = _seq_id(seq_id)
+        sid = exact_int("seq_id", seq_id)
         with self._cond:
             if sid not in self._block_of:
                 raise ValueError(f"seq_id: expected a live sequence, got {sid}")
-            if self._inflight is not None and sid in self._inflight._id_set:
+            if self._inflight is not None and sid in self._inflight.seq_ids:
                 raise ValueError(f"seq_id: expected a sequence not in the batch in flight, "
                                  f"got {sid}; step the batch first")
             heapq.heappush(self._free, self._block_of.pop(sid))
             del self._lengths[sid]
 
-    # --- collection support -----------------------------------------------------------------
-
-    def _upload(self, device_buf, host: np.ndarray) -> None:
-        if isinstance(device_buf, np.ndarray):
-            device_buf[: host.shape[0]] = host
-        else:   # pageable source: the driver stages it, so ``host`` may be reused at once
-            xp = self._device.xp
-            device_buf[: host.shape[0]].set(host, stream=xp.cuda.get_current_stream())
+    # --- checks and diagnostics -------------------------------------------------------------
 
     def _check_active(self, collection, what: str) -> None:
         if not isinstance(collection, ContinuousBatchingKVCacheCollection):
             raise TypeError(f"collection: expected a ContinuousBatchingKVCacheCollection, "
                             f"got {type(collection).__name__}")
-        if collection._manager is not self:
+        if collection.manager is not self:
             raise ValueError(f"{what}: expected a collection of this manager, got a foreign one")
         if self._inflight is not collection:
             raise ValueError(f"{what}: expected the batch in flight, got an ended collection")
 
-    def _lengths_arg(self, valid_lengths, batch: int, name: str = "valid_lengths") -> list[int]:
-        if isinstance(valid_lengths, np.ndarray):
-            if valid_lengths.dtype.kind not in "iu" or valid_lengths.ndim != 1:
-                raise TypeError(f"{name}: expected a 1-D integer array, "
-                                f"got {valid_lengths.dtype} with shape {valid_lengths.shape}")
-            values = valid_lengths.tolist()     # exact Python ints (uint64 included)
-        elif isinstance(valid_lengths, (str, bytes)) or not hasattr(valid_lengths, "__iter__"):
-            raise TypeError(f"{name}: expected a sequence of int, "
-                            f"got {type(valid_lengths).__name__}")
-        else:
-            values = [_seq_id(v, f"{name}[{i}]") for i, v in enumerate(valid_lengths)]
-        if len(values) != batch:
-            raise ValueError(f"{name}: expected {batch} lengths, got {len(values)}")
-        if any(v < 0 for v in values):
-            raise ValueError(f"{name}: expected lengths >= 0, got {values}")
-        return values
+    def check_invariants(self) -> None:
+        """Cross-check the redundant bookkeeping, under the lock: every block is on the free
+        heap or held by exactly one live sequence; the live seq_ids are those of
+        ``cache_lengths``, each below the id counter, each length in ``[0, max_seq_len]``; a
+        batch in flight names distinct live sequences, its host and device ``lookup_table`` /
+        ``cache_lengths`` agree with their blocks and committed lengths, and it has an owner
+        thread (and there is no owner without a batch).
 
-    def _layer(self, layer) -> int:
-        layer = _seq_id(layer, "layer")
-        if not 0 <= layer < self._num_layers:
-            raise IndexError(f"layer: expected a layer in [0, {self._num_layers}), got {layer}")
-        return layer
+        **Synchronizes** the device on cuda (reads the in-flight index buffers back).
 
-    def _kv_view(self, kv: int, layer) -> object:
-        return self.blocks_buf[:, kv, self._layer(layer)]
+        Raises
+        ------
+        RuntimeError
+            Listing every broken invariant.
+        """
+        with self._cond:
+            p: list[str] = []
+            live = list(self._block_of.values())
+            free, total = self._free, self._num_blocks
+            if set(self._block_of) != set(self._lengths):
+                p.append("live seq_ids of blocks and of cache_lengths differ")
+            if len(set(live)) != len(live):
+                p.append(f"a block is held by two live sequences: {sorted(live)}")
+            if len(set(free)) != len(free):
+                p.append(f"a block is free twice: {sorted(free)}")
+            if set(free) & set(live):
+                p.append(f"blocks both free and live: {sorted(set(free) & set(live))}")
+            if len(free) + len(live) != total or set(free) | set(live) != set(range(total)):
+                p.append(f"free ({len(free)}) + live ({len(live)}) blocks do not make the "
+                         f"{total} blocks")
+            if any(free[(i - 1) // 2] > free[i] for i in range(1, len(free))):
+                p.append("the free list is not a heap")
+            bad = {s: n for s, n in self._lengths.items() if not 0 <= n <= self._max_seq_len}
+            if bad:
+                p.append(f"lengths outside [0, {self._max_seq_len}]: {bad}")
+            if any(not 0 <= s < self._next_id for s in self._block_of):
+                p.append("a live seq_id was never handed out")
+            coll = self._inflight
+            if coll is not None:
+                p.extend(self._inflight_problems(coll))
+            elif self._inflight_owner is not None:
+                p.append("an in-flight owner without a batch in flight")
+            if p:
+                raise RuntimeError("ContinuousBatchingKVCacheManager: broken invariants:\n- "
+                                   + "\n- ".join(p))
+
+    def _inflight_problems(self, coll) -> list[str]:
+        ids, p = coll.seq_ids, []
+        if any(s not in self._block_of for s in ids) or len(set(ids)) != len(ids):
+            return [f"in-flight batch {list(ids)} holds dead or repeated seq_ids"]
+        if [self._block_of[s] for s in ids] != list(coll.blocks):
+            p.append("in-flight blocks differ from the live sequences' blocks")
+        if [self._lengths[s] for s in ids] != list(coll.host_cache_lengths):
+            p.append("in-flight lengths differ from the committed lengths")
+        dev = [to_host(a) for a in (coll.lookup_table, coll.cache_lengths)]
+        if dev[0].tolist() != list(coll.blocks) or dev[1].tolist() != list(
+                coll.host_cache_lengths):
+            p.append("device lookup_table/cache_lengths differ from the batch")
+        if self._inflight_owner is None:
+            p.append("a batch in flight without an owner thread")
+        return p
+
+    def memory_report(self) -> dict:
+        """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``,
+        ``total_bytes``, ``bytes_per_block``, ``bytes_per_token`` (K and V, all layers),
+        ``num_blocks``, ``free_blocks``, ``live_sequences``, ``committed_tokens``,
+        ``capacity_tokens``, ``token_utilization``, ``dtype``, ``device``."""
+        with self._cond:
+            blocks = int(self.blocks_buf.nbytes)
+            per_block = blocks // self._num_blocks
+            committed = sum(self._lengths.values())
+            capacity = self._num_blocks * self._max_seq_len
+            index = self._store.index_nbytes
+            return {"device": str(self._device), "dtype": dtype_name(self._dtype),
+                    "blocks_buf_bytes": blocks, "index_buffer_bytes": index,
+                    "total_bytes": blocks + index,
+                    "bytes_per_block": per_block,
+                    "bytes_per_token": per_block // self._max_seq_len,
+                    "num_blocks": self._num_blocks, "free_blocks": len(self._free),
+                    "live_sequences": len(self._block_of), "committed_tokens": committed,
+                    "capacity_tokens": capacity, "token_utilization": committed / capacity}
 
     def __repr__(self) -> str:
         return (f"ContinuousBatchingKVCacheManager(dtype={dtype_name(self._dtype)}, "

@@ -2,11 +2,12 @@
 
 One device ``int32 [max_batch]`` lengths array (the past length of every slot, bound by a
 runtime as ``kvcache_start_index``), the active batch size, the ``kv_cache_all_empty`` flag, and
-batch compaction after evictions. :class:`BatchAPI` is a base class: a manager calls
-:meth:`BatchAPI._setup_batch` once with its head-dim groups and its whole-slot state tensors
-(Mamba recurrent and conv states), and inherits the public methods. Compaction lives in the
-:class:`~hcache.slots.batch_compaction.BatchCompaction` mixin; the argument checks and
-:func:`launch_scope` are re-exported from :mod:`hcache._checks`.
+batch compaction after evictions. :class:`BatchAPI` is the base class of
+:class:`~hcache.slots.hybrid.HybridCacheManager` and :class:`~hcache.slots.linear.LinearKVCache`:
+a manager calls ``BatchAPI.__init__`` once, inside its construction's launch scope, with its
+head-dim groups and its whole-slot state tensors (Mamba recurrent and conv states), and inherits
+the public methods. The device moves of a compaction belong to a
+:class:`~hcache.slots.batch_compaction.BatchCompaction` that the batch state owns.
 
 Host mirror. The host keeps a copy of the lengths of the slots whose lengths it knows: every
 length written by a reset, a host-data commit or a host-mapping compaction is known; a commit
@@ -23,47 +24,54 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_int, host_ints
-from ..device import array_module_of, launch_scope, upload_ints
-from ..ops.tables import SlotSet
+from ..device import array_module_of, launch_scope, to_host, upload_ints
 from .batch_compaction import BatchCompaction
 
 __all__ = ["BatchAPI"]
 
 
-class BatchAPI(BatchCompaction):
-    """Lengths, active batch, all-empty flag and compaction of a contiguous-slot manager."""
+class BatchAPI:
+    """Lengths, active batch, all-empty flag and compaction of a contiguous-slot manager.
 
-    def _setup_batch(self, device, max_batch_size: int, max_sequence_length: int, *,
-                     kv_groups=(), slot_tensors=()):
-        """Allocate the batch state (call once, inside the constructor's launch scope).
+    Parameters
+    ----------
+    device : Device
+    max_batch_size, max_sequence_length : int
+        Slots, and the most tokens a slot holds.
+    kv_groups : sequence of KVGroup
+        HND groups compacted by token spans (the first ``length`` tokens of each slot).
+    slot_tensors : sequence of arrays ``[max_batch, ...]``
+        C-contiguous per-slot states compacted whole (Mamba recurrent and conv states).
 
-        Parameters
-        ----------
-        kv_groups : sequence of KVGroup
-            HND groups compacted by token spans (the first ``length`` tokens of each slot).
-        slot_tensors : sequence of arrays ``[max_batch, ...]``
-            C-contiguous per-slot states compacted whole (Mamba recurrent and conv states).
-        """
+    Notes
+    -----
+    Allocates on the current device and stream: a manager calls it inside its construction's
+    :func:`~hcache.device.launch_scope`.
+    """
+
+    def __init__(self, device, max_batch_size: int, max_sequence_length: int, *,
+                 kv_groups=(), slot_tensors=()):
         xp = device.xp
         self._device = device
         self._max_batch = int(max_batch_size)
         self._max_len = int(max_sequence_length)
-        self._lengths = xp.zeros(self._max_batch, dtype=np.int32)
-        self._increments = xp.zeros(self._max_batch, dtype=np.int32)
-        self._mapping = xp.full(self._max_batch, -1, dtype=np.int32)
-        self._plan = xp.zeros(ops.compaction_plan_size(self._max_batch), dtype=np.int32)
-        self._status = xp.zeros(1, dtype=np.int32)
-        self._kv_groups = tuple(kv_groups)
-        # The lengths come last in the one slot launch; the KV launches before it read the
-        # pre-compaction lengths.
-        self._state_slots = SlotSet([(t, t) for t in slot_tensors]
-                                    + [(self._lengths, self._lengths)])
+        self._lengths = xp.zeros(self._max_batch, dtype=np.int32)      # the device truth
+        self._increments = xp.zeros(self._max_batch, dtype=np.int32)   # staged host increments
+        self._status = xp.zeros(1, dtype=np.int32)                     # refused commits so far
+        self._compaction = BatchCompaction(device, self._lengths, kv_groups=kv_groups,
+                                           slot_tensors=slot_tensors)
+        # host mirror: _host_lengths[i] == _lengths[i] wherever _known[i]
         self._host_lengths = np.zeros(self._max_batch, dtype=np.int64)
         self._known = np.ones(self._max_batch, dtype=bool)
         self._active = 0
         self._all_empty = True
 
     # --- queries ----------------------------------------------------------------------------
+
+    @property
+    def device(self):
+        """The resolved device."""
+        return self._device
 
     @property
     def active_batch_size(self) -> int:
@@ -85,9 +93,8 @@ class BatchAPI(BatchCompaction):
     def batch_state_nbytes(self) -> int:
         """Device bytes of the lengths, staging, mapping, plan and status buffers and of the
         descriptor table of the slot tensors that compaction moves."""
-        return int(sum(a.nbytes for a in (self._lengths, self._increments, self._mapping,
-                                          self._plan, self._status,
-                                          self._state_slots.device_infos)))
+        return int(self._lengths.nbytes + self._increments.nbytes + self._status.nbytes
+                   + self._compaction.nbytes)
 
     def get_kv_cache_lengths(self):
         """The device lengths of the active sequences.
@@ -103,15 +110,13 @@ class BatchAPI(BatchCompaction):
         """How many commits the device refused (they would have passed
         ``max_sequence_length``). **Synchronizes** ``stream``."""
         with launch_scope(self._device, stream):
-            s = self._status
-            return int(s.get()[0] if hasattr(s, "get") else s[0])
+            return int(to_host(self._status)[0])
 
     def refresh_host_lengths(self, stream=None) -> None:
         """Copy the device lengths to the host mirror, so every length is known again.
         **Synchronizes** ``stream``."""
         with launch_scope(self._device, stream):
-            lengths = self._lengths
-            host = lengths.get() if hasattr(lengths, "get") else lengths.copy()
+            host = to_host(self._lengths)
         self._host_lengths[:] = host
         self._known[:] = True
 
@@ -232,3 +237,59 @@ class BatchAPI(BatchCompaction):
                             stream=stream)
         self._known[:n] = False
         self._all_empty = n == 0
+
+    # --- compaction -------------------------------------------------------------------------
+
+    def compact_batch(self, batch_mapping, old_batch, new_batch, stream=None) -> None:
+        """Compact the batch after evictions: slot ``i`` moves to ``batch_mapping[i]``.
+
+        Moves the first ``length[i]`` tokens of every attention layer (one launch per head-dim
+        group), then every Mamba recurrent and conv state and the lengths (one launch; slots
+        below ``new_batch`` that receive nothing get zero states and length 0). Any injective
+        mapping works, in place. Afterwards the active batch is ``new_batch``; slots at or past
+        ``new_batch`` keep stale data.
+
+        Parameters
+        ----------
+        batch_mapping : host ints [old_batch], or device int32 [>= old_batch]
+            New slot in ``[0, new_batch)`` or -1 (evicted), injective. A host mapping is
+            validated before anything moves. A device mapping goes to the kernels unchecked: if
+            it is invalid they move nothing (see :meth:`last_compaction_valid`).
+        old_batch : int
+            Must equal :attr:`active_batch_size`.
+        new_batch : int
+            In ``[0, max_batch]``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            A bad batch size, or a host mapping that is malformed or not injective into
+            ``[0, new_batch)``; nothing changes.
+        """
+        old = check_int("old_batch", old_batch, 0, self._max_batch)
+        if old != self._active:
+            raise ValueError(f"old_batch: expected the active batch size {self._active}, "
+                             f"got {old}")
+        new = check_int("new_batch", new_batch, 0, self._max_batch)
+        mapping = self._compaction.check_mapping(batch_mapping, old, new)
+        with launch_scope(self._device, stream):
+            self._compaction.run(mapping, old, new, stream)
+        if not isinstance(mapping, np.ndarray):   # a device mapping: lengths now unknown
+            self._known[:new] = False
+        else:
+            kept = np.flatnonzero(mapping >= 0)
+            lengths, known = self._host_lengths.copy(), self._known.copy()
+            self._host_lengths[:new] = 0
+            self._known[:new] = True
+            self._host_lengths[mapping[kept]] = lengths[kept]
+            self._known[mapping[kept]] = known[kept]
+        self._active = new
+
+    def last_compaction_valid(self, stream=None) -> bool:
+        """Whether the last :meth:`compact_batch` mapping was valid (its moves ran).
+
+        Only a device mapping can be invalid here (host mappings are validated and raise);
+        an invalid one moved nothing. **Synchronizes** ``stream`` to read the plan status.
+        """
+        with launch_scope(self._device, stream):
+            return self._compaction.last_valid()

@@ -1,11 +1,11 @@
-"""Batch compaction after evictions, a mixin of :class:`hcache.slots.batch.BatchAPI`.
+"""The device side of batch compaction (docs/design.md §4 "Batch API").
 
-:meth:`BatchCompaction.compact_batch` moves every surviving slot to its new index in place: one
-:func:`hcache.ops.compaction_plan` launch turns the mapping into a plan (or flags it invalid), then
-one :func:`hcache.ops.kv_compact` launch per head-dim group moves the first ``length`` tokens of
-each slot, and one :func:`hcache.ops.slots_compact` launch moves the whole-slot states and the
-lengths. The host mirror of the lengths follows a host mapping exactly; a device mapping makes
-the slots below ``new_batch`` unknown on the host.
+A :class:`BatchCompaction` owns what :meth:`hcache.slots.batch.BatchAPI.compact_batch` moves and
+the buffers it moves them with: the head-dim groups (tokens, by span), one
+:class:`~hcache.ops.tables.SlotSet` of the whole-slot states with the lengths last, and the
+device mapping and plan buffers. One compaction is one :func:`hcache.ops.compaction_plan`
+launch (the mapping becomes a plan, or is flagged invalid), one :func:`hcache.ops.kv_compact`
+launch per head-dim group and one :func:`hcache.ops.slots_compact` launch.
 """
 
 from __future__ import annotations
@@ -13,94 +13,73 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .._checks import check_int, host_ints
-from ..device import array_module_of, launch_scope, upload_ints
+from .._checks import host_ints
+from ..device import array_module_of, to_host, upload_ints
+from ..ops.tables import SlotSet
 
 __all__ = ["BatchCompaction"]
 
 
 class BatchCompaction:
-    """Compaction of a contiguous-slot manager's batch.
+    """Moves the slots of a contiguous-slot manager to their new indices, in place.
 
-    Uses the state that :meth:`hcache.slots.batch.BatchAPI._setup_batch` allocates: the device
-    lengths, mapping and plan buffers, the head-dim groups, the whole-slot tensors and the host
-    mirror of the lengths.
+    Parameters
+    ----------
+    device : Device
+    lengths : array, int32 [max_batch]
+        The manager's lengths: moved with the states, and read by the token moves.
+    kv_groups : sequence of KVGroup
+        HND groups moved by token spans (the first ``length`` tokens of each slot).
+    slot_tensors : sequence of arrays ``[max_batch, ...]``
+        C-contiguous per-slot states moved whole (Mamba recurrent and conv states).
+
+    Notes
+    -----
+    Allocates on the current device and stream: construct it inside the manager's launch scope.
     """
 
-    def last_compaction_valid(self, stream=None) -> bool:
-        """Whether the last :meth:`compact_batch` mapping was valid (its moves ran).
+    def __init__(self, device, lengths, *, kv_groups=(), slot_tensors=()):
+        xp = device.xp
+        max_batch = int(lengths.shape[0])
+        self._device = device
+        self._lengths = lengths
+        self._mapping = xp.full(max_batch, -1, dtype=np.int32)
+        self._plan = xp.zeros(ops.compaction_plan_size(max_batch), dtype=np.int32)
+        self._kv_groups = tuple(kv_groups)
+        # The lengths come last in the one slot launch: the token moves before it read the
+        # pre-compaction lengths.
+        self._slots = SlotSet([(t, t) for t in slot_tensors] + [(lengths, lengths)])
 
-        Only a device mapping can be invalid here (host mappings are validated and raise);
-        an invalid one moved nothing. **Synchronizes** ``stream`` to read the plan status.
-        """
-        with launch_scope(self._device, stream):
-            head = self._plan[:1]
-            return int(head.get()[0] if hasattr(head, "get") else head[0]) == 0
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the mapping and plan buffers and of the slot descriptor table."""
+        return int(self._mapping.nbytes + self._plan.nbytes + self._slots.device_infos.nbytes)
 
-    def compact_batch(self, batch_mapping, old_batch, new_batch, stream=None) -> None:
-        """Compact the batch after evictions: slot ``i`` moves to ``batch_mapping[i]``.
+    def check_mapping(self, batch_mapping, old: int, new: int):
+        """``batch_mapping`` in the form :meth:`run` takes; changes nothing.
 
-        Moves the first ``length[i]`` tokens of every attention layer (one launch per head-dim
-        group), then every Mamba recurrent and conv state and the lengths (one launch; slots
-        below ``new_batch`` that receive nothing get zero states and length 0). Any injective
-        mapping works, in place. Afterwards the active batch is ``new_batch``; slots at or past
-        ``new_batch`` keep stale data.
-
-        Parameters
-        ----------
-        batch_mapping : host ints [old_batch], or device int32 [>= old_batch]
-            New slot in ``[0, new_batch)`` or -1 (evicted), injective. A host mapping is
-            validated before anything moves. A device mapping goes to the kernels unchecked: if
-            it is invalid they move nothing (see :meth:`last_compaction_valid`).
-        old_batch : int
-            Must equal :attr:`active_batch_size`.
-        new_batch : int
-            In ``[0, max_batch]``.
+        Returns
+        -------
+        numpy.ndarray, int64 [old], or a device array, int32 [>= old]
+            A host mapping, checked: each entry -1 or a slot in ``[0, new)``, injective. A
+            device mapping (on cuda) is checked for dtype, shape and layout only.
 
         Raises
         ------
-        TypeError, ValueError
-            A bad batch size, or a host mapping that is malformed or not injective into
-            ``[0, new_batch)``; nothing changes.
+        TypeError
+            A host mapping that is not host integers.
+        ValueError
+            A device mapping that is not C-contiguous int32 ``[>= old]``; a host mapping with
+            other than ``old`` entries, an entry out of range, or a slot named twice.
         """
-        old = check_int("old_batch", old_batch, 0, self._max_batch)
-        if old != self._active:
-            raise ValueError(f"old_batch: expected the active batch size {self._active}, "
-                             f"got {old}")
-        new = check_int("new_batch", new_batch, 0, self._max_batch)
-        xp = self._device.xp
-        on_device = self._device.is_cuda and (array_module_of(batch_mapping) is not np or
-                                              hasattr(batch_mapping, "__cuda_array_interface__"))
-        if on_device:
-            mapping = xp.asarray(batch_mapping)
+        if self._device.is_cuda and (array_module_of(batch_mapping) is not np or
+                                     hasattr(batch_mapping, "__cuda_array_interface__")):
+            mapping = self._device.xp.asarray(batch_mapping)
             if mapping.dtype != np.int32 or mapping.ndim != 1 or mapping.shape[0] < old \
                     or not mapping.flags.c_contiguous:
                 raise ValueError(f"batch_mapping: expected a C-contiguous int32 [>= {old}] "
                                  f"array, got {mapping.dtype} {tuple(mapping.shape)}")
-        else:
-            host = self._check_host_mapping(batch_mapping, old, new)
-        with launch_scope(self._device, stream):
-            if not on_device:
-                upload_ints(self._mapping, host)
-                mapping = self._mapping
-            ops.compaction_plan(mapping, old, new, self._plan, lengths=self._lengths,
-                                stream=stream)
-            for group in self._kv_groups:
-                ops.kv_compact(group, self._plan, self._lengths, stream=stream)
-            ops.slots_compact(self._state_slots, self._plan, stream=stream)
-        if on_device:
-            self._known[:new] = False
-        else:
-            kept = np.flatnonzero(host >= 0)
-            lengths, known = self._host_lengths.copy(), self._known.copy()
-            self._host_lengths[:new] = 0
-            self._known[:new] = True
-            self._host_lengths[host[kept]] = lengths[kept]
-            self._known[host[kept]] = known[kept]
-        self._active = new
-
-    @staticmethod
-    def _check_host_mapping(batch_mapping, old: int, new: int) -> np.ndarray:
+            return mapping
         host = host_ints("batch_mapping", batch_mapping, old)
         bad = np.flatnonzero((host < -1) | (host >= new))
         if bad.size:
@@ -112,3 +91,23 @@ class BatchCompaction:
             raise ValueError(f"batch_mapping: expected an injective mapping, got slot "
                              f"{values[counts > 1][0]} more than once")
         return host
+
+    def run(self, mapping, old: int, new: int, stream) -> None:
+        """Plan and move (in place): slot ``i`` to ``mapping[i]``, for ``i < old``.
+
+        ``mapping`` comes from :meth:`check_mapping`: a host one is uploaded to the mapping
+        buffer first; a device one goes to the kernels as it is (an invalid one moves nothing).
+        Call it inside the manager's launch scope.
+        """
+        if isinstance(mapping, np.ndarray):
+            upload_ints(self._mapping, mapping)
+            mapping = self._mapping
+        ops.compaction_plan(mapping, old, new, self._plan, lengths=self._lengths, stream=stream)
+        for group in self._kv_groups:
+            ops.kv_compact(group, self._plan, self._lengths, stream=stream)
+        ops.slots_compact(self._slots, self._plan, stream=stream)
+
+    def last_valid(self) -> bool:
+        """Whether the last plan was valid: reads its status on the current stream
+        (**synchronizes** it)."""
+        return int(to_host(self._plan[:1])[0]) == 0

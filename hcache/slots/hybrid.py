@@ -1,5 +1,5 @@
-"""Caches of a hybrid attention + Mamba model, routed by absolute decoder-layer index
-(TensorRT-Edge-LLM's HybridCacheManager).
+"""Caches of a hybrid attention + Mamba model, routed by decoder layer (TensorRT-Edge-LLM's
+HybridCacheManager; docs/design.md §4).
 
 A :class:`HybridCacheManager` owns a :class:`~hcache.slots.kv.KVCacheManager` (one cache
 per attention layer that owns one), a :class:`~hcache.slots.mamba.MambaCacheManager`
@@ -7,9 +7,11 @@ per attention layer that owns one), a :class:`~hcache.slots.mamba.MambaCacheMana
 (:class:`~hcache.slots.batch.BatchAPI`): one lengths array for every layer, compaction of KV,
 Mamba states and lengths together, prompt-cache capture and restore.
 
-Routing: an ``ATTENTION_AND_MAMBA`` layer has both a KV cache and Mamba states; a layer in
-``kv_sharing`` reads its owner's KV cache; a ``NONE`` layer holds nothing (routing it raises
-``ValueError``).
+Routing (docs/design.md §9 "index spaces"): the public methods take a decoder ``layer``; the
+manager maps it to an ``attention_index`` (the KV sub-manager's layer) and a ``mamba_index``
+(the Mamba sub-manager's layer). An ``ATTENTION_AND_MAMBA`` layer has both; a layer in
+``kv_sharing`` has its owner's ``attention_index``; a ``NONE`` layer has neither (routing it
+raises ``ValueError``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class KVHeadDimGroupView:
         The group's ``KVLayerInfo`` array on the device; valid for the manager's lifetime.
     num_layers, head_dim, max_kv_heads : int
     layer_indices : tuple of int
-        Absolute decoder indices of the group's cache-owning layers, in array order.
+        ``layer_indices[group_position]``: the decoder layer that owns the cache in row
+        ``group_position`` of ``device_layer_infos``.
     """
 
     device_layer_infos: object
@@ -71,29 +74,30 @@ class HybridCacheManager(BatchAPI):
         self._kv = KVCacheManager(config.kv, stream, device=device)
         self._mamba = (MambaCacheManager(config.mamba, stream, device=device)
                        if config.mamba is not None else None)
-        self._kv_local: list[int | None] = [None] * config.num_layers
-        self._mamba_local: list[int | None] = [None] * config.num_layers
-        owners, n_mamba = [], 0
-        for i, t in enumerate(config.layer_types):
-            if t.has_attention:
-                owner = config.kv_sharing.get(i)
+        # decoder layer -> attention_index / mamba_index (None: the layer has no such cache)
+        self._attention_index_of: list[int | None] = [None] * config.num_layers
+        self._mamba_index_of: list[int | None] = [None] * config.num_layers
+        owners = []   # attention_index -> the decoder layer that owns the cache
+        for layer, kind in enumerate(config.layer_types):
+            if kind.has_attention:
+                owner = config.kv_sharing.get(layer)
                 if owner is None:
-                    self._kv_local[i] = len(owners)
-                    owners.append(i)
+                    self._attention_index_of[layer] = len(owners)
+                    owners.append(layer)
                 else:
-                    self._kv_local[i] = self._kv_local[owner]
-            if t.has_mamba:
-                self._mamba_local[i] = n_mamba
-                n_mamba += 1
-        self._kv_owners = tuple(owners)   # local KV index -> absolute index
+                    self._attention_index_of[layer] = self._attention_index_of[owner]
+        mamba_layers = [layer for layer, kind in enumerate(config.layer_types) if kind.has_mamba]
+        for mamba_index, layer in enumerate(mamba_layers):
+            self._mamba_index_of[layer] = mamba_index
+        self._owner_layer = tuple(owners)
         self._group_views = tuple(
             KVHeadDimGroupView(g.device_layer_infos, g.num_layers, g.head_dim, g.max_kv_heads,
-                               tuple(owners[j] for j in g.layer_indices))
+                               tuple(owners[a] for a in g.layer_indices))
             for g in self._kv.groups)
         states = self._mamba.state_tensors if self._mamba is not None else ()
         with launch_scope(device, stream):
-            self._setup_batch(device, config.max_batch_size, config.kv.max_sequence_length,
-                              kv_groups=self._kv.groups, slot_tensors=states)
+            super().__init__(device, config.max_batch_size, config.kv.max_sequence_length,
+                             kv_groups=self._kv.groups, slot_tensors=states)
 
     # --- routing ----------------------------------------------------------------------------
 
@@ -102,42 +106,47 @@ class HybridCacheManager(BatchAPI):
         return self._config
 
     @property
-    def device(self):
-        return self._device
-
-    @property
     def num_layers(self) -> int:
         """Decoder layers, cache-less ones included."""
         return self._config.num_layers
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
-        """The KV sub-manager (indexed by local attention index)."""
+        """The KV sub-manager (its layers are attention indices)."""
         return self._kv
 
     @property
     def mamba_cache_manager(self) -> MambaCacheManager | None:
-        """The Mamba sub-manager (local Mamba index), or ``None`` without Mamba layers."""
+        """The Mamba sub-manager (its layers are Mamba indices), or ``None`` without Mamba
+        layers."""
         return self._mamba
 
     def get_layer_type(self, i) -> LayerType:
         """Kind of decoder layer ``i``. Raises ``IndexError``."""
         return self._config.layer_types[check_index("layer", i, self.num_layers)]
 
-    def _local(self, i, table, kind: str) -> int:
-        """Sub-manager index of decoder layer ``i`` in ``table``; IndexError / ValueError."""
-        i = check_index("layer", i, self.num_layers)
-        local = table[i]
-        if local is None:
-            raise ValueError(f"layer {i}: expected {kind} layer, "
-                             f"got {self._config.layer_types[i].name}")
-        return local
+    def _route(self, layer, table, kind: str) -> int:
+        """``table[layer]``, the sub-manager index of decoder layer ``layer``.
 
-    def _kv_index(self, i) -> int:
-        return self._local(i, self._kv_local, "an attention")
+        Raises
+        ------
+        TypeError, IndexError
+            ``layer`` is not an int in ``[0, num_layers)``.
+        ValueError
+            The layer has no cache of this ``kind``.
+        """
+        layer = check_index("layer", layer, self.num_layers)
+        index = table[layer]
+        if index is None:
+            raise ValueError(f"layer {layer}: expected {kind} layer, "
+                             f"got {self._config.layer_types[layer].name}")
+        return index
 
-    def _mamba_index(self, i) -> int:
-        return self._local(i, self._mamba_local, "a Mamba")
+    def _attention_index(self, layer) -> int:
+        return self._route(layer, self._attention_index_of, "an attention")
+
+    def _mamba_index(self, layer) -> int:
+        return self._route(layer, self._mamba_index_of, "a Mamba")
 
     def get_combined_kv_cache(self, i):
         """KV cache read by decoder layer ``i`` (its owner's for a shared layer), a view
@@ -150,24 +159,23 @@ class HybridCacheManager(BatchAPI):
         ValueError
             Layer ``i`` has no attention.
         """
-        return self._kv.get_combined_kv_cache(self._kv_index(i))
+        return self._kv.get_combined_kv_cache(self._attention_index(i))
 
     def get_separate_kv_cache(self, i):
         """K and V caches of decoder layer ``i``: strided views ``[max_batch, H, S, D]``.
         Raises like :meth:`get_combined_kv_cache`."""
-        return self._kv.get_separate_kv_cache(self._kv_index(i))
+        return self._kv.get_separate_kv_cache(self._attention_index(i))
 
     def get_recurrent_state(self, i):
         """Recurrent state of decoder layer ``i``, a view ``[max_batch, heads, head_dim,
         state_size]``. Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer)."""
-        local = self._mamba_index(i)   # raises before the sub-manager is touched
-        return self._mamba.get_recurrent_state(local)
+        mamba_index = self._mamba_index(i)   # raises before the sub-manager is touched
+        return self._mamba.get_recurrent_state(mamba_index)
 
     def get_conv_state(self, i):
         """Conv state of decoder layer ``i``, a view ``[max_batch, conv_dim, conv_kernel]``.
         Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer)."""
-        local = self._mamba_index(i)
-        return self._mamba.get_conv_state(local)
+        return self._mamba.get_conv_state(self._mamba_index(i))
 
     def get_kv_head_dim_groups(self) -> list:
         """One :class:`KVHeadDimGroupView` per head dim, in first-seen order."""
@@ -181,13 +189,14 @@ class HybridCacheManager(BatchAPI):
         mamba = self._mamba.memory_report() if self._mamba is not None else \
             {"recurrent": 0, "conv": 0, "layers": ()}
         layers = []
-        for i in range(self.num_layers):
+        for layer in range(self.num_layers):
             own = 0
-            local = self._kv_local[i]
-            if local is not None and self._kv_owners[local] == i:
-                own += kv["layers"][local]
-            if self._mamba_local[i] is not None:
-                own += mamba["layers"][self._mamba_local[i]]
+            attention_index = self._attention_index_of[layer]
+            if attention_index is not None and self._owner_layer[attention_index] == layer:
+                own += kv["layers"][attention_index]
+            mamba_index = self._mamba_index_of[layer]
+            if mamba_index is not None:
+                own += mamba["layers"][mamba_index]
             layers.append(own)
         metadata = kv["layer_infos"] + self.batch_state_nbytes + (
             self._mamba.metadata_nbytes if self._mamba is not None else 0)
@@ -201,7 +210,8 @@ class HybridCacheManager(BatchAPI):
 
     def capture_kv_cache(self, b, sequence_length, stream=None) -> list:
         """Tokens ``[0, sequence_length)`` of slot ``b``, one **new** ``[2, H_i, n, D_i]`` array
-        per cache-owning attention layer (absolute order; one launch per head-dim group).
+        per cache-owning attention layer (attention-index order, which is decoder-layer order;
+        one launch per head-dim group).
         See :meth:`KVCacheManager.capture_kv_cache`."""
         return self._kv.capture_kv_cache(b, sequence_length, stream)
 

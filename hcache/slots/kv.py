@@ -1,8 +1,10 @@
 """Per-layer KV caches for attention layers of any head count and head dim (docs/design.md §4).
 
-Layer ``i`` (local attention index) owns one C-contiguous cache ``[max_batch, 2, H_i, S, D_i]``
-(K plane then V plane, HND). Layers are grouped by head dim in first-seen order; each group is a
-:class:`~hcache.ops.tables.KVGroup`, the unit of one kernel launch (compaction, capture, restore).
+The manager's layers are attention indices (docs/design.md §9): attention layer ``a`` owns one
+C-contiguous cache ``[max_batch, 2, H_a, S, D_a]`` (K plane then V plane, HND). Layers are
+grouped by head dim in first-seen order; each group is a :class:`~hcache.ops.tables.KVGroup`,
+the unit of one kernel launch (compaction, capture, restore), whose ``layer_indices`` give the
+attention index of each ``group_position``.
 """
 
 from __future__ import annotations
@@ -45,12 +47,9 @@ class KVCacheManager:
             self._caches = tuple(xp.zeros((b, 2, lc.num_kv_heads, s, lc.head_dim), dtype=dtype)
                                  for lc in config.layer_configs)
             self._groups = tuple(
-                KVGroup([self._caches[i] for i in idx], layer_indices=idx)
-                for idx in group_layers_by_head_dim(lc.head_dim for lc in config.layer_configs))
-        self._slot_of = {}   # local layer -> (group, position in group)
-        for group in self._groups:
-            for pos, layer in enumerate(group.layer_indices):
-                self._slot_of[layer] = (group, pos)
+                KVGroup([self._caches[a] for a in indices], layer_indices=indices)
+                for indices in group_layers_by_head_dim(lc.head_dim
+                                                        for lc in config.layer_configs))
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -74,7 +73,7 @@ class KVCacheManager:
     @property
     def groups(self) -> tuple:
         """The head-dim groups (:class:`~hcache.ops.tables.KVGroup`, first-seen order of head dim;
-        ``layer_indices`` are local attention indices)."""
+        ``layer_indices[group_position]`` is an attention index)."""
         return self._groups
 
     def get_combined_kv_cache(self, i):
@@ -108,8 +107,9 @@ class KVCacheManager:
 
         Returns
         -------
-        list of arrays ``[2, H_i, sequence_length, D_i]``
-            One **newly allocated** array per layer (local order), K plane then V plane.
+        list of arrays ``[2, H_a, sequence_length, D_a]``
+            One **newly allocated** array per layer (attention-index order), K plane then V
+            plane.
 
         Raises
         ------
@@ -124,7 +124,7 @@ class KVCacheManager:
         with launch_scope(self._device, stream):
             out = [xp.empty((2, c.shape[2], n, c.shape[4]), dtype=c.dtype) for c in self._caches]
             for group in self._groups:
-                ops.kv_capture(group, b, n, [out[i] for i in group.layer_indices],
+                ops.kv_capture(group, b, n, [out[a] for a in group.layer_indices],
                                stream=stream)
         return out
 
@@ -151,7 +151,7 @@ class KVCacheManager:
         self._check_saved(saved)
         with launch_scope(self._device, stream):
             for group in self._groups:
-                ops.kv_restore(group, [saved[i] for i in group.layer_indices], b, stream=stream)
+                ops.kv_restore(group, [saved[a] for a in group.layer_indices], b, stream=stream)
 
     def _check_saved(self, saved) -> None:
         if isinstance(saved, (str, bytes)) or not hasattr(saved, "__len__"):

@@ -1,9 +1,11 @@
 """One monolithic KV buffer for uniform models, plus optional Mamba states (docs/design.md §4).
 
-``kv [L, max_batch, 2, H, S, D]``: decoder layer ``l``'s cache is the C-contiguous view
-``kv[l]``. Mamba states, when the config has Mamba layers, live in a
-:class:`~hcache.slots.mamba.MambaCacheManager`. The batch API is shared with the hybrid
-manager; compaction moves the KV tokens, the Mamba states and the lengths.
+``kv [L, max_batch, 2, H, S, D]``: attention layer ``a``'s cache is the C-contiguous view
+``kv[a]`` (``a`` is an attention index, the decoder layer of a pure-attention model). Mamba
+states, when the config has Mamba layers, live in a
+:class:`~hcache.slots.mamba.MambaCacheManager` (indexed by Mamba index). The batch API is
+shared with the hybrid manager; compaction moves the KV tokens, the Mamba states and the
+lengths.
 """
 
 from __future__ import annotations
@@ -54,20 +56,16 @@ class LinearKVCache(BatchAPI):
                                      c.max_sequence_length, c.head_dim),
                                     dtype=storage_dtype(c.dtype, xp))
             self._layers = tuple(self._buffer[i] for i in range(c.num_attention_layers))
-            groups = (KVGroup(list(self._layers)),) if self._layers else ()
+            self._groups = (KVGroup(list(self._layers)),) if self._layers else ()
             states = self._mamba.state_tensors if self._mamba is not None else ()
-            self._setup_batch(device, c.max_batch_size, c.max_sequence_length,
-                              kv_groups=groups, slot_tensors=states)
+            super().__init__(device, c.max_batch_size, c.max_sequence_length,
+                             kv_groups=self._groups, slot_tensors=states)
 
     # --- queries ----------------------------------------------------------------------------
 
     @property
     def config(self) -> LinearCacheConfig:
         return self._config
-
-    @property
-    def device(self):
-        return self._device
 
     def get_kv_cache_buffer(self):
         """The whole KV buffer, a view ``[L, max_batch, 2, H, S, D]``."""
@@ -85,14 +83,16 @@ class LinearKVCache(BatchAPI):
         return cache[:, 0], cache[:, 1]
 
     def get_ssm_state_for_layer(self, i):
-        """Mamba layer ``i``'s SSM state, a view ``[max_batch, heads, head_dim, state_size]``.
-        Raises ``IndexError`` for a bad layer (any ``i`` without Mamba layers)."""
+        """The SSM state of Mamba layer ``i`` (a Mamba index), a view ``[max_batch, heads,
+        head_dim, state_size]``. Raises ``IndexError`` for a bad layer (any ``i`` without Mamba
+        layers)."""
         check_index("layer", i, self._config.num_mamba_layers)
         return self._mamba.get_recurrent_state(i)
 
     def get_conv_state_for_layer(self, i):
-        """Mamba layer ``i``'s conv state, a view ``[max_batch, conv_dim, conv_kernel]``.
-        Raises ``IndexError`` for a bad layer (any ``i`` without Mamba layers)."""
+        """The conv state of Mamba layer ``i`` (a Mamba index), a view ``[max_batch, conv_dim,
+        conv_kernel]``. Raises ``IndexError`` for a bad layer (any ``i`` without Mamba
+        layers)."""
         check_index("layer", i, self._config.num_mamba_layers)
         return self._mamba.get_conv_state(i)
 
@@ -102,7 +102,7 @@ class LinearKVCache(BatchAPI):
         mamba = self._mamba.memory_report() if self._mamba is not None else \
             {"recurrent": 0, "conv": 0}
         metadata = self.batch_state_nbytes + sum(
-            int(g.device_layer_infos.nbytes + g.scratch_infos.nbytes) for g in self._kv_groups)
+            int(g.device_layer_infos.nbytes + g.scratch_infos.nbytes) for g in self._groups)
         if self._mamba is not None:
             metadata += self._mamba.metadata_nbytes
         report = {"kv_cache": int(self._buffer.nbytes), "recurrent": mamba["recurrent"],

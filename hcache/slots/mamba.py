@@ -1,8 +1,9 @@
 """Recurrent (Mamba / state-space / gated delta-net) states of every slot (docs/design.md §4).
 
 One buffer per kind, ``recurrent [L, max_batch, num_heads, head_dim, state_size]`` and
-``conv [L, max_batch, conv_dim, conv_kernel]``, zeroed at construction; layer ``l``'s state is
-the C-contiguous view ``buffer[l]``. Every multi-layer copy (compaction, capture, restore) is one
+``conv [L, max_batch, conv_dim, conv_kernel]``, zeroed at construction. The manager's layers
+are Mamba indices (docs/design.md §9): Mamba layer ``m``'s state is the C-contiguous view
+``buffer[m]``. Every multi-layer copy (compaction, capture, restore) is one
 :func:`hcache.ops` launch over a :class:`~hcache.ops.tables.SlotSet` of all layers.
 """
 

@@ -1,0 +1,133 @@
+"""The device side of a continuous-batching manager, shared with its batches (docs/design.md §5).
+
+A :class:`KVBlockStore` holds ``blocks_buf``, the one NHD head-dim group of its per-layer views
+(a decoder layer is its ``group_position``), the index buffers of the batch in flight and the lock
+of the manager. The manager fills the index buffers in ``fetch``; a
+:class:`~hcache.continuous.collection.ContinuousBatchingKVCacheCollection` writes through
+:meth:`KVBlockStore.write`. No method allocates device memory after construction.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .. import ops
+from ..device import launch_scope, upload_ints
+from ..dtypes import storage_dtype
+from ..ops.tables import KVGroup
+from .params import exact_int
+
+__all__ = ["KVBlockStore"]
+
+
+class KVBlockStore:
+    """``blocks_buf``, its head-dim group, the batch index buffers and the lock of one manager.
+
+    Parameters
+    ----------
+    device : Device
+    dtype : numpy.dtype
+        The resolved cache dtype.
+    num_blocks, num_layers, max_seq_len, num_heads, head_size : int
+        Each >= 1 (checked by the manager).
+
+    Attributes
+    ----------
+    device : Device
+    blocks : array [num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]
+        ``blocks_buf``, zeroed at construction; it never moves.
+    group : KVGroup
+        One NHD group of the per-layer views ``blocks[:, :, layer]``, ``[num_blocks, 2,
+        max_seq_len, num_heads, head_size]``: row (``group_position``) ``layer`` is decoder
+        layer ``layer``, so one launch serves any layer.
+    lookup_table, cache_lengths : array, int32 [num_blocks]
+        Row -> block and row -> committed tokens of the batch in flight, refilled by every
+        ``fetch``.
+    seq_offsets : array, int32 [num_blocks + 1]
+        Row offsets of a ragged write, refilled by every ragged write.
+    lock : threading.Condition
+        Over a re-entrant lock: guards the manager's bookkeeping, and a write holds it across
+        its launch so that ``step`` cannot end the batch half-way.
+    """
+
+    def __init__(self, device, dtype, num_blocks: int, num_layers: int, max_seq_len: int,
+                 num_heads: int, head_size: int):
+        xp = device.xp
+        self.device = device
+        with launch_scope(device, None):   # the current stream: construction takes none
+            self.blocks = xp.zeros((num_blocks, 2, num_layers, max_seq_len, num_heads, head_size),
+                                   dtype=storage_dtype(dtype, xp))
+            self.group = KVGroup([self.blocks[:, :, layer] for layer in range(num_layers)],
+                                 layout="NHD")
+            self.lookup_table = xp.zeros((num_blocks,), dtype=np.int32)
+            self.cache_lengths = xp.zeros((num_blocks,), dtype=np.int32)
+            self.seq_offsets = xp.zeros((num_blocks + 1,), dtype=np.int32)
+        self.lock = threading.Condition(threading.RLock())
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.blocks.shape[2])
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.blocks.shape[3])
+
+    @property
+    def index_nbytes(self) -> int:
+        """Device bytes of ``lookup_table`` and ``cache_lengths``."""
+        return int(self.lookup_table.nbytes + self.cache_lengths.nbytes)
+
+    def check_layer(self, layer) -> int:
+        """``layer`` as a decoder layer in ``[0, num_layers)``.
+
+        Raises
+        ------
+        TypeError
+            ``layer`` is not an int.
+        IndexError
+            ``layer`` is out of range.
+        """
+        layer = exact_int("layer", layer)
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer: expected a layer in [0, {self.num_layers}), got {layer}")
+        return layer
+
+    def kv_view(self, kv: int, layer):
+        """``blocks[:, kv, layer]``, ``[num_blocks, max_seq_len, num_heads, head_size]`` (``kv``
+        0 for keys, 1 for values). Raises like :meth:`check_layer`."""
+        return self.blocks[:, kv, self.check_layer(layer)]
+
+    def load_batch(self, blocks: np.ndarray, lengths: np.ndarray, stream) -> None:
+        """``lookup_table[:batch] = blocks``, ``cache_lengths[:batch] = lengths`` (host to
+        device, on ``stream``), in place."""
+        with launch_scope(self.device, stream):
+            upload_ints(self.lookup_table, blocks)
+            upload_ints(self.cache_lengths, lengths)
+
+    def write(self, layer: int, key, value, *, batch: int, counts, ragged: bool,
+              stream) -> None:
+        """Write new tokens of decoder ``layer`` for the ``batch`` rows of the batch in flight
+        at their committed lengths (one launch, in place).
+
+        Parameters
+        ----------
+        key, value : arrays
+            Checked by the caller: ``[batch, new_tokens, num_heads, head_size]``, or
+            ``[total_tokens, num_heads, head_size]`` if ``ragged``.
+        counts : numpy.ndarray, int64 [batch]
+            New tokens of each row (used for the ragged row offsets).
+        """
+        heads, size = self.group.num_kv_heads[0], self.group.head_dim
+        rows = dict(layers=layer, batch=batch, cache_lengths=self.cache_lengths[:batch],
+                    row_to_slot=self.lookup_table[:batch], stream=stream)
+        with launch_scope(self.device, stream):
+            if ragged:
+                upload_ints(self.seq_offsets, np.concatenate([[0], np.cumsum(counts)]))
+                ops.kv_write(self.group, key, value, seq_offsets=self.seq_offsets[:batch + 1],
+                             **rows)
+            else:
+                ops.kv_write(self.group, key.reshape(-1, heads, size),
+                             value.reshape(-1, heads, size), uniform_tokens=int(key.shape[1]),
+                             **rows)
