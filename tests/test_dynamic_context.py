@@ -3,9 +3,9 @@ mistakes, the smallest pool. ``tests/test_prefix_caching_e2e.py`` drives it end 
 
 Oracles: the contract's words ("``CacheCapacityError`` when not enough KV blocks even after
 eviction"; a caller mistake raises ``TypeError`` / ``ValueError`` / ``IndexError`` and changes
-nothing, and an unknown id is a ``ValueError`` as for the continuous-batching manager of §5),
-hand-built pool states, and, for the random admissions, a copy of the KV allocator on which the
-pin-then-allocate sequence is replayed directly.
+nothing, and an unknown id is a ``ValueError`` as for the continuous-batching manager of
+docs/design.md §5), hand-built pool states, and, for the random admissions, a copy of the KV
+allocator on which the pin-then-allocate sequence is replayed directly.
 """
 
 from __future__ import annotations
