@@ -384,3 +384,103 @@ def test_device_mapping_compaction_and_invalid_mapping():
     after = snapshot(m)
     for a, b in zip(before[0], after[0], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# --- int32 lengths: the capacity limit --------------------------------------------------------
+
+def test_max_sequence_length_fits_the_int32_lengths():
+    """docs/design.md §4: the lengths are one device int32 array, so a capacity past 2**31 - 1
+    cannot be represented (a pure-Mamba model, with no KV memory to exhaust, would otherwise
+    wrap a reset length of 2**31 to -2**31)."""
+    mamba = MambaCacheConfig(1, 1, 1, 1, 1, 1, 1)
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        KVCacheConfig(1, 2**31, [])
+    with pytest.raises(ValueError, match="max_sequence_length"):
+        LinearCacheConfig(0, 1, 2**31, 1, 1)
+    top = 2**31 - 1
+    m = HybridCacheManager(HybridCacheConfig(["mamba"], KVCacheConfig(1, top, []), mamba, 1),
+                           device="cpu")
+    m.reset_for_new_sequences([top - 1])
+    m.commit_sequence_length(1)
+    assert host(m.get_kv_cache_lengths()).tolist() == [top]
+    with pytest.raises(ValueError):
+        m.commit_sequence_length(1)
+
+
+# --- host integers: bools and uint64 are not slot numbers -------------------------------------
+
+def batch_snapshot(m):
+    lengths = m.get_kv_cache_lengths()
+    full = lengths.base if lengths.base is not None else lengths
+    return host(full).tolist(), m.active_batch_size, m.kv_cache_all_empty
+
+
+@pytest.mark.parametrize("make", FACTORIES)
+def test_bool_entries_in_host_lists_are_type_errors_and_change_nothing(make):
+    """A bool is not an int (docs/design.md §4: TypeError for a wrong type), inside a list too:
+    [0, True] must not reset a length to 1, nor [True, 0] compact slot 0 into slot 1."""
+    m = make()
+    m.reset_for_new_sequences([2, 4])
+    before = batch_snapshot(m)
+    calls = [(m.reset_for_new_sequences, ([0, True],)),
+             (m.reset_for_new_sequences, ((np.bool_(False), 1),)),
+             (m.commit_sequence_length, ([1, False],)),
+             (m.compact_batch, ([True, 0], 2, 2))]
+    for call, args in calls:
+        with pytest.raises(TypeError, match="bool"):
+            call(*args)
+        assert batch_snapshot(m) == before
+    assert host(m.get_kv_cache_lengths()).tolist() == [2, 4]
+
+
+@pytest.mark.parametrize("make", FACTORIES)
+def test_uint64_entries_past_int64_are_not_wrapped(make):
+    """2**64 - 1 is not a slot: it must not read as -1 (evicted) in a mapping, nor be reported
+    as -1 in a reset."""
+    m = make()
+    m.reset_for_new_sequences([2, 4])
+    before = batch_snapshot(m)
+    huge = np.array([2**64 - 1, 0], dtype=np.uint64)
+    with pytest.raises(ValueError, match=r"batch_mapping\[0\].*18446744073709551615"):
+        m.compact_batch(huge, 2, 1)
+    assert batch_snapshot(m) == before
+    with pytest.raises(ValueError, match="18446744073709551615"):
+        m.reset_for_new_sequences(huge)
+    assert batch_snapshot(m) == before
+    m.compact_batch(np.array([1, 0], dtype=np.uint64), 2, 2)   # in range: still accepted
+    assert host(m.get_kv_cache_lengths()).tolist() == [4, 2]
+
+
+# --- memory report: a hand count of every device array ------------------------------------------
+
+def one_layer_hybrid(b, s):
+    """One attention layer (H=1, D=8, fp16) and one Mamba layer (recurrent [1, 2, 3] fp32,
+    conv [2, 3] fp16)."""
+    kv = KVCacheConfig(b, s, [KVLayerConfig(1, 8)])
+    mamba = MambaCacheConfig(1, b, 1, 2, 3, 2, 3)
+    return HybridCacheManager(HybridCacheConfig(["attention", "mamba"], kv, mamba, b),
+                              device="cpu")
+
+
+def one_layer_linear(b, s):
+    """The same layers as :func:`one_layer_hybrid`, in a LinearKVCache."""
+    return LinearKVCache(LinearCacheConfig(1, b, s, 1, 8, num_mamba_layers=1, mamba_num_heads=1,
+                                           mamba_head_dim=2, ssm_state_size=3, conv_dim=2,
+                                           conv_kernel=3), device="cpu")
+
+
+def test_memory_report_total_counts_every_descriptor_table():
+    """Hand count for b=3, one attention layer (H=1, S=6, D=8, fp16), one Mamba layer
+    (recurrent [1, 2, 3] fp32, conv [2, 3] fp16). Device arrays besides the caches: the
+    KVLayerInfo table and its scratch (16 B per layer each); the int32 lengths, increments and
+    mapping [b], status [1] and plan [4 + 8 b]; one 32-byte SlotTensorInfo per tensor that
+    compaction moves (recurrent, conv, lengths); the Mamba copies' two int32 slot indices and
+    their SlotTensorInfo tables (capture: 1 + 1 tensors, restore: 2)."""
+    b, s = 3, 6
+    kv, rec, conv = b * 2 * 1 * s * 8 * 2, b * 1 * 2 * 3 * 4, b * 2 * 3 * 2
+    metadata = (2 * 16 + (3 * b + 1 + 4 + 8 * b) * 4 + 3 * 32 + 2 * 4 + (1 + 1 + 2) * 32)
+    for m in (one_layer_hybrid(b, s), one_layer_linear(b, s)):
+        report = m.memory_report()
+        assert (report["kv_cache"], report["recurrent"], report["conv"]) == (kv, rec, conv)
+        assert report["metadata"] == metadata
+        assert report["total"] == kv + rec + conv + metadata

@@ -5,6 +5,7 @@ computation."""
 from __future__ import annotations
 
 import hashlib
+import random
 import struct
 
 import hypothesis.strategies as st
@@ -91,3 +92,29 @@ def test_cupy_tokens_hash_like_host_tokens():
 
     tokens = list(range(50))
     assert compute_block_hashes(cupy.asarray(tokens), 8) == oracle(tokens, 8)
+
+
+# --- a second oracle: int.to_bytes instead of struct, on edge-valued tokens -------------------
+
+def spec_hashes(tokens, block_size):
+    """``digest_k = sha256(digest_{k-1} || block k as int64 LE)``, ``digest_{-1}`` = 32 zero
+    bytes, ``hash_k = uint64_le(digest_k[:8]) mod (2^63 - 1) + 1``."""
+    digest, out = bytes(32), []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        payload = b"".join(int(t).to_bytes(8, "little", signed=True)
+                           for t in tokens[start:start + block_size])
+        digest = hashlib.sha256(digest + payload).digest()
+        out.append(int.from_bytes(digest[:8], "little", signed=False) % (2**63 - 1) + 1)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("length", [0, 1, 5, 6, 15])
+def test_block_hashes_follow_the_spec_definition(block_size, length):
+    rng = random.Random(block_size * 100 + length)
+    tokens = [rng.choice([0, 1, -1, 2**63 - 1, -(2**63), rng.randrange(-2**40, 2**40)])
+              for _ in range(length)]
+    got = compute_block_hashes(tokens, block_size)
+    assert got == spec_hashes(tokens, block_size)
+    assert len(got) == length // block_size     # partial tail block: no hash
+    assert compute_block_hashes(np.asarray(tokens, dtype=np.int64), block_size) == got

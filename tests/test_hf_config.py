@@ -582,3 +582,17 @@ def test_gemma4_sharing_invariants(sliding, shared):
             # the last earlier cache owner of its kind
             assert owner == max(j for j in earlier_same if j not in sharing)
     assert c.kv.num_attention_layers == n - len(sharing)
+
+
+@pytest.mark.parametrize("value, exc", [(0, ValueError), (-512, ValueError), (False, TypeError),
+                                        (512.0, TypeError)])
+def test_gemma4_bad_global_head_dim_is_refused_not_replaced(value, exc):
+    """docs/design.md §4: an inconsistent config raises naming the field; a global_head_dim of 0
+    must not silently become head_dim (only an explicit null means "same as head_dim")."""
+    cfg = {"model_type": "gemma4_text", "num_hidden_layers": 6, "head_dim": 64}
+    with pytest.raises(exc, match="global_head_dim"):
+        HybridCacheConfig.from_hf_config({**cfg, "global_head_dim": value}, max_batch_size=1,
+                                         max_sequence_length=8)
+    null = HybridCacheConfig.from_hf_config({**cfg, "global_head_dim": None}, max_batch_size=1,
+                                            max_sequence_length=8)
+    assert [lc.head_dim for lc in null.kv.layer_configs] == [64] * 6

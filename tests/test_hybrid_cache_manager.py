@@ -3,7 +3,10 @@ views, prompt-cache capture/restore, hybrid compaction and the memory report."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import pickle
 
 import numpy as np
 import pytest
@@ -13,11 +16,13 @@ from hcache.config.caches import (
     KVCacheConfig,
     KVLayerConfig,
     LayerType,
+    LinearCacheConfig,
     MambaCacheConfig,
 )
 from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES
 from hcache.slots.hybrid import HybridCacheManager, KVHeadDimGroupView
+from hcache.slots.linear import LinearKVCache
 
 from helpers import host, randomize
 
@@ -246,3 +251,67 @@ def test_memory_report():
                                 kv[2], kv[3])
     assert report["metadata"] > 0
     assert report["total"] == sum(kv) + 3 * (rec + conv) + report["metadata"]
+
+
+# --- the config: copies, pickling and argument types ------------------------------------------
+
+def gemma_like():
+    """Layers 0 A(8), 1 A(16), 2 NONE, 3 A sharing layer 0's cache (numpy ints on purpose)."""
+    kv = KVCacheConfig(B, S, [KVLayerConfig(2, 8), KVLayerConfig(1, 16)])
+    return HybridCacheConfig(["attention", "attention", "none", "attention"], kv, None, B,
+                             kv_sharing={np.int64(3): np.int64(0)})
+
+
+def test_hybrid_config_pickles_copies_and_converts_to_a_dict():
+    """A frozen config compares by value; it must survive pickle (worker processes), deepcopy
+    and dataclasses.asdict like the other configs do."""
+    unshared = HybridCacheConfig(["attention"], KVCacheConfig(B, S, [KVLayerConfig(1, 8)]),
+                                 None, B)
+    for cfg in (gemma_like(), unshared):
+        for clone in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg), copy.copy(cfg)):
+            assert clone == cfg and hash(clone) == hash(cfg)
+            assert dict(clone.kv_sharing) == dict(cfg.kv_sharing)
+    cfg = gemma_like()
+    assert dataclasses.asdict(cfg)["kv_sharing"] == {3: 0}
+    assert json.dumps(dict(cfg.kv_sharing)) == '{"3": 0}'      # plain ints, not numpy ints
+    with pytest.raises(TypeError):
+        cfg.kv_sharing[1] = 0                                   # still read-only
+    m = HybridCacheManager(pickle.loads(pickle.dumps(cfg)), device="cpu")
+    assert data_pointer(m.get_combined_kv_cache(3)) == data_pointer(m.get_combined_kv_cache(0))
+
+
+@pytest.mark.parametrize("types, sharing, exc, match", [
+    (["attention", 5, "attention", "attention"], {3: 0}, TypeError, r"layer_types\[1\]: expected"),
+    ([None, "attention", "none", "attention"], {3: 0}, TypeError, r"layer_types\[0\]: expected"),
+    (["attention", "attention", True, "attention"], {3: 0}, TypeError,
+     r"layer_types\[2\]: expected"),
+    (["attention", "attention", "conv", "attention"], {3: 0}, ValueError,
+     r"layer_types\[2\]: expected"),
+    (["attention", "attention", "none", "attention"], 5, TypeError, "kv_sharing: expected"),
+    (["attention", "attention", "none", "attention"], [3, 0], TypeError, "kv_sharing: expected"),
+    (["attention", "attention", "none", "attention"], {3.0: 0}, TypeError, "kv_sharing key"),
+    (["attention", "attention", "none", "attention"], {3: True}, TypeError, "kv_sharing value"),
+])
+def test_hybrid_config_wrong_types_raise_type_error(types, sharing, exc, match):
+    """docs/design.md §4: a bad value raises ValueError, a wrong type TypeError, as "name:
+    expected X, got Y"."""
+    kv = KVCacheConfig(B, S, [KVLayerConfig(2, 8), KVLayerConfig(1, 16)])
+    with pytest.raises(exc, match=match):
+        HybridCacheConfig(types, kv, None, B, kv_sharing=sharing)
+
+
+# --- Mamba restore without Mamba layers (hybrid and linear managers) ----------------------------
+
+def test_restore_mamba_states_without_mamba_layers_checks_types():
+    kv = KVCacheConfig(B, S, [KVLayerConfig(1, 8)])
+    m = HybridCacheManager(HybridCacheConfig(["attention"], kv, None, B), device="cpu")
+    c = LinearKVCache(LinearCacheConfig(1, B, S, 1, 8), device="cpu")
+    for restore, first in ((m.restore_mamba_states, "recurrent"),
+                           (c.restore_mamba_states, "ssm")):
+        with pytest.raises(TypeError, match=f"{first}: expected a sequence"):
+            restore(None, [], 0)
+        with pytest.raises(TypeError, match="conv: expected a sequence"):
+            restore([], 3, 0)
+        with pytest.raises(ValueError, match="conv: expected 0 tensors"):
+            restore([], [np.zeros(1)], 0)
+        restore([], (), B - 1)

@@ -1,18 +1,16 @@
-"""Review of ``hcache.contexts`` (docs/design.md §6 and the common error contract): edge cases.
+"""DynamicInferenceContext on its own (docs/design.md §6): admission under pressure, caller
+mistakes, the smallest pool. ``tests/test_prefix_caching_e2e.py`` drives it end to end.
 
-Oracles: the contract's words (docs/design.md) (the hash definition recomputed with ``hashlib`` and
-``int.to_bytes``;
-"``CacheCapacityError`` when not enough KV blocks even after eviction"; a caller mistake raises
-``TypeError`` / ``ValueError`` / ``IndexError`` and changes nothing, and an unknown id is a
-``ValueError`` as for the continuous-batching manager of §5), hand-built pool states, and, for
-the random admissions, a copy of the KV allocator on which the pin-then-allocate sequence is
-replayed directly.
+Oracles: the contract's words ("``CacheCapacityError`` when not enough KV blocks even after
+eviction"; a caller mistake raises ``TypeError`` / ``ValueError`` / ``IndexError`` and changes
+nothing, and an unknown id is a ``ValueError`` as for the continuous-batching manager of
+docs/design.md §5), hand-built pool states, and, for the random admissions, a copy of the KV
+allocator on which the pin-then-allocate sequence is replayed directly.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import random
 
 import numpy as np
@@ -22,34 +20,7 @@ from hcache.config.caches import KVLayerConfig
 from hcache.contexts import DynamicInferenceContext, compute_block_hashes
 from hcache.errors import CacheCapacityError
 
-# --- block hashes: the definition of docs/design.md §6, written independently ---------------------
-
-
-def spec_hashes(tokens, block_size):
-    """``digest_k = sha256(digest_{k-1} || block k as int64 LE)``, ``digest_{-1}`` = 32 zero
-    bytes, ``hash_k = uint64_le(digest_k[:8]) mod (2^63 - 1) + 1``."""
-    digest, out = bytes(32), []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        payload = b"".join(int(t).to_bytes(8, "little", signed=True)
-                           for t in tokens[start:start + block_size])
-        digest = hashlib.sha256(digest + payload).digest()
-        out.append(int.from_bytes(digest[:8], "little", signed=False) % (2**63 - 1) + 1)
-    return out
-
-
-@pytest.mark.parametrize("block_size", [1, 2, 3, 5])
-@pytest.mark.parametrize("length", [0, 1, 5, 6, 15])
-def test_block_hashes_follow_the_spec_definition(block_size, length):
-    rng = random.Random(block_size * 100 + length)
-    tokens = [rng.choice([0, 1, -1, 2**63 - 1, -(2**63), rng.randrange(-2**40, 2**40)])
-              for _ in range(length)]
-    got = compute_block_hashes(tokens, block_size)
-    assert got == spec_hashes(tokens, block_size)
-    assert len(got) == length // block_size     # partial tail block: no hash
-    assert compute_block_hashes(np.asarray(tokens, dtype=np.int64), block_size) == got
-
-
-# --- the context: helpers -------------------------------------------------------------------
+# --- helpers -------------------------------------------------------------------------------
 
 def make_ctx(num_blocks, *, bs=2, mamba=0, slots=0, rows=4, max_blocks=8, policy="lru", **kw):
     return DynamicInferenceContext(
@@ -104,7 +75,7 @@ def pool_with_blocked_cached_chain():
     return ctx, x, z
 
 
-# --- defect: spurious CacheCapacityError when matched cached blocks are not evictable --------
+# --- admission: matched cached blocks that eviction cannot reclaim ---------------------------
 
 def test_admission_counts_only_evictable_matched_blocks_as_lost_to_the_pin():
     ctx, x, z = pool_with_blocked_cached_chain()
@@ -188,7 +159,7 @@ def test_random_admissions_fail_only_when_pin_and_allocate_would_fail(seed):
         check(ctx)
 
 
-# --- defect: unknown request ids are caller mistakes (ValueError), not KeyError -------------
+# --- unknown request ids are caller mistakes (ValueError), not KeyError ---------------------
 
 def test_unknown_request_ids_raise_value_error_and_change_nothing():
     ctx = make_ctx(8, mamba=1, slots=2)
@@ -212,7 +183,7 @@ def test_unknown_request_ids_raise_value_error_and_change_nothing():
     check(ctx)
 
 
-# --- defect: caller mistakes in scalar arguments and token shapes ----------------------------
+# --- caller mistakes in scalar arguments and token shapes ------------------------------------
 
 @pytest.mark.parametrize("name", ["mamba_chunk_size", "max_step_tokens"])
 def test_zero_sizes_are_rejected_not_replaced_by_defaults(name):
@@ -235,7 +206,7 @@ def test_token_array_of_the_wrong_shape_is_a_value_error():
     assert state(ctx) == before
 
 
-# --- edge cases that hold (hand-computed expectations) ---------------------------------------
+# --- the smallest pool (hand-computed expectations) ------------------------------------------
 
 @pytest.mark.parametrize("policy", ["lru", "ref_zero"])
 def test_one_block_of_one_token(policy):
