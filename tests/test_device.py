@@ -13,6 +13,8 @@ from hcache.dtypes import storage_dtype
 
 
 def test_cpu_device_and_env_override(monkeypatch):
+    """``"cpu"`` resolves to the NumPy device; ``$HCACHE_DEVICE`` overrides ``None``, else
+    CuPy's availability decides."""
     assert resolve_device("cpu") == Device("cpu")
     assert resolve_device("CPU").xp is np
     monkeypatch.setenv("HCACHE_DEVICE", "cpu")
@@ -24,23 +26,28 @@ def test_cpu_device_and_env_override(monkeypatch):
 
 @pytest.mark.parametrize("bad", ["gpu", "cuda:x", "cuda:-1", "tpu:0", ""])
 def test_malformed_device_strings(bad):
+    """Malformed device strings are ValueErrors with the expected forms."""
     with pytest.raises(ValueError, match="device: expected"):
         resolve_device(bad)
 
 
 def test_device_type_errors():
+    """A non-string device is a TypeError."""
     with pytest.raises(TypeError, match="device: expected None, 'cpu'"):
         resolve_device(0)
 
 
 @pytest.mark.skipif(cupy_available(), reason="a GPU is present")
 def test_cuda_without_a_gpu_is_a_clear_error():
+    """Without a GPU ``"cuda:0"`` is a ValueError that says no usable CUDA device exists."""
     with pytest.raises(ValueError, match="device: expected a usable CUDA device"):
         resolve_device("cuda:0")
 
 
 @pytest.mark.parametrize("name", DTYPE_NAMES)
-def test_every_spec_dtype_round_trips(name):
+def test_every_supported_dtype_round_trips(name):
+    """Every supported dtype name resolves, names itself back and is its own NumPy storage
+    dtype."""
     dt = resolve_dtype(name)
     assert dtype_name(dt) == name
     assert resolve_dtype(dt) == dt
@@ -48,6 +55,7 @@ def test_every_spec_dtype_round_trips(name):
 
 
 def test_dtype_aliases_and_ml_dtypes():
+    """Aliases (bf16, FP16) and ml_dtypes types resolve to the expected dtypes."""
     assert resolve_dtype("bf16") == np.dtype(ml_dtypes.bfloat16)
     assert resolve_dtype(ml_dtypes.float8_e5m2).itemsize == 1
     assert resolve_dtype("FP16") == np.float16
@@ -56,6 +64,7 @@ def test_dtype_aliases_and_ml_dtypes():
 @pytest.mark.parametrize("bad,exc", [("float64", ValueError), (np.int64, ValueError),
                                      (3.5, TypeError), ("fp4", ValueError)])
 def test_unsupported_dtypes(bad, exc):
+    """Unsupported dtypes are ValueErrors, non-dtypes TypeErrors."""
     with pytest.raises(exc, match="dtype: expected"):
         resolve_dtype(bad)
 
@@ -66,6 +75,7 @@ class _Proto:
 
 
 def test_stream_normalisation():
+    """Streams normalise to raw handles (int, NumPy int, __cuda_stream__); bad ones raise."""
     assert stream_handle(77) == 77
     assert stream_handle(np.int64(5)) == 5
     assert stream_handle(_Proto()) == 1234
@@ -81,7 +91,7 @@ def test_stream_normalisation():
 
 @pytest.mark.parametrize("bad", ["cuda:", "cuda:\u00b2", "cuda:\u0661"])
 def test_malformed_cuda_ordinals_are_refused_as_malformed(bad):
-    """"cuda:" and non-ASCII digits are refused with the malformed-device message."""
+    """``"cuda:"`` and non-ASCII digits are refused with the malformed-device message."""
     # "cuda:" (no ordinal) and non-ASCII digits ("²" made int() fail with its own message,
     # Arabic-Indic "١" was read as device 1) are not "cuda:N".
     with pytest.raises(ValueError, match="device: expected None, 'cpu', 'cuda' or 'cuda:N'"):

@@ -107,6 +107,18 @@ def test_kernel_source_changes_when_an_included_header_changes(monkeypatch, tmp_
     assert after.startswith(f'#line 1 "{tmp_path / "slot_copy.cu"}"\n')
 
 
+def test_plan_format_constants_match_compact_cu():
+    """The compaction plan's constants in hcache/ops/tables.py equal the #defines of
+    kernels/compact.cu (the kernels and the reference read the same words)."""
+    from hcache.ops import tables
+
+    _, source = _loader.kernel_source("compact")
+    defines = dict(re.findall(r"#define (HC_\w+) \(?(-?\d+)\)?", source))
+    assert int(defines["HC_PLAN_HEADER"]) == tables.PLAN_HEADER
+    assert int(defines["HC_TMP"]) == tables.TMP
+    assert int(defines["HC_CLEAR"]) == tables.CLEAR
+
+
 # --- one name per op, from the .cu to the benchmark (docs/design.md §9) ------------------------
 
 def _ops_of(family):
