@@ -1,5 +1,6 @@
-"""Random kernel inputs shared by the host-emulated and GPU tiers: guarded buffers (canary bytes
-around every array), groups of layers, ragged token batches, injective mappings."""
+"""Machinery shared by the ``tests/test_op_<family>.py`` modules: where an op runs (the NumPy
+reference, the host emulation of the ``.cu``, CuPy), guarded buffers (canary bytes around every
+array), byte comparisons, and random inputs (dtypes, head dims, misalignments, mappings)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,16 @@ GUARD = 64
 BACKENDS = [pytest.param("emu", marks=pytest.mark.emu),
             pytest.param("emu-reverse", marks=pytest.mark.emu),
             pytest.param("cuda", marks=pytest.mark.gpu)]
+# The NumPy reference (NumPy arrays, no backend) and the kernels: for checks that every path
+# makes alike (argument checks, edge cases).
+WITH_REFERENCE = [pytest.param("reference", id="reference"), *BACKENDS]
 
 
 def kernel_env(kind):
-    """``(array module, backend)`` for a BACKENDS entry (skips without a host compiler)."""
+    """``(array module, backend)`` for a BACKENDS / WITH_REFERENCE entry (skips without a host
+    compiler); ``"reference"`` is ``(numpy, None)``."""
+    if kind == "reference":
+        return np, None
     if kind.startswith("emu"):
         import emu
 
@@ -30,8 +37,20 @@ def kernel_env(kind):
 
     return cupy, None
 
+
 HEAD_DIMS = (1, 3, 8, 36, 80, 96, 128, 512)
 dtypes = st.sampled_from(DTYPE_NAMES).map(resolve_dtype)
+misaligns = st.sampled_from([0, 0, 1, 2, 4, 8])
+
+
+def on(xp, a):
+    """Host array ``a`` on module ``xp`` (itself for NumPy)."""
+    return a if xp is np else xp.asarray(a)
+
+
+def int32_on(xp, values):
+    """``values`` as an int32 array on module ``xp``."""
+    return on(xp, np.asarray(values, np.int32))
 
 
 class Arena:
@@ -54,6 +73,13 @@ class Arena:
         self.buffers.append((buf, host.copy(), inner))
         return view
 
+    def int32(self, values, shape=None):
+        """A guarded int32 array holding ``values`` (reshaped to ``shape`` if given)."""
+        host = np.asarray(values, np.int32)
+        a = self.array(host.shape if shape is None else shape, np.int32)
+        a[...] = on(self.xp, host.reshape(a.shape))
+        return a
+
     def check_canaries(self):
         for buf, original, inner in self.buffers:
             now = buf.get() if hasattr(buf, "get") else buf
@@ -61,9 +87,19 @@ class Arena:
             assert np.array_equal(now[inner.stop:], original[inner.stop:]), "canary after"
 
 
+def twins(seed, xp):
+    """Two arenas that produce identical bytes: one NumPy (for the reference), one on ``xp``."""
+    return Arena(np.random.default_rng(seed), np), Arena(np.random.default_rng(seed), xp)
+
+
 def as_bytes(a) -> np.ndarray:
+    """The bytes of a NumPy or CuPy array, on the host, flat."""
     a = a.get() if hasattr(a, "get") else a
     return np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+
+
+def assert_same_bytes(a, b):
+    assert np.array_equal(as_bytes(a), as_bytes(b))
 
 
 @st.composite

@@ -10,7 +10,8 @@
 // The copy kernels then run the whole schedule for each chunk they own; since one thread owns a
 // chunk offset in every slot (common.cuh), program order alone orders reads before writes.
 //
-// Plan layout (int32, hc_plan_size(max_batch) entries):
+// Plan layout (int32, 4 + 8 max_batch entries; mirrored by hcache/ops/tables.py, whose
+// compaction_plan_size, PLAN_HEADER, TMP and CLEAR follow the defines below):
 //   [0] status: 0 valid, 1 mapping not injective into [0, new_batch), 2 bad batch sizes
 //   [1] number of schedule entries      [2] max length (tokens) over moved slots
 //   [3] first offending old index, or -1

@@ -1,6 +1,9 @@
-// Prompt-cache capture and restore (docs/design.md §3.5): the first n tokens of slot `slot` of every layer
-// of a head-dim group, to or from compact per-layer tensors [2, H_l, n, D].
+// Prompt-cache capture and restore (docs/design.md §3.5): the first n tokens of slot `slot` of
+// every layer of a head-dim group, to or from compact per-layer tensors [2, H_l, n, D].
 //
+// hc_kv_capture: one kernel for both directions (its to_cache argument). The ops kv_capture and
+// kv_restore (hcache/ops/kv_capture.py) launch it with to_cache = 0 and 1 after checking the slot
+// and the length; kv_prefix_copy launches it unchecked (the kernel skips and counts).
 // cache:   KVLayerInfo [num_layers], caches [num_slots, 2, H_l, S, D]
 // compact: KVLayerInfo [num_layers], data = compact tensor, num_kv_heads = H_l, max_seq_len = n
 // to_cache != 0 restores (compact -> cache); 0 captures (cache -> compact).
@@ -10,8 +13,8 @@
 #include "common.cuh"
 
 template <int W>
-__device__ void hc_prefix_copy_body(char* cache_span, char* compact_span, hc_i64 n,
-                                    int to_cache) {
+__device__ void hc_kv_capture_body(char* cache_span, char* compact_span, hc_i64 n,
+                                   int to_cache) {
     const hc_i64 step = (hc_i64)gridDim.z * blockDim.x * W;
     for (hc_i64 off = ((hc_i64)blockIdx.z * blockDim.x + threadIdx.x) * W; off < n; off += step) {
         if (to_cache) hc_copy_chunk<W>(cache_span, compact_span, off, n);
@@ -19,10 +22,10 @@ __device__ void hc_prefix_copy_body(char* cache_span, char* compact_span, hc_i64
     }
 }
 
-extern "C" __global__ void hc_kv_prefix_copy(const KVLayerInfo* __restrict__ cache,
-                                             const KVLayerInfo* __restrict__ compact, int slot,
-                                             int num_tokens, int row_bytes, int num_slots,
-                                             int to_cache, int* status) {
+extern "C" __global__ void hc_kv_capture(const KVLayerInfo* __restrict__ cache,
+                                         const KVLayerInfo* __restrict__ compact, int slot,
+                                         int num_tokens, int row_bytes, int num_slots,
+                                         int to_cache, int* status) {
     const KVLayerInfo info = cache[blockIdx.y];
     const KVLayerInfo saved = compact[blockIdx.y];
     const int kvh = blockIdx.x;
@@ -38,8 +41,8 @@ extern "C" __global__ void hc_kv_prefix_copy(const KVLayerInfo* __restrict__ cac
                        slot * (2 * (hc_i64)info.num_kv_heads * head_span) + kvh * head_span;
     char* compact_span = reinterpret_cast<char*>(saved.data) + kvh * saved_span;
     const int w = hc_vec_width(info.data | saved.data | (hc_u64)head_span | (hc_u64)saved_span);
-    HC_DISPATCH_WIDTH(w, hc_prefix_copy_body, cache_span, compact_span,
+    HC_DISPATCH_WIDTH(w, hc_kv_capture_body, cache_span, compact_span,
                       (hc_i64)num_tokens * row_bytes, to_cache);
 }
 
-// Exported: hc_kv_prefix_copy
+// Exported: hc_kv_capture

@@ -1,4 +1,8 @@
-"""Launch plumbing shared by the wrappers: launchers, C-typed scalars, grids, validation."""
+"""Launch plumbing shared by the wrappers: launchers, C-typed scalars, grids, validation.
+
+The rule every wrapper follows: op parameters first (those of its NumPy reference, same names),
+then the launch-only keywords ``stream=None, backend=None`` at the end.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,9 @@ import contextlib
 import numpy as np
 
 from .._checks import int32_array
-from ..device import Device, data_pointer, stream_handle, stream_scope
-from . import _loader as _kernels
-from .reference import PLAN_HEADER, compaction_plan_size, plan_max_batch
+from ..device import Device, data_pointer, launch_scope, stream_handle, upload
+from . import _loader
+from .tables import PLAN_HEADER, compaction_plan_size, plan_max_batch
 
 BLOCK = 256          # threads per block for every kernel
 MAX_GRID_X = 8192    # grid-stride loops cover the rest
@@ -29,14 +33,14 @@ class CupyLauncher:
 
     def launch(self, family, name, grid, block, args):
         device = self._device()
-        kernel = _kernels.get_function(family, name, device.index)
-        with stream_scope(self.stream, device):
+        kernel = _loader.get_function(family, name, device.index)
+        with launch_scope(device, self.stream):
             kernel(grid, block, args)
 
     def upload(self, scratch, host: np.ndarray):
         """Copy a small host table into preallocated device memory, ordered on the stream."""
-        with stream_scope(self.stream, self._device()):
-            scratch[: host.shape[0]].set(host)
+        with launch_scope(self._device(), self.stream):
+            upload(scratch, host)
 
 
 def launcher(xp, backend, stream):
@@ -91,8 +95,9 @@ def grid_z(span_bytes: int) -> int:
     return max(1, min(MAX_GRID_Z, ceil_div(span_bytes, 16 * BLOCK * 4)))
 
 
-def check_plan(plan, xp, num_slots: int) -> int:
-    """Validate a compaction plan for tensors of ``num_slots`` slots; return its max_batch.
+def check_plan(plan, xp, num_slots: int | None = None) -> int:
+    """Validate a compaction plan (for tensors of ``num_slots`` slots, if given); return its
+    max_batch.
 
     The plan's contents are device data (unchecked); its size says which slots its schedule
     may name, so a plan for more slots than the tensors have is refused here.
@@ -101,7 +106,7 @@ def check_plan(plan, xp, num_slots: int) -> int:
     max_batch = plan_max_batch(plan)
     if plan.shape[0] != compaction_plan_size(max_batch):
         raise ValueError(f"plan: expected length 4 + 8 * max_batch, got {plan.shape[0]}")
-    if max_batch > num_slots:
+    if num_slots is not None and max_batch > num_slots:
         raise ValueError(f"plan: expected a plan for at most {num_slots} slots, "
                          f"got one for {max_batch}")
     return max_batch
@@ -126,7 +131,7 @@ def upload_table(run, group, host: np.ndarray):
     if last is not None and last[0] == key and np.array_equal(last[1], host):
         return
     if isinstance(group.scratch_infos, np.ndarray):
-        group.scratch_infos[: host.shape[0]] = host
+        upload(group.scratch_infos, host)
     else:
         run.upload(group.scratch_infos, host)
     group.scratch_host = (key, host)

@@ -16,11 +16,12 @@ from ..errors import KernelCompileError
 __all__ = ["FAMILIES", "kernel_dir", "kernel_source", "nvrtc_options", "get_function"]
 
 # family -> exported kernel names (each .cu ends with the same list in an "Exported:" comment).
+# Kernel hc_<op> is launched by op <op> of hcache/ops/<family>.py (docs/design.md §9).
 FAMILIES: dict[str, tuple[str, ...]] = {
     "kv_write": ("hc_kv_write",),
     "compact": ("hc_compaction_plan", "hc_kv_compact", "hc_slots_compact"),
     "slot_copy": ("hc_slot_copy",),
-    "kv_capture": ("hc_kv_prefix_copy",),
+    "kv_capture": ("hc_kv_capture",),
     "lengths": ("hc_lengths_add",),
 }
 

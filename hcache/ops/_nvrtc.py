@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 
 from ..errors import KernelCompileError
-from . import _loader as _kernels
+from . import _loader
 
 __all__ = ["find_libnvrtc", "nvrtc_version", "compile_family"]
 
@@ -80,13 +80,13 @@ def compile_family(family: str, arch: str = "sm_80") -> int:
     lib = find_libnvrtc()
     if lib is None:
         raise RuntimeError("libnvrtc not found: install nvidia-cuda-nvrtc-cu12 (hcache[test])")
-    path, source = _kernels.kernel_source(family)
+    path, source = _loader.kernel_source(family)
     prog = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(),
                                        Path(path).name.encode(), 0, None, None),
            "nvrtcCreateProgram")
     try:
-        opts = [o.encode() for o in (*_kernels.nvrtc_options(), f"-arch={arch}")]
+        opts = [o.encode() for o in (*_loader.nvrtc_options(), f"-arch={arch}")]
         argv = (ctypes.c_char_p * len(opts))(*opts)
         code = lib.nvrtcCompileProgram(prog, len(opts), argv)
         size = ctypes.c_size_t()

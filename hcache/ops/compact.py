@@ -1,4 +1,6 @@
-"""Batch compaction (kernels/compact.cu): plan, KV moves, whole-slot moves."""
+"""Batch compaction (kernels/compact.cu, docs/design.md §3.3): the plan, KV moves, whole-slot
+moves. Ops: :func:`compaction_plan` (``hc_compaction_plan``), :func:`kv_compact`
+(``hc_kv_compact``), :func:`slots_compact` (``hc_slots_compact``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from ._launch import (
     launcher,
     ptr,
 )
+
+__all__ = ["compaction_plan", "kv_compact", "slots_compact"]
 
 
 def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream=None,
@@ -37,10 +41,7 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
     old_batch = check_int("old_batch", old_batch)
     new_batch = check_int("new_batch", new_batch)
     xp = array_module_of(plan)
-    int32_array("plan", plan, xp, min_len=ref.PLAN_HEADER)
-    max_batch = ref.plan_max_batch(plan)
-    if plan.shape[0] != ref.compaction_plan_size(max_batch):
-        raise ValueError(f"plan: expected length 4 + 8 * max_batch, got {plan.shape[0]}")
+    max_batch = check_plan(plan, xp)
     int32_array("mapping", mapping, xp, min_len=old_batch)
     int32_array("lengths", lengths, xp, min_len=max_batch)
     run = launcher(xp, backend, stream)

@@ -1,4 +1,5 @@
-"""Batched per-layer KV writes (kernels/kv_write.cu)."""
+"""Batched per-layer KV writes (kernels/kv_write.cu, docs/design.md §3.2). Op: :func:`kv_write`
+(``hc_kv_write``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from ._launch import (
     ptr,
     upload_table,
 )
+
+__all__ = ["kv_write"]
 
 
 def _check_rows(name, a, group, layer, num_tokens, xp):

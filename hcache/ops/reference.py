@@ -1,40 +1,24 @@
-"""NumPy reference of every kernel: the ``cpu`` backend and the test oracle.
+"""NumPy reference of every op: the ``cpu`` backend and the test oracle.
 
-Each function has the signature of its launch wrapper in :mod:`hcache.ops` and produces the
-same bytes as the kernel (including the compaction plan, word for word). They work on the
-Python-level arrays of a :class:`~hcache.ops.tables.KVGroup` / :class:`~hcache.ops.tables.SlotSet`.
+One function per op of :mod:`hcache.ops`, under the op's name, with the wrapper's parameters
+minus the launch-only ones (``stream``, ``backend``: keyword-only at the end of every wrapper).
+Each produces the same bytes and status counts as the kernel (the compaction plan word for word)
+and works on the Python-level arrays of a :class:`~hcache.ops.tables.KVGroup` /
+:class:`~hcache.ops.tables.SlotSet`. The wrappers check their arguments before calling it.
+
+Families (``kernels/<family>.cu``, ``hcache/ops/<family>.py``): ``compact`` (compaction_plan,
+kv_compact, slots_compact), ``kv_write``, ``slot_copy``, ``kv_capture`` (kv_capture, kv_restore,
+kv_prefix_copy) and ``lengths`` (lengths_add).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["PLAN_HEADER", "TMP", "CLEAR", "compaction_plan_size", "compaction_plan", "kv_compact",
-           "slots_compact", "slot_copy", "kv_write", "kv_prefix_copy", "lengths_add",
-           "plan_max_batch", "plan_schedule"]
+from .tables import CLEAR, PLAN_HEADER, TMP, plan_max_batch, plan_schedule
 
-PLAN_HEADER = 4
-TMP = -2
-CLEAR = -3
-
-
-def compaction_plan_size(max_batch: int) -> int:
-    """int32 entries of a compaction plan for ``max_batch`` slots (see ``kernels/compact.cu``)."""
-    return PLAN_HEADER + 8 * int(max_batch)
-
-
-def plan_max_batch(plan) -> int:
-    return (int(plan.shape[0]) - PLAN_HEADER) // 8
-
-
-def plan_schedule(plan) -> np.ndarray:
-    """The plan's schedule as host int32 ``[count, 2]`` (src, dst) pairs; like the kernels,
-    a count outside ``[0, 3 max_batch]`` (the schedule's capacity) is clamped to it."""
-    host = np.asarray(plan.get() if hasattr(plan, "get") else plan)
-    mb = plan_max_batch(host)
-    n = min(max(int(host[1]), 0), 3 * mb)
-    start = PLAN_HEADER + 2 * mb
-    return host[start:start + 2 * n].reshape(n, 2)
+__all__ = ["compaction_plan", "kv_compact", "slots_compact", "kv_write", "slot_copy",
+           "kv_capture", "kv_restore", "kv_prefix_copy", "lengths_add"]
 
 
 def _bump(status, n: int = 1):
@@ -42,7 +26,9 @@ def _bump(status, n: int = 1):
         status[0] += n
 
 
-def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream=None):
+# --- compact: kernels/compact.cu ------------------------------------------------------------------
+
+def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None):
     """Turn ``mapping[old] = new | -1`` into an in-place move schedule, written into ``plan``.
 
     See ``kernels/compact.cu`` for the layout. ``plan[0]`` is 0 when the mapping is injective
@@ -121,7 +107,7 @@ def _clamp(x: int, cap: int) -> int:
     return min(max(int(x), 0), cap)
 
 
-def kv_compact(group, plan, lengths, *, stream=None):
+def kv_compact(group, plan, lengths):
     """Run the plan over every layer of ``group``: move the first ``lengths[src]`` tokens, but
     none at or past the plan's longest span ``plan[2]``; entries naming no slot are skipped."""
     if int(plan[0]) != 0:
@@ -151,7 +137,7 @@ def kv_compact(group, plan, lengths, *, stream=None):
                 layer[span(dst, n)] = layer[span(src, n)]
 
 
-def slots_compact(slots, plan, *, stream=None):
+def slots_compact(slots, plan):
     """Run the plan over whole slots of every tensor of ``slots`` (src is dst); holes are
     zeroed."""
     if int(plan[0]) != 0:
@@ -174,22 +160,7 @@ def slots_compact(slots, plan, *, stream=None):
                 t[dst] = t[src]
 
 
-def slot_copy(slots, src_idx, dst_idx, *, status=None, stream=None):
-    """``dst_t[dst_idx[i]] = src_t[src_idx[i]]`` for every tensor and pair; -1 skips, other
-    out-of-range pairs are skipped (per tensor) and counted once each in ``status[0]``."""
-    s = np.asarray(src_idx, dtype=np.int64)
-    d = np.asarray(dst_idx, dtype=np.int64)
-    pad = (s == -1) | (d == -1)
-
-    def out_of_range(src, dst):
-        return ~pad & ((s < 0) | (s >= src.shape[0]) | (d < 0) | (d >= dst.shape[0]))
-
-    _bump(status, int(np.count_nonzero(out_of_range(*slots.pairs[0]))))
-    for src, dst in slots.pairs:
-        good = ~pad & ~out_of_range(src, dst)
-        if good.any():
-            dst[d[good]] = src[s[good]]
-
+# --- kv_write: kernels/kv_write.cu ----------------------------------------------------------------
 
 def _token_rows(num_tokens, batch, seq_offsets, uniform_tokens):
     t = np.arange(num_tokens, dtype=np.int64)
@@ -219,7 +190,7 @@ def _token_rows(num_tokens, batch, seq_offsets, uniform_tokens):
 
 def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, batch=None,
              cache_lengths=None, positions=None, row_to_slot=None, block_table=None,
-             status=None, stream=None):
+             status=None):
     """Write new K/V rows into the group's caches (semantics in ``kernels/kv_write.cu``)."""
     if layers is None:
         idx, ks, vs = list(range(group.num_layers)), list(k), list(v)
@@ -277,7 +248,40 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
     _bump(status, int(np.count_nonzero(reported)) if reported is not None else 0)
 
 
-def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, stream=None):
+# --- slot_copy: kernels/slot_copy.cu --------------------------------------------------------------
+
+def slot_copy(slots, src_idx, dst_idx, *, status=None):
+    """``dst_t[dst_idx[i]] = src_t[src_idx[i]]`` for every tensor and pair; -1 skips, other
+    out-of-range pairs are skipped (per tensor) and counted once each in ``status[0]``."""
+    s = np.asarray(src_idx, dtype=np.int64)
+    d = np.asarray(dst_idx, dtype=np.int64)
+    pad = (s == -1) | (d == -1)
+
+    def out_of_range(src, dst):
+        return ~pad & ((s < 0) | (s >= src.shape[0]) | (d < 0) | (d >= dst.shape[0]))
+
+    _bump(status, int(np.count_nonzero(out_of_range(*slots.pairs[0]))))
+    for src, dst in slots.pairs:
+        good = ~pad & ~out_of_range(src, dst)
+        if good.any():
+            dst[d[good]] = src[s[good]]
+
+
+# --- kv_capture: kernels/kv_capture.cu ------------------------------------------------------------
+
+def kv_capture(group, slot, num_tokens, out):
+    """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer into ``out[l]``
+    (``[2, H_l, num_tokens, D]``)."""
+    kv_prefix_copy(group, slot, num_tokens, out, to_cache=False)
+
+
+def kv_restore(group, saved, slot):
+    """Copy every ``saved[l]`` (``[2, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)`` of
+    ``slot`` of layer ``l``."""
+    kv_prefix_copy(group, slot, int(saved[0].shape[2]) if saved else 0, saved, to_cache=True)
+
+
+def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer to (``to_cache=False``) or from
     (``to_cache=True``) compact tensors ``[2, H_l, n, D]``; a layer with bad arguments is
     skipped and counted. ``num_tokens == 0`` does nothing (no launch on the device)."""
@@ -295,7 +299,9 @@ def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, s
             saved[:, :, :num_tokens] = layer[slot, :, :, :num_tokens]
 
 
-def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None):
+# --- lengths: kernels/lengths.cu ------------------------------------------------------------------
+
+def lengths_add(lengths, n, increment, max_len, *, status=None):
     """``lengths[:n] += increment`` (int or int32 array ``[n]``), all or nothing: refused (and
     counted in ``status``) if any increment is negative or any result would pass ``max_len``."""
     cur = np.asarray(lengths[:n], dtype=np.int64)

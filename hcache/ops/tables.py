@@ -1,24 +1,58 @@
-"""Descriptors that the multi-layer kernels read: head-dim groups and slot sets.
+"""What the kernels read besides the caches: descriptor tables and the compaction plan's format.
 
 A :class:`KVGroup` is the unit of one launch for attention data (docs/design.md §3.1): the layers
-of one
-head dim, with a device array of ``KVLayerInfo {uint64 data; int32 num_kv_heads; int32
+of one head dim, with a device array of ``KVLayerInfo {uint64 data; int32 num_kv_heads; int32
 max_seq_len}`` built once. A :class:`SlotSet` is the unit of one launch for whole-slot copies
 (Mamba states, lengths, paged blocks): a device array of ``SlotTensorInfo {uint64 src, dst;
 int64 slot_bytes; int32 src_slots, dst_slots}``. Both are stored as ``uint64`` words because
 CuPy has no structured dtypes; the byte layout is the C struct's.
+
+A compaction plan is an int32 array laid out as ``kernels/compact.cu`` says: a header of
+:data:`PLAN_HEADER` words, the inverse mapping, done flags, then ``(src, dst)`` schedule pairs
+where :data:`TMP` names the register temporary and :data:`CLEAR` a hole to zero.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..device import array_module_of, data_pointer
+from ..device import Device, array_module_of, data_pointer, launch_scope, to_host, upload
 
-__all__ = ["KVGroup", "SlotSet", "group_layers_by_head_dim", "pack_kv_layer_infos"]
+__all__ = ["KVGroup", "SlotSet", "group_layers_by_head_dim", "pack_kv_layer_infos",
+           "PLAN_HEADER", "TMP", "CLEAR", "compaction_plan_size", "plan_max_batch",
+           "plan_schedule"]
 
 _LAYOUTS = ("HND", "NHD")
 MAX_GRID_Y = 65535  # layers of a group / tensors of a set: one grid.y index each
+
+# --- the compaction plan (kernels/compact.cu: HC_PLAN_HEADER, HC_TMP, HC_CLEAR) ---------------
+
+PLAN_HEADER = 4
+TMP = -2
+CLEAR = -3
+
+
+def compaction_plan_size(max_batch: int) -> int:
+    """int32 entries of a compaction plan for ``max_batch`` slots (see ``kernels/compact.cu``)."""
+    return PLAN_HEADER + 8 * int(max_batch)
+
+
+def plan_max_batch(plan) -> int:
+    """The ``max_batch`` a plan of this length was made for."""
+    return (int(plan.shape[0]) - PLAN_HEADER) // 8
+
+
+def plan_schedule(plan) -> np.ndarray:
+    """The plan's schedule as host int32 ``[count, 2]`` (src, dst) pairs; like the kernels,
+    a count outside ``[0, 3 max_batch]`` (the schedule's capacity) is clamped to it."""
+    host = to_host(plan)
+    mb = plan_max_batch(host)
+    n = min(max(int(host[1]), 0), 3 * mb)
+    start = PLAN_HEADER + 2 * mb
+    return host[start:start + 2 * n].reshape(n, 2)
+
+
+# --- descriptor tables ------------------------------------------------------------------------
 
 
 def pack_kv_layer_infos(pointers, num_kv_heads, max_seq_lens) -> np.ndarray:
@@ -33,8 +67,11 @@ def pack_kv_layer_infos(pointers, num_kv_heads, max_seq_lens) -> np.ndarray:
     return out
 
 
-def _upload(host: np.ndarray, xp):
-    return host.copy() if xp is np else xp.asarray(host)
+def _to_device(host: np.ndarray, xp):
+    """A new ``xp`` array holding ``host`` (the descriptor tables, built once)."""
+    out = xp.empty(host.shape, dtype=host.dtype)
+    upload(out, host)
+    return out
 
 
 class KVGroup:
@@ -106,7 +143,7 @@ class KVGroup:
         self.layer_indices = tuple(range(len(layers)) if layer_indices is None
                                    else (int(i) for i in layer_indices))
         host = pack_kv_layer_infos([data_pointer(a) for a in self.layers], heads, seqs)
-        self.device_layer_infos = _upload(host, self.xp)
+        self.device_layer_infos = _to_device(host, self.xp)
         # Per-call pointer tables (write sources, capture/restore tensors) are uploaded here,
         # so no call allocates device memory.
         self.scratch_infos = self.xp.zeros((len(self.layers), 2), dtype=np.uint64)
@@ -169,7 +206,7 @@ class SlotSet:
         self.xp = array_module_of(self.pairs[0][0])
         host = self._table(self.pairs)
         self.slot_bytes = tuple(int(b) for b in host[:, 2])
-        self.device_infos = _upload(host, self.xp)
+        self.device_infos = _to_device(host, self.xp)
 
     def _table(self, pairs) -> np.ndarray:
         """Validate ``pairs`` and return their host ``SlotTensorInfo`` table."""
@@ -210,13 +247,10 @@ class SlotSet:
             raise ValueError(f"pairs: expected slot sizes {self.slot_bytes}, "
                              f"got {tuple(int(b) for b in host[:, 2])}")
         if isinstance(self.device_infos, np.ndarray):
-            self.device_infos[...] = host
+            upload(self.device_infos, host)
         else:
-            from ..device import resolve_device, stream_scope
-
-            device = resolve_device(f"cuda:{self.device_infos.device.id}")
-            with stream_scope(stream, device):
-                self.device_infos.set(host)
+            with launch_scope(Device("cuda", self.device_infos.device.id), stream):
+                upload(self.device_infos, host)
         self.pairs = pairs
 
     @property
