@@ -13,8 +13,8 @@ python3 -m hcache info > "$OUT/info.txt" 2>&1; info=$?
 python3 -m pytest -m gpu -q -p no:cacheprovider > "$OUT/gpu_tier.txt" 2>&1; tier=$?
 san() {  # tool, log name
     compute-sanitizer --tool "$1" --error-exitcode 99 --print-limit 20 \
-        python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_kernels_matrix.py \
-        tests/test_kernels.py > "$OUT/$2" 2>&1
+        python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_op_*.py \
+        > "$OUT/$2" 2>&1
 }
 HYPOTHESIS_PROFILE=ci san memcheck sanitizer_memcheck.txt; memcheck=$?
 HYPOTHESIS_PROFILE=ci san racecheck sanitizer_racecheck.txt; racecheck=$?

@@ -15,8 +15,7 @@ def info(args) -> int:
     import hcache
     from hcache.device import cupy_available, resolve_device
     from hcache.dtypes import DTYPE_NAMES, resolve_dtype, storage_dtype
-    from hcache.ops import _loader as _kernels
-    from hcache.ops import _nvrtc
+    from hcache.ops import _loader, _nvrtc
 
     print(f"hcache      {hcache.__version__}")
     print(f"python      {platform.python_version()} ({sys.platform})")
@@ -33,7 +32,7 @@ def info(args) -> int:
     print(f"nvrtc       {'.'.join(map(str, version)) if version else 'not found'}")
     device = resolve_device(args.device)
     print(f"device      {device} (arrays: {device.xp.__name__})")
-    print(f"kernels     {_kernels.kernel_dir()}")
+    print(f"kernels     {_loader.kernel_dir()}")
     print("dtypes:")
     for name in DTYPE_NAMES:
         dt = resolve_dtype(name)
@@ -42,7 +41,7 @@ def info(args) -> int:
         print(f"  {name:<14} itemsize {dt.itemsize}{note}")
     print("kernels compile (NVRTC, sm_80 / sm_90):")
     ok = True
-    for family in _kernels.FAMILIES:
+    for family in _loader.FAMILIES:
         results = []
         for arch in ("sm_80", "sm_90"):
             try:
@@ -53,9 +52,9 @@ def info(args) -> int:
                 ok = ok and version is None
         print(f"  {family:<11} {' / '.join(results)}")
     if device.is_cuda:
-        for family, names in _kernels.FAMILIES.items():
+        for family, names in _loader.FAMILIES.items():
             for name in names:
-                _kernels.get_function(family, name, device.index)
+                _loader.get_function(family, name, device.index)
         print(f"  RawModule   all families loaded on {device}")
     return 0 if ok else 1
 

@@ -97,4 +97,4 @@ def test_an_emulated_machine_launches_kernels():
     names = {name for name, _, _ in EMU.launches[before:]}
     assert names, "the emulated machine ran no kernel"
     assert names <= {"hc_compaction_plan", "hc_kv_compact", "hc_slots_compact",
-                     "hc_kv_prefix_copy", "hc_slot_copy", "hc_kv_write", "hc_lengths_add"}
+                     "hc_kv_capture", "hc_slot_copy", "hc_kv_write", "hc_lengths_add"}

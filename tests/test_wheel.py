@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hcache.ops import _loader as _kernels
+from hcache.ops import _loader
 
 ROOT = Path(__file__).resolve().parent.parent
 _SKIP = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
@@ -80,7 +80,7 @@ def test_non_editable_install_loads_kernels_from_the_package(wheel, tmp_path):
     assert Path(out[0]).is_relative_to(target)
     assert out[1] == "True"
     assert out[2] == "8.0"
-    assert _kernels.kernel_dir() != Path(out[0])
+    assert _loader.kernel_dir() != Path(out[0])
 
 
 def test_bench_runs_from_the_wheel_in_a_fresh_venv(wheel, tmp_path):
