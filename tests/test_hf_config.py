@@ -136,7 +136,7 @@ GEMMA3_27B = {
                       "num_attention_heads": 16, "hidden_size": 1152},
 }
 
-# Gemma 4 31B (shared/reference/kv-kernels-and-peers.md §c.1): 60 layers, 50 sliding with
+# Gemma 4 31B (its published config.json): 60 layers, 50 sliding with
 # 16 KV heads x 256 and window 1024, 10 full with 4 KV heads x 512 (K = V projection).
 GEMMA4_31B = {
     "architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4",

@@ -1,5 +1,4 @@
-"""Unit tests of KVBlockAllocator against the reference semantics (docs/design.md §6, reference
-§1.3)."""
+"""Unit tests of KVBlockAllocator against the semantics of docs/design.md §6.2."""
 
 from __future__ import annotations
 
