@@ -166,11 +166,29 @@ def stream_scope(stream, device: Device):
     return cp.cuda.ExternalStream(handle, device.index)
 
 
-@contextlib.contextmanager
+_NO_SCOPE = contextlib.nullcontext()   # reusable: entering it does nothing
+
+
 def launch_scope(device: Device, stream):
     """Make ``device`` current, then ``stream`` (on that device), for the uploads and launches
     of one call; validates ``stream`` on cpu too. The one owner of the device and the stream of
-    a call: the order matters, since a stream belongs to the device current when it is made."""
+    a call: the order matters, since a stream belongs to the device current when it is made.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``stream`` is not a stream (see :func:`stream_handle`); raised here, on entry to the
+        call, before the caller mutates anything.
+    """
+    if not device.is_cuda:
+        if stream is not None:
+            stream_handle(stream)
+        return _NO_SCOPE
+    return _cuda_launch_scope(device, stream)
+
+
+@contextlib.contextmanager
+def _cuda_launch_scope(device: Device, stream):
     with device.scope(), stream_scope(stream, device):
         yield
 

@@ -304,6 +304,13 @@ def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None):
 def lengths_add(lengths, n, increment, max_len, *, status=None):
     """``lengths[:n] += increment`` (int or int32 array ``[n]``), all or nothing: refused (and
     counted in ``status``) if any increment is negative or any result would pass ``max_len``."""
+    if isinstance(increment, (int, np.integer)):
+        # The decode step: one increment for all, checked against the longest length.
+        if n and (increment < 0 or int(lengths[:n].max()) + int(increment) > max_len):
+            _bump(status)
+            return
+        lengths[:n] += increment
+        return
     cur = np.asarray(lengths[:n], dtype=np.int64)
     inc = np.asarray(increment, dtype=np.int64)
     add = inc[:n] if inc.ndim else np.full(n, inc)

@@ -65,6 +65,10 @@ class BatchAPI:
         self._known = np.ones(self._max_batch, dtype=bool)
         self._active = 0
         self._all_empty = True
+        # Headroom of the active batch: max_len - max(active host lengths) when all of them are
+        # known, else None; recomputed only after a change other than a uniform commit.
+        self._headroom: int | None = self._max_len
+        self._headroom_stale = False
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -119,6 +123,7 @@ class BatchAPI:
             host = to_host(self._lengths)
         self._host_lengths[:] = host
         self._known[:] = True
+        self._headroom_stale = True
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -131,6 +136,7 @@ class BatchAPI:
             ``n`` is not an int in ``[0, max_batch]``.
         """
         self._active = check_int("active_batch_size", n, 0, self._max_batch)
+        self._headroom_stale = True
 
     def reset_for_new_sequences(self, reuse_kv_cache_lengths, stream=None) -> None:
         """Start a new batch: ``lengths[:n] = reuse`` (host to device), active batch ``n``.
@@ -163,6 +169,7 @@ class BatchAPI:
         self._known[:n] = True
         self._active = n
         self._all_empty = not bool((reuse > 0).any())
+        self._headroom_stale = True
 
     def commit_sequence_length(self, increment, stream=None) -> None:
         """Add ``increment`` to every active length (after an engine step).
@@ -186,8 +193,7 @@ class BatchAPI:
         if isinstance(increment, bool):
             raise TypeError("increment: expected an int or an int array, got bool")
         if isinstance(increment, (int, np.integer)):
-            inc = check_int("increment", increment, 0, self._max_len)
-            self._commit_host(np.full(n, inc, dtype=np.int64), inc, stream)
+            self._commit_uniform(check_int("increment", increment, 0, self._max_len), stream)
         elif self._device.is_cuda and (array_module_of(increment) is not np
                                        or hasattr(increment, "__cuda_array_interface__")):
             self._commit_device(increment, stream)
@@ -198,25 +204,58 @@ class BatchAPI:
             if (inc > self._max_len).any():
                 raise ValueError(f"increment: expected increments <= {self._max_len}, "
                                  f"got {int(inc.max())}")
-            self._commit_host(inc, None, stream)
+            self._commit_host(inc, stream)
 
-    def _commit_host(self, inc: np.ndarray, scalar, stream) -> None:
+    def _headroom_now(self) -> int | None:
+        if self._headroom_stale:
+            n = self._active
+            if not self._known[:n].all():
+                self._headroom = None
+            else:
+                self._headroom = self._max_len - (int(self._host_lengths[:n].max()) if n else 0)
+            self._headroom_stale = False
+        return self._headroom
+
+    def _commit_uniform(self, inc: int, stream) -> None:
+        """The decode step: the same increment for every active sequence, O(1) host checks."""
         n = self._active
-        known = bool(self._known[:n].all())
+        headroom = self._headroom_now()
+        if headroom is not None and inc > headroom:
+            new = self._host_lengths[:n] + inc
+            slot = int(np.flatnonzero(new > self._max_len)[0])
+            raise ValueError(f"increment[{slot}]: expected a commit within max_sequence_length "
+                             f"{self._max_len}, got length {int(new[slot])}")
+        with launch_scope(self._device, stream):
+            ops.lengths_add(self._lengths, n, inc, self._max_len, status=self._status,
+                            stream=stream)
+        if headroom is not None:
+            if inc and n:
+                self._host_lengths[:n] += inc
+                self._headroom = headroom - inc
+                self._all_empty = False
+            else:
+                self._all_empty = not bool((self._host_lengths[:n] > 0).any())
+        elif inc and n:
+            self._known[:n] = False   # the device may have refused it: lengths unknown
+            self._all_empty = False
+
+    def _commit_host(self, inc: np.ndarray, stream) -> None:
+        n = self._active
+        known = self._headroom_now() is not None
         new = self._host_lengths[:n] + inc
         if known and (new > self._max_len).any():
             slot = int(np.flatnonzero(new > self._max_len)[0])
             raise ValueError(f"increment[{slot}]: expected a commit within max_sequence_length "
                              f"{self._max_len}, got length {int(new[slot])}")
         with launch_scope(self._device, stream):
-            if scalar is None:
-                upload_ints(self._increments, inc)
-            ops.lengths_add(self._lengths, n, scalar if scalar is not None else self._increments,
-                            self._max_len, status=self._status, stream=stream)
+            upload_ints(self._increments, inc)
+            ops.lengths_add(self._lengths, n, self._increments, self._max_len,
+                            status=self._status, stream=stream)
         grew = bool((inc > 0).any())
         if known:
             self._host_lengths[:n] = new
             self._all_empty = not bool((new > 0).any())
+            self._headroom_stale = True
         elif grew:
             self._known[:n] = False   # the device may have refused it: lengths unknown
             self._all_empty = False
@@ -237,6 +276,7 @@ class BatchAPI:
                             stream=stream)
         self._known[:n] = False
         self._all_empty = n == 0
+        self._headroom_stale = True
 
     # --- compaction -------------------------------------------------------------------------
 
@@ -284,6 +324,7 @@ class BatchAPI:
             self._host_lengths[mapping[kept]] = lengths[kept]
             self._known[mapping[kept]] = known[kept]
         self._active = new
+        self._headroom_stale = True
 
     def last_compaction_valid(self, stream=None) -> bool:
         """Whether the last :meth:`compact_batch` mapping was valid (its moves ran).
