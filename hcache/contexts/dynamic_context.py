@@ -243,7 +243,7 @@ class DynamicInferenceContext:
             kv.release_memory_blocks(matched)
             raise CacheCapacityError("KV blocks: allocation failed after pinning",
                                      required=num_new, available=kv.get_allocatable_count())
-        r = self._requests.open(request_id, toks, list(matched) + new.tolist(), list(hashes))
+        r = self._requests.new_record(request_id, toks, list(matched) + new.tolist(), list(hashes))
         r.kv_cached = len(matched) * bs
         r.registered = len(matched)
         r.computed = skip

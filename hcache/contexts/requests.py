@@ -75,11 +75,12 @@ class StepPlan:
 
 @dataclass
 class _Request:
+    """The context's record of an active request (see :class:`RequestTable`)."""
+
     request_id: object
     row: int
     live_slot: int
     tokens: list
-    prompt_length: int
     blocks: list
     hashes: list                  # hashes of the complete blocks of `tokens` computed so far
     computed: int = 0             # tokens whose KV and Mamba state are final
@@ -87,10 +88,6 @@ class _Request:
     registered: int = 0           # leading blocks whose hashes are registered
     pending_end: int = -1         # end of the scheduled step, or -1
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-
-    @property
-    def finished_chunk_token_count(self) -> int:
-        return self.computed
 
 
 @dataclass(frozen=True)
@@ -201,11 +198,11 @@ class RequestTable:
             raise ValueError(f"request_id: expected an active request, got {request_id!r}") \
                 from None
 
-    def open(self, request_id, tokens: list, blocks: list, hashes: list) -> _Request:
+    def new_record(self, request_id, tokens: list, blocks: list, hashes: list) -> _Request:
         """A record for a new request on the lowest free row and a free live slot (the caller
         checked :attr:`has_free_row`); :meth:`install` makes it active."""
         return _Request(request_id, self._free_rows.pop(), self._free_live_slots.pop(), tokens,
-                        len(tokens), blocks, hashes)
+                        blocks, hashes)
 
     def install(self, r: _Request) -> None:
         """Make ``r`` active and write its row of both tables (again after its blocks grew)."""
