@@ -1,6 +1,21 @@
 """Prefix caching for hybrid models (docs/design.md §6), mirroring Megatron-LM's
 ``core.inference.contexts``: block hashing, the KV block allocator, the paged KV pool, the Mamba
-slot allocator and the dynamic inference context."""
+slot allocator and the dynamic inference context.
+
+One concept per module; each owner composes its collaborators:
+
+- ``block_hashing``: chained block hashes;
+- ``kv_block_allocator`` (:class:`KVBlockAllocator`) owns a ``block_forest.BlockForest``
+  (registered hashes, parent forest, leaf-peeling eviction order);
+- ``paged_kv_pool`` (:class:`PagedKVPool`): per-layer paged K/V arrays;
+- ``mamba_slot_allocator`` (:class:`MambaSlotAllocator`) owns a ``mamba_slot_pool.MambaSlotPool``
+  (slots, free stack, LRU eviction), a ``mamba_hash_map.MambaHashMap``, a
+  ``mamba_intermediate.IntermediateStates`` (mid-prefill snapshots) and a
+  ``mamba_state_copies.MambaStateCopies`` (cache arrays and every copy into or out of them);
+- ``dynamic_context`` (:class:`DynamicInferenceContext`) owns a ``requests.RequestTable``, a
+  ``live_states.LiveMambaStates`` and a ``step_kv_writer.StepKVWriter``, and applies the
+  policy of ``prefix_match`` (functions of explicit inputs).
+"""
 
 from __future__ import annotations
 

@@ -14,32 +14,42 @@ prefix match. An engine drives it one step at a time::
     ctx.commit_step()                          # register blocks, keep Mamba snapshots, tick
     ctx.release_requests([rid])
 
-The prefix-match policy (what is matched, skipped and snapshotted) is described and implemented
-in :mod:`hcache.contexts.prefix_match`; the per-request records and the request table live in
-:mod:`hcache.contexts.requests`.
+The context drives its collaborators: the request table
+(:class:`~hcache.contexts.requests.RequestTable`: records, rows, live slots and the host block
+tables), the live Mamba states (:class:`~hcache.contexts.live_states.LiveMambaStates`), the
+step's KV writes (:class:`~hcache.contexts.step_kv_writer.StepKVWriter`) and the
+prefix-match policy, functions of explicit inputs described and implemented in
+:mod:`hcache.contexts.prefix_match`.
 """
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 
-from .. import ops
 from .._checks import as_int, int_shape
-from ..device import resolve_device, stream_scope
+from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from ..errors import CacheCapacityError
-from ..ops.tables import SlotSet
 from .block_hashing import compute_block_hashes
 from .kv_block_allocator import KVBlockAllocator
+from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
 from .paged_kv_pool import PagedKVPool
-from .prefix_match import PrefixMatchMixin
-from .requests import PrefixCacheStats, RequestTableMixin, StepPlan, _Request
+from .prefix_match import (
+    finish_pending_steps,
+    match_prefix,
+    pending_blocks_overlap,
+    restore_depth_tokens,
+)
+from .requests import PrefixCacheStats, RequestTable, StepPlan, _Chunk, token_list
+from .step_kv_writer import StepKVWriter
 
 __all__ = ["DynamicInferenceContext", "StepPlan", "PrefixCacheStats"]
 
 
-class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
+class DynamicInferenceContext:
     """Paged KV pool, live Mamba states, Mamba state cache, request rows and prefix matching.
 
     Parameters
@@ -80,13 +90,6 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         Host map request row -> live Mamba slot; -1 = none.
     stats : PrefixCacheStats
         Totals over every request ever added.
-
-    Notes
-    -----
-    The context owns all state; the request queries (:meth:`request_stats`,
-    :meth:`block_ids`, ...) come from :class:`~hcache.contexts.requests.RequestTableMixin` and
-    the prefix-match policy (:meth:`snapshot_targets`, :meth:`shares_pending_blocks`) from
-    :class:`~hcache.contexts.prefix_match.PrefixMatchMixin`.
     """
 
     def __init__(self, *, kv_layer_configs, num_blocks, block_size_tokens, max_requests,
@@ -121,26 +124,10 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         L, R = self.num_mamba_layers, self.max_requests
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
-        with self.device.scope():
-            self.mamba_conv_states = xp.zeros((L, R, *conv_shape), dtype=conv_dt)
-            self.mamba_ssm_states = xp.zeros((L, R, *ssm_shape), dtype=ssm_dt)
-            # Staging for write_kv index arrays, so steps allocate no device memory.
-            self._table_dev = xp.full((R, self.max_blocks_per_request), -1, dtype=np.int32)
-            self._offsets_dev = xp.zeros(R + 1, dtype=np.int32)
-            self._positions_dev = xp.zeros(self.max_step_tokens, dtype=np.int32)
-            if L:
-                zeros_conv = xp.zeros((L, 1, *conv_shape), dtype=conv_dt)
-                zeros_ssm = xp.zeros((L, 1, *ssm_shape), dtype=ssm_dt)
-                self._zero_live = SlotSet(
-                    [(zeros_conv[i], self.mamba_conv_states[i]) for i in range(L)]
-                    + [(zeros_ssm[i], self.mamba_ssm_states[i]) for i in range(L)])
-                self._zero_idx = xp.zeros(1, dtype=np.int32)
-                self._live_idx = xp.zeros(1, dtype=np.int32)
-        self.request_to_kv_block_ids = np.full((R, self.max_blocks_per_request), -1, np.int32)
-        self.request_to_mamba_state_idx = np.full(R, -1, dtype=np.int32)
-        self._free_rows = list(range(R - 1, -1, -1))         # pop() -> lowest row first
-        self._free_live_slots = list(range(R))               # pop() -> highest slot first
-        self._requests: dict[object, _Request] = {}
+        self._live = LiveMambaStates(self.device, L, R, conv_shape, ssm_shape, conv_dt, ssm_dt)
+        self._requests = RequestTable(R, self.max_blocks_per_request)
+        self._kv_writer = StepKVWriter(self.kv_pool, R, self.max_blocks_per_request,
+                                       self.max_step_tokens)
         self.mamba_slot_allocator = None
         if L and slots and enable_prefix_caching:
             self.mamba_slot_allocator = MambaSlotAllocator(
@@ -149,6 +136,12 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
 
     # --- queries --------------------------------------------------------------------------------
 
+    # The collaborators' arrays (see Attributes), written in place by the methods.
+    mamba_conv_states = property(attrgetter("_live.conv_states"))
+    mamba_ssm_states = property(attrgetter("_live.ssm_states"))
+    request_to_kv_block_ids = property(attrgetter("_requests.request_to_kv_block_ids"))
+    request_to_mamba_state_idx = property(attrgetter("_requests.request_to_mamba_state_idx"))
+
     @property
     def prefix_caching_enabled(self) -> bool:
         return self.kv_block_allocator.enable_prefix_caching
@@ -156,6 +149,48 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
     @property
     def prefix_cache_lru_clock(self) -> int:
         return self.kv_block_allocator.clock
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def request_ids(self) -> list:
+        return self._requests.ids
+
+    def request_stats(self, request_id) -> PrefixCacheStats:
+        """Counters of one live request (a copy)."""
+        return PrefixCacheStats(**vars(self._requests.get(request_id).stats))
+
+    def block_ids(self, request_id) -> np.ndarray:
+        """The request's block-table row, ``int32 [num_blocks]`` (a copy)."""
+        return np.asarray(self._requests.get(request_id).blocks, dtype=np.int32)
+
+    def num_computed_tokens(self, request_id) -> int:
+        return self._requests.get(request_id).computed
+
+    def mamba_slot(self, request_id) -> int:
+        """The request's live Mamba slot."""
+        return self._requests.get(request_id).live_slot
+
+    def snapshot_targets(self) -> list[tuple[object, int, int]]:
+        """``(request_id, offset, scratch_index)`` of the boundary states the model must write
+        this step: the state after ``offset`` computed tokens (from the plan's ``start``) goes
+        to ``mamba_slot_allocator.intermediate_*_out[:, scratch_index]``."""
+        if self.mamba_slot_allocator is None:
+            return []
+        by_row = {r.row: r.request_id for r in self._requests.records()}
+        return [(by_row[row], off, idx)
+                for row, off, idx in self.mamba_slot_allocator.intermediate_targets()]
+
+    def shares_pending_blocks(self, tokens) -> bool:
+        """Whether a complete block of ``tokens`` is being computed by a scheduled step and is
+        not cached yet: a scheduler can defer such a request one step to hit the cache."""
+        if not self.prefix_caching_enabled:
+            return False
+        wanted = set(compute_block_hashes(token_list("tokens", tokens), self.block_size_tokens))
+        wanted.difference_update(self.kv_block_allocator.kv_hash_to_block_id)
+        return pending_blocks_overlap(wanted, self._requests.records(), self.block_size_tokens)
 
     # --- commands -------------------------------------------------------------------------------
 
@@ -171,30 +206,33 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         ValueError
             ``request_id`` is already active, ``tokens`` is empty, too long or not 1-D.
         TypeError
-            ``tokens`` are not integers.
+            ``tokens`` are not integers, or ``stream`` is not a stream.
         CacheCapacityError
             No free row, or not enough KV blocks even after eviction. Nothing changes.
         """
         if request_id in self._requests:
             raise ValueError(f"request_id: expected a new id, got active {request_id!r}")
-        toks = self._tokens("tokens", tokens)
+        toks = token_list("tokens", tokens)
         if not len(toks) or len(toks) > self.max_sequence_length:
             raise ValueError(f"tokens: expected 1..{self.max_sequence_length} tokens, "
                              f"got {len(toks)}")
+        stream_handle(stream)   # validated before anything changes
         kv, bs = self.kv_block_allocator, self.block_size_tokens
         hashes = compute_block_hashes(toks, bs) if self.prefix_caching_enabled else []
-        matched, depths = self._match(hashes)
-        skip = self._skip(len(toks), matched, depths)
-        total_blocks = -(-len(toks) // bs)
-        num_new = total_blocks - len(matched)
-        if not self._free_rows:
+        mamba = self.mamba_slot_allocator
+        matched, depths = match_prefix(hashes, kv.kv_hash_to_block_id,
+                                       None if mamba is None else mamba.hash_to_block_id)
+        skip = restore_depth_tokens(len(toks), matched, depths, bs,
+                                    prefix_caching=self.prefix_caching_enabled,
+                                    has_mamba=self.num_mamba_layers > 0)
+        num_new = -(-len(toks) // bs) - len(matched)
+        if not self._requests.has_free_row:
             raise CacheCapacityError(f"requests: all {self.max_requests} rows are in use",
                                      required=1, available=0)
         # Pinning takes the matched blocks that eviction could reclaim out of the pool; a cached
         # matched block with an in-use descendant was never reclaimable, so it costs nothing.
         # (Ancestors of matched blocks are matched blocks, so nothing else becomes pinned.)
-        pinned = int(np.count_nonzero(
-            kv._evictable_mask()[np.asarray(matched, dtype=np.int64)]))
+        pinned = kv.get_evictable_block_count(matched)
         if not kv.is_memory_available(num_new, pinned):
             available = kv.get_allocatable_count() - pinned
             raise CacheCapacityError(f"KV blocks: {num_new} required, {available} allocatable",
@@ -205,14 +243,16 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
             kv.release_memory_blocks(matched)
             raise CacheCapacityError("KV blocks: allocation failed after pinning",
                                      required=num_new, available=kv.get_allocatable_count())
-        r = _Request(request_id, self._free_rows.pop(), self._free_live_slots.pop(), toks,
-                     len(toks), list(matched) + new.tolist(), list(hashes))
+        r = self._requests.new_record(request_id, toks, list(matched) + new.tolist(), list(hashes))
         r.kv_cached = len(matched) * bs
         r.registered = len(matched)
         r.computed = skip
-        self._install(r)
+        self._requests.install(r)
         restored = matched[skip // bs - 1] if skip and self.num_mamba_layers else -1
-        self._init_live_state(r, restored, stream)
+        if restored >= 0:
+            self.mamba_slot_allocator.restore_to_live(r.row, restored, stream=stream)
+        elif self.num_mamba_layers:
+            self._live.zero(r.live_slot, stream=stream)
         r.stats = PrefixCacheStats(
             requests=1, prompt_tokens=len(toks), skipped_tokens=skip,
             kv_hit_blocks=len(matched), kv_miss_blocks=len(hashes) - len(matched),
@@ -233,11 +273,11 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         CacheCapacityError
             Not enough KV blocks even after eviction. Nothing changes.
         """
-        r = self._get(request_id)
+        r = self._requests.get(request_id)
         if r.pending_end >= 0:
             raise ValueError(f"request_id: expected a request without a scheduled step, "
                              f"got {request_id!r}")
-        toks = self._tokens("tokens", tokens)
+        toks = token_list("tokens", tokens)
         total = len(r.tokens) + len(toks)
         if not len(toks) or total > self.max_sequence_length:
             raise ValueError(f"tokens: expected 1..{self.max_sequence_length - len(r.tokens)} "
@@ -251,22 +291,27 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         if num_new:
             r.blocks += kv.allocate_memory_blocks(num_new).tolist()
         r.tokens = r.tokens + toks
-        self._install(r)
+        self._requests.install(r)
         return self._schedule(r, total, 0, 0, -1)
 
-    def _init_live_state(self, r: _Request, restored: int, stream) -> None:
-        if not self.num_mamba_layers:
-            return
-        if restored >= 0:
-            self.mamba_slot_allocator.restore_to_live(r.row, restored, stream=stream)
-            return
-        with stream_scope(stream, self.device), self.device.scope():
-            if self.xp is np:
-                dst = np.asarray([r.live_slot], dtype=np.int32)
-                ops.slot_copy(self._zero_live, np.zeros(1, np.int32), dst)
-            else:
-                self._live_idx.fill(r.live_slot)
-                ops.slot_copy(self._zero_live, self._zero_idx, self._live_idx, stream=stream)
+    def _schedule(self, r, end, matched, skip, restored) -> StepPlan:
+        """Schedule positions ``[r.computed, end)`` of ``r``: count them, ask the Mamba slot
+        allocator for the step's snapshot boundaries, and return the plan."""
+        start = r.computed
+        r.pending_end = end
+        r.stats.computed_tokens += end - start
+        self.stats.computed_tokens += end - start
+        if self.mamba_slot_allocator is not None:
+            # Beyond the reference's three candidates, also keep the boundary one block before
+            # the last one: the back-off point of an exact repeat of this block-aligned prefix.
+            last = end // self.block_size_tokens * self.block_size_tokens
+            self.mamba_slot_allocator.compute_and_store_offsets(
+                _Chunk(end, start - skip), r.row, skip, end - start + skip, matched,
+                r.blocks[:matched], -(-end // self.block_size_tokens),
+                extra_boundaries=(last - self.block_size_tokens,))
+        return StepPlan(r.request_id, r.row, r.live_slot, start, end,
+                        np.asarray(r.tokens[start:end], dtype=np.int64),
+                        np.asarray(r.blocks, dtype=np.int32), skip, matched, restored)
 
     def write_kv(self, request_ids, k, v, *, layer=None, stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of ``request_ids`` into the paged pool.
@@ -286,32 +331,11 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         ValueError
             Unknown request, a request without a scheduled step, or too many tokens.
         """
-        reqs = [self._get(rid) for rid in request_ids]
+        reqs = [self._requests.get(rid) for rid in request_ids]
         if any(r.pending_end < 0 for r in reqs):
             raise ValueError("request_ids: expected requests with a scheduled step")
-        lengths = [r.pending_end - r.computed for r in reqs]
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-        if offsets[-1] > self.max_step_tokens:
-            raise ValueError(f"request_ids: expected at most {self.max_step_tokens} tokens, "
-                             f"got {int(offsets[-1])}")
-        positions = np.concatenate([np.arange(r.computed, r.pending_end) for r in reqs]
-                                   + [np.zeros(0, np.int64)]).astype(np.int32)
-        cached = np.concatenate([np.full(n, r.kv_cached) for r, n in zip(reqs, lengths,
-                                                                          strict=True)]
-                                + [np.zeros(0, np.int64)])
-        positions[positions < cached] = -1
-        table = self.request_to_kv_block_ids[[r.row for r in reqs]]
-        n, b = len(positions), len(reqs)
-        if self.xp is not np:
-            with stream_scope(stream, self.device), self.device.scope():
-                current = self.xp.cuda.get_current_stream()
-                self._positions_dev[:n].set(positions, stream=current)
-                self._offsets_dev[:b + 1].set(offsets, stream=current)
-                self._table_dev[:b].set(np.ascontiguousarray(table), stream=current)
-            positions, offsets, table = (self._positions_dev[:n], self._offsets_dev[:b + 1],
-                                         self._table_dev[:b])
-        self.kv_pool.write(k, v, block_table=table, layer=layer, seq_offsets=offsets,
-                           batch=b, positions=positions, stream=stream)
+        self._kv_writer.write(reqs, self.request_to_kv_block_ids, k, v, layer=layer,
+                              stream=stream)
 
     def commit_step(self, *, stream=None) -> dict:
         """Finish the step: mark scheduled tokens computed, register the hashes of blocks they
@@ -323,9 +347,17 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
         -------
         dict
             ``registered_blocks`` and ``stored_states`` of this step.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``stream`` is not a stream (nothing changes).
         """
+        stream_handle(stream)   # validated before anything changes
         kv = self.kv_block_allocator
-        ids, hashes, parents = self._finish_pending_steps()
+        ids, hashes, parents = finish_pending_steps(
+            self._requests.in_row_order(), kv.kv_hash_to_block_id, self.block_size_tokens,
+            prefix_caching=self.prefix_caching_enabled)
         if ids:
             kv.register_kv_block_hashes(ids, hashes, parents)
         stored = 0
@@ -345,28 +377,21 @@ class DynamicInferenceContext(RequestTableMixin, PrefixMatchMixin):
 
         Raises ``ValueError`` (nothing changes) when an id is not active.
         """
-        reqs = [self._get(rid) for rid in dict.fromkeys(request_ids)]
+        reqs = [self._requests.get(rid) for rid in dict.fromkeys(request_ids)]
         if not reqs:
             return
         self.kv_block_allocator.release_memory_blocks(
             np.concatenate([np.asarray(r.blocks, np.int64) for r in reqs]))
-        rows = [r.row for r in reqs]
-        self.request_to_kv_block_ids[rows] = -1
-        self.request_to_mamba_state_idx[rows] = -1
         if self.mamba_slot_allocator is not None:
-            self.mamba_slot_allocator._clear_intermediate_state(rows)
-        for r in reqs:
-            self._free_rows.append(r.row)
-            self._free_live_slots.append(r.live_slot)
-            del self._requests[r.request_id]
+            self.mamba_slot_allocator._clear_intermediate_state([r.row for r in reqs])
+        self._requests.release(reqs)
 
     def reset(self) -> None:
         """Drop every request, cached block and cached state; zero the counters."""
-        for rid in list(self._requests):
+        for rid in self._requests.ids:
             self.release_requests([rid])
         self.kv_block_allocator.reset()
         if self.mamba_slot_allocator is not None:
             self.mamba_slot_allocator.reset()
-        self._free_rows = list(range(self.max_requests - 1, -1, -1))
-        self._free_live_slots = list(range(self.max_requests))
+        self._requests.reset()
         self.stats = PrefixCacheStats()

@@ -7,24 +7,23 @@ Every block is in exactly one of three states:
 * **cached**: ref count 0 and registered (``"lru"`` policy only), off the free stack until
   evicted under pressure.
 
-Registered blocks form a forest through their parent hashes: a block's parent is the block that
-held its parent hash when it was registered. LRU eviction peels leaves (oldest timestamp first,
-ties by block id), so a cached block's ancestors stay cached and a prefix match scanned from the
-end of a hash chain is valid. Deregistering a block orphans its registered children, so a parent
-link always points at a registered block and the forest stays acyclic.
-
-All bookkeeping lives on the host in NumPy arrays.
+The free stack holds exactly the free blocks, and cached blocks exist only under ``"lru"`` with
+prefix caching on (checked, with the clock and the forest, by
+:meth:`KVBlockAllocator.check_invariants`). The registered blocks (hashes, hash map, parent
+forest) and their leaf-peeling eviction order are a
+:class:`~hcache.contexts.block_forest.BlockForest` the allocator owns. All bookkeeping lives on
+the host in NumPy arrays.
 """
 
 from __future__ import annotations
 
 import logging
+from operator import attrgetter
 
 import numpy as np
 
 from .._checks import as_int, block_id_array, hash_array
-from ._invariants import check_kv_block_allocator
-from ._lru import LeafPeelingMixin
+from .block_forest import BlockForest
 
 __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
 
@@ -32,7 +31,7 @@ EVICTION_POLICIES = ("lru", "ref_zero")
 _log = logging.getLogger(__name__)
 
 
-class KVBlockAllocator(LeafPeelingMixin):
+class KVBlockAllocator:
     """Block ids ``0..num_blocks-1`` of a paged KV pool, with prefix-cache bookkeeping.
 
     Parameters
@@ -91,13 +90,9 @@ class KVBlockAllocator(LeafPeelingMixin):
         self.eviction_policy = eviction_policy.lower()
         self._free_stack = np.empty(n, dtype=np.int32)
         self._free_top = 0
-        self.block_hashes = np.empty(n, dtype=np.int64)
         self.block_ref_counts = np.empty(n, dtype=np.int32)
         self.block_timestamps = np.empty(n, dtype=np.int64)
-        self.block_parent_hashes = np.empty(n, dtype=np.int64)
-        self.block_parent_ids = np.empty(n, dtype=np.int32)
-        self.block_child_counts = np.empty(n, dtype=np.int32)
-        self.kv_hash_to_block_id: dict[int, int] = {}
+        self._forest = BlockForest(n)
         self._observers: list = []
         self.reset()
 
@@ -106,6 +101,13 @@ class KVBlockAllocator(LeafPeelingMixin):
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
+
+    # Views of the forest's arrays (see Attributes): written in place by the methods.
+    block_hashes = property(attrgetter("_forest.hashes"))
+    kv_hash_to_block_id = property(attrgetter("_forest.hash_to_block"))
+    block_parent_hashes = property(attrgetter("_forest.parent_hashes"))
+    block_parent_ids = property(attrgetter("_forest.parent_ids"))
+    block_child_counts = property(attrgetter("_forest.child_counts"))
 
     @property
     def clock(self) -> int:
@@ -136,11 +138,15 @@ class KVBlockAllocator(LeafPeelingMixin):
 
     # --- queries ------------------------------------------------------------------------
 
-    def get_evictable_block_count(self) -> int:
+    def get_evictable_block_count(self, block_ids=None) -> int:
         """Number of cached blocks that :meth:`evict_lru_blocks` can reclaim (0 unless the
-        policy is lru). Equals the number of cached blocks unless a cached block has an
-        in-use descendant."""
-        return int(np.count_nonzero(self._evictable_mask()))
+        policy is lru), among ``block_ids`` if given (ids in ``[0, num_blocks)``, else
+        ``IndexError``). Equals the number of cached blocks unless a cached block has an in-use
+        descendant."""
+        mask = self._evictable_mask()
+        if block_ids is not None:
+            mask = mask[block_id_array("block_ids", block_ids, self._num_blocks)]
+        return int(np.count_nonzero(mask))
 
     def get_allocatable_count(self) -> int:
         """Free blocks plus, under lru, evictable cached blocks."""
@@ -194,7 +200,8 @@ class KVBlockAllocator(LeafPeelingMixin):
         if short > 0:
             if not self.caches_released_blocks:
                 return None
-            evicted = self._peel_lru(short)
+            evicted = self._forest.peel(short, self._evictable_mask(),
+                                          self.block_timestamps)
             if evicted is None:
                 return None
             pending = self._deregister(evicted)
@@ -285,32 +292,10 @@ class KVBlockAllocator(LeafPeelingMixin):
         hs = hash_array("hashes", hashes, ids.shape[0])
         ps = (np.zeros_like(hs) if parent_hashes is None
               else hash_array("parent_hashes", parent_hashes, ids.shape[0]))
-        if (hs <= 0).any():
-            raise ValueError(f"hashes: expected positive hashes, got {int(hs[hs <= 0][0])}")
-        current = self.block_hashes[ids]
-        clash = (current != -1) & (current != hs)
-        if clash.any():
-            i = int(np.argmax(clash))
-            raise ValueError(f"block_ids: expected block {int(ids[i])} re-registered under its "
-                             f"hash {int(current[i])}, got a different hash {int(hs[i])}")
-        free = (current == -1) & (self.block_ref_counts[ids] == 0)
-        if free.any():
-            raise ValueError(f"block_ids: expected blocks in use, got free block "
-                             f"{int(ids[free][0])}")
-        new = current == -1
-        pending: dict[int, tuple[int, int]] = {}   # block -> (hash, parent hash), first seen
-        claimed: dict[int, int] = {}               # hash -> block
-        for b, h, p in zip(ids[new].tolist(), hs[new].tolist(), ps[new].tolist(), strict=True):
-            if pending.setdefault(b, (h, p))[0] != h:
-                raise ValueError(f"hashes: expected one hash for block {b}, "
-                                 f"got {pending[b][0]} and {h}")
-            holder = claimed.setdefault(h, self.kv_hash_to_block_id.get(h, b))
-            if holder != b:
-                raise ValueError(f"hashes: expected hash {h} to be free, got it held by block "
-                                 f"{holder} while registering block {b}")
+        pending = self._forest.plan_registration(ids, hs, ps, self.block_ref_counts)
         if not self.enable_prefix_caching or not pending:
             return
-        self._link_registered(pending)
+        self._forest.link(pending)
 
     def evict_lru_blocks(self, n: int) -> bool:
         """Deregister and free ``n`` cached blocks, peeling leaves oldest first (ties by id).
@@ -324,7 +309,7 @@ class KVBlockAllocator(LeafPeelingMixin):
         n = as_int("n", n)
         if n == 0:
             return True
-        victims = self._peel_lru(n) if self.caches_released_blocks else None
+        victims = self._forest.peel(n, self._evictable_mask(), self.block_timestamps)
         if victims is None:
             return False
         self._notify(*self._deregister(victims))
@@ -337,16 +322,28 @@ class KVBlockAllocator(LeafPeelingMixin):
         # Bottom-to-top n-1..0, so a fresh pool hands out ids 0, 1, 2, ...
         self._free_stack[:] = np.arange(n - 1, -1, -1, dtype=np.int32)
         self._free_top = n
-        self.block_hashes.fill(-1)
         self.block_ref_counts.fill(0)
         self.block_timestamps.fill(0)
-        self.block_parent_hashes.fill(0)
-        self.block_parent_ids.fill(-1)
-        self.block_child_counts.fill(0)
-        self.kv_hash_to_block_id.clear()
+        self._forest.reset()
         self._clock = 0
 
     # --- internals ----------------------------------------------------------------------
+
+    def _evictable_mask(self) -> np.ndarray:
+        """``bool [num_blocks]``: the blocks leaf peeling can reach (none unless cached blocks
+        are kept)."""
+        if not self.caches_released_blocks:
+            return np.zeros(self._num_blocks, dtype=bool)
+        return self._forest.evictable_mask(self.block_ref_counts)
+
+    def _deregister(self, ids: np.ndarray):
+        """Unregister and free unique registered ``ids`` and return the observer arguments
+        ``(ids_list, hashes_set)``; the caller notifies once its call has committed."""
+        hashes = self._forest.unlink(ids)
+        self.block_ref_counts[ids] = 0
+        self.block_timestamps[ids] = 0
+        self._push_free(ids)
+        return ids.tolist(), hashes
 
     def _push_free(self, ids: np.ndarray) -> None:
         k = ids.shape[0]
@@ -363,5 +360,44 @@ class KVBlockAllocator(LeafPeelingMixin):
     # --- checks -------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Verify the bookkeeping; raise RuntimeError listing every broken invariant."""
-        check_kv_block_allocator(self)
+        """Verify the bookkeeping; raise RuntimeError listing every broken invariant (see the
+        module docstring). Reads only."""
+        errors: list[str] = []
+        n, top = self._num_blocks, self._free_top
+        refs = self.block_ref_counts
+        if not 0 <= top <= n:
+            errors.append(f"free stack top {top} outside [0, {n}]")
+        stack = self._free_stack[: max(0, min(top, n))].astype(np.int64)
+        in_range = (stack >= 0) & (stack < n)
+        if not in_range.all():
+            errors.append(f"free stack holds out-of-range ids {stack[~in_range].tolist()}")
+        stack = stack[in_range]
+        is_free = np.zeros(n, dtype=bool)
+        is_free[stack] = True
+        if np.unique(stack).shape[0] != stack.shape[0]:
+            errors.append("free stack holds duplicate ids")
+        if (refs < 0).any():
+            errors.append(f"negative ref counts at {np.flatnonzero(refs < 0).tolist()}")
+        registered, used = self._forest.registered, refs > 0
+        cached = registered & ~used
+        bad_free = is_free & (registered | used)
+        if bad_free.any():
+            errors.append(f"free blocks registered or in use: "
+                          f"{np.flatnonzero(bad_free).tolist()}")
+        lost = ~is_free & ~registered & ~used
+        if lost.any():
+            errors.append(f"unregistered ref-0 blocks off the free stack: "
+                          f"{np.flatnonzero(lost).tolist()}")
+        total = int(is_free.sum()) + int(used.sum()) + int(cached.sum())
+        if total != n:
+            errors.append(f"free + used + cached = {total}, expected {n}")
+        if not self.caches_released_blocks and cached.any():
+            errors.append(f"cached blocks under policy {self.eviction_policy} / caching "
+                          f"{self.enable_prefix_caching}: {np.flatnonzero(cached).tolist()}")
+        if not self.enable_prefix_caching and registered.any():
+            errors.append("registered blocks with prefix caching disabled")
+        errors += self._forest.broken_invariants()
+        if (self.block_timestamps[registered | used] > self._clock).any():
+            errors.append("timestamps ahead of the clock")
+        if errors:
+            raise RuntimeError("KVBlockAllocator invariants broken:\n  " + "\n  ".join(errors))

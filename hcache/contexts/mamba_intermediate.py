@@ -1,23 +1,22 @@
-"""Mid-prefill Mamba snapshots: which block boundaries to keep and how they become cached states.
+"""Mid-prefill Mamba snapshots: which block boundaries to keep and where the model writes them
+(docs/design.md §6).
 
 A prefill chunk can end between the block boundaries whose states a later request would like to
-restore. For each request row the context asks :meth:`compute_and_store_offsets` which boundaries
-fall inside the chunk; the model writes the state after each of them into the scratch outputs
-``intermediate_conv_out`` / ``intermediate_ssm_out``
+restore. For each request row, :meth:`IntermediateStates.plan` chooses which boundaries fall
+inside the chunk; the model writes the state after each of them into the scratch outputs
+``conv_out`` / ``ssm_out``
 ``[num_mamba_layers, MAX_INTERMEDIATE_OFFSETS_PER_REQUEST * max_requests, *shape]``, and
-:meth:`commit_intermediate_states` then copies them into durable cache slots (together with the
-live end-of-chunk state when the prompt is block-aligned, the "EOS" entry).
+:meth:`MambaSlotAllocator.commit_intermediate_states` then copies them into durable cache slots
+(together with the live end-of-chunk state when the prompt is block-aligned, the "EOS" entry).
 
 Invariants of the per-row tracking (host NumPy, ``[max_requests, K]`` with ``K =
-MAX_INTERMEDIATE_OFFSETS_PER_REQUEST``):
+MAX_INTERMEDIATE_OFFSETS_PER_REQUEST``; checked by :meth:`IntermediateStates.broken_invariants`):
 
-- row ``r`` has ``_intermediate_counts[r]`` pending entries, packed at the front of
-  ``_intermediate_offsets[r]`` / ``_intermediate_block_ids[r]`` (the rest are 0 / -1);
-- ``_eos_cache_block_id[r]`` is the block whose live state is kept at commit, or -1;
-- ``_has_intermediates`` is True whenever some row has a pending entry or an EOS entry, so a
-  step without snapshots costs no work.
-
-:class:`MambaIntermediateMixin` holds this machinery; :class:`MambaSlotAllocator` inherits it.
+- row ``r`` has ``counts[r]`` pending entries, packed at the front of ``offsets[r]`` /
+  ``block_ids[r]`` (the rest are 0 / -1);
+- ``eos_block_ids[r]`` is the block whose live state is kept at commit, or -1;
+- ``pending`` is True whenever some row has a pending entry or an EOS entry, so a step without
+  snapshots costs no work.
 """
 
 from __future__ import annotations
@@ -26,11 +25,10 @@ import operator
 
 import numpy as np
 
-from .._checks import as_int, check_index, index_array
-from ..device import stream_scope, to_host
-from ..ops.tables import SlotSet
+from .._checks import as_int, index_array
+from ..device import launch_scope, to_host, upload_ints
 
-__all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaIntermediateMixin"]
+__all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
 
 MAX_INTERMEDIATE_OFFSETS_PER_REQUEST = 3
 _K = MAX_INTERMEDIATE_OFFSETS_PER_REQUEST
@@ -45,59 +43,72 @@ def _prompt_length(req) -> int:
                     f"got {type(req).__name__}")
 
 
-class MambaIntermediateMixin:
-    """Intermediate-state methods of :class:`~hcache.contexts.MambaSlotAllocator`.
+class IntermediateStates:
+    """Scratch outputs and per-row tracking of the boundary states one step keeps.
 
-    Relies on the allocator's ``context``, ``xp``, ``device``, ``num_mamba_layers``,
-    ``max_requests``, ``max_slots``, ``conv_states`` / ``ssm_states`` (and their shapes),
-    ``block_to_slot``, ``_block_hash``, ``_kv``, ``_slot_demand``, ``_copy``,
-    ``allocate_slots_batch``, ``store_from_live_batch`` and ``register_block_hashes_batch``.
+    Parameters
+    ----------
+    device : Device
+        Where the scratch and its staging live (``xp`` is its array module).
+    num_mamba_layers, max_requests : int
+    conv_states_shape, ssm_states_shape : tuple of int
+        Per-state shapes.
+    conv_dtype, ssm_dtype : dtype
+        Storage dtypes of the states.
+
+    Attributes
+    ----------
+    conv_out, ssm_out : arrays [num_mamba_layers, max_count, *shape]
+        Scratch the model writes boundary states into (zero-initialised).
+    max_count : int
+        ``MAX_INTERMEDIATE_OFFSETS_PER_REQUEST * max_requests``.
+    offsets, block_ids : int32 [max_requests, K]
+        Per row, the pending offsets (from the chunk start) and the blocks ending there.
+    counts : int32 [max_requests]
+        Pending entries per row.
+    eos_block_ids : int32 [max_requests]
+        Per row, the block that keeps the live state at commit, or -1.
+    pending : bool
+        Whether anything may be pending (a step without snapshots skips all work).
     """
 
-    def _init_intermediate(self, conv_dt, ssm_dt) -> None:
-        """Allocate the scratch outputs, their device staging and the per-row tracking.
+    def __init__(self, device, num_mamba_layers, max_requests, conv_states_shape,
+                 ssm_states_shape, conv_dtype, ssm_dtype):
+        xp, L, R = device.xp, num_mamba_layers, max_requests
+        self.device, self.max_requests, self.max_count = device, R, _K * R
+        with device.scope():
+            self.conv_out = xp.zeros((L, self.max_count, *conv_states_shape), dtype=conv_dtype)
+            self.ssm_out = xp.zeros((L, self.max_count, *ssm_states_shape), dtype=ssm_dtype)
+            # Staging for get_intermediate_gpu_data, so steps allocate no device memory.
+            self._offsets_dev = xp.zeros((R, _K), dtype=np.int32)
+            self._counts_dev = xp.zeros((R,), dtype=np.int32)
+        self.offsets = np.zeros((R, _K), dtype=np.int32)
+        self.block_ids = np.full((R, _K), -1, dtype=np.int32)
+        self.counts = np.zeros(R, dtype=np.int32)
+        self.eos_block_ids = np.full(R, -1, dtype=np.int32)
+        self.pending = False
 
-        Called by the constructor inside the device scope, once ``conv_states`` /
-        ``ssm_states`` exist.
-        """
-        xp, L, R = self.xp, self.num_mamba_layers, self.max_requests
-        self.max_intermediate_count = _K * R
-        self.intermediate_conv_out = xp.zeros(
-            (L, self.max_intermediate_count, *self.conv_states_shape), dtype=conv_dt)
-        self.intermediate_ssm_out = xp.zeros(
-            (L, self.max_intermediate_count, *self.ssm_states_shape), dtype=ssm_dt)
-        self._offsets_dev = xp.zeros((R, _K), dtype=np.int32)
-        self._counts_dev = xp.zeros((R,), dtype=np.int32)
-        # Scratch -> cache for conv and SSM of every layer: each commit is one slot_copy launch.
-        self._scratch_to_cache = SlotSet(
-            [(self.intermediate_conv_out[i], self.conv_states[i]) for i in range(L)]
-            + [(self.intermediate_ssm_out[i], self.ssm_states[i]) for i in range(L)])
-        self._intermediate_offsets = np.zeros((R, _K), dtype=np.int32)
-        self._intermediate_block_ids = np.full((R, _K), -1, dtype=np.int32)
-        self._intermediate_counts = np.zeros(R, dtype=np.int32)
-        self._eos_cache_block_id = np.full(R, -1, dtype=np.int32)
-        self._has_intermediates = False
-
-    def compute_and_store_offsets(self, req, current_id, skip_tokens, prefill_chunk_length,
-                                  num_matched_blocks, matched_block_ids,
-                                  overall_required_blocks, *, extra_boundaries=()) -> None:
-        """Choose the block boundaries inside this chunk whose states the model must emit.
+    def plan(self, row, req, skip_tokens, prefill_chunk_length, num_matched_blocks,
+             matched_block_ids, overall_required_blocks, *, block_table, block_size,
+             chunk_size, extra_boundaries=()) -> None:
+        """Choose the block boundaries inside this chunk of request row ``row`` whose states
+        the model must emit, replacing the row's previous entries.
 
         Candidates (absolute positions): the KV divergence point (end of the matched blocks),
         the last block boundary of the prompt, and the start of the chunk's last block. An
         offset ``o = position - chunk_start`` (``chunk_start = finished + skip_tokens``) is kept
-        when ``0 < o < computed tokens`` and ``o % mamba_chunk_size == 0``; its block is the one
-        ending at that position in ``request_to_kv_block_ids[current_id]``. When this is the
-        prompt's last chunk and the prompt is block-aligned, the live end-of-chunk state is
-        kept for the last block instead (the "EOS" entry).
+        when ``0 < o < computed tokens`` and ``o % chunk_size == 0``; its block is the one
+        ending at that position in ``block_table[row]``. When this is the prompt's last chunk
+        and the prompt is block-aligned, the live end-of-chunk state is kept for the last block
+        instead (the "EOS" entry).
 
         Parameters
         ----------
+        row : int
+            Checked request row.
         req : object
             ``prompt_length`` (or ``prompt_tokens``) and optionally
             ``finished_chunk_token_count`` (tokens of earlier chunks, default 0).
-        current_id : int
-            Request row.
         skip_tokens, prefill_chunk_length : int
             Tokens skipped by the prefix match, and the chunk length before skipping.
         num_matched_blocks : int
@@ -106,12 +117,23 @@ class MambaIntermediateMixin:
             Their ids (checked against the block table).
         overall_required_blocks : int
             Blocks covering the request through the end of this chunk.
+        block_table : int32 [max_requests, max_blocks_per_request]
+            Request row -> KV block ids (-1 = none), host or device.
+        block_size, chunk_size : int
+            Tokens per KV block, and the granularity at which the model can emit states.
         extra_boundaries : sequence of int, optional
             Further absolute block boundaries to snapshot, after the three above, within the
             same filter and the limit of ``MAX_INTERMEDIATE_OFFSETS_PER_REQUEST``.
+
+        Raises
+        ------
+        TypeError
+            ``req`` has no prompt length, or an argument is not an int.
+        ValueError
+            ``skip_tokens >= prefill_chunk_length``, ``matched_block_ids`` disagree with the
+            block table, or a kept boundary has no block. Nothing changes.
         """
-        row = check_index("current_id", current_id, self.max_requests)
-        bs, align = int(self.context.block_size_tokens), int(self.context.mamba_chunk_size)
+        bs, align = block_size, chunk_size
         finished = int(getattr(req, "finished_chunk_token_count", 0))
         prompt_len = _prompt_length(req)
         skip = as_int("skip_tokens", skip_tokens)
@@ -120,7 +142,7 @@ class MambaIntermediateMixin:
         required = as_int("overall_required_blocks", overall_required_blocks)
         if skip >= chunk:
             raise ValueError(f"skip_tokens: expected fewer than {chunk} tokens, got {skip}")
-        table = to_host(self.context.request_to_kv_block_ids)[row]
+        table = to_host(block_table)[row]
         first_block = -(-finished // bs)
         if list(table[first_block:first_block + matched]) != list(matched_block_ids)[:matched]:
             raise ValueError("matched_block_ids: expected the block table's matched blocks")
@@ -139,32 +161,34 @@ class MambaIntermediateMixin:
         block_ids = [int(table[c]) for c in columns[:len(offsets)]]
         eos = int(table[columns[-1]]) if len(columns) > len(offsets) else -1
         n = len(offsets)
-        self._intermediate_offsets[row] = 0
-        self._intermediate_block_ids[row] = -1
-        self._intermediate_offsets[row, :n] = offsets
-        self._intermediate_block_ids[row, :n] = block_ids
-        self._intermediate_counts[row] = n
-        self._eos_cache_block_id[row] = eos
+        self.offsets[row] = 0
+        self.block_ids[row] = -1
+        self.offsets[row, :n] = offsets
+        self.block_ids[row, :n] = block_ids
+        self.counts[row] = n
+        self.eos_block_ids[row] = eos
         if n or eos >= 0:
-            self._has_intermediates = True
+            self.pending = True
 
-    def intermediate_targets(self) -> list[tuple[int, int, int]]:
-        """``(request_row, offset, scratch_index)`` of every pending intermediate state.
-
-        Scratch entries are packed densely in ascending row order, then offset order: the
-        model writes the state after ``chunk_start + offset`` tokens of that row into
-        ``intermediate_*_out[:, scratch_index]``.
-        """
-        rows, ks = np.nonzero(np.arange(_K)[None, :] < self._intermediate_counts[:, None])
-        return [(int(r), int(self._intermediate_offsets[r, k]), i)
+    def targets(self) -> list[tuple[int, int, int]]:
+        """``(request_row, offset, scratch_index)`` of every pending boundary state, packed
+        densely in ascending row order, then offset order."""
+        rows, ks = np.nonzero(np.arange(_K)[None, :] < self.counts[:, None])
+        return [(int(r), int(self.offsets[r, k]), i)
                 for i, (r, k) in enumerate(zip(rows.tolist(), ks.tolist(), strict=True))]
 
-    def get_intermediate_gpu_data(self, prefill_start=0, prefill_count=None, *, stream=None):
-        """Offsets ``int32 [prefill_count, 3]`` and counts ``int32 [prefill_count]`` of request
-        rows ``[prefill_start, prefill_start + prefill_count)`` (default: through the last row),
-        as views of buffers on the states' device (overwritten by the next call).
+    def device_data(self, prefill_start=0, prefill_count=None, *, stream=None):
+        """Offsets ``int32 [prefill_count, K]`` and counts ``int32 [prefill_count]`` of rows
+        ``[prefill_start, prefill_start + prefill_count)`` (default: through the last row), as
+        views of staging buffers on the device (overwritten by the next call); ``(None, None)``
+        when nothing is pending or the slice is empty.
 
-        Returns ``(None, None)`` when nothing is pending or the slice is empty.
+        Raises
+        ------
+        TypeError, ValueError
+            ``prefill_start`` or ``prefill_count`` is not an int >= 0, or ``stream`` is bad.
+        IndexError
+            The rows run past ``max_requests``.
         """
         start = as_int("prefill_start", prefill_start)
         count = self.max_requests - start if prefill_count is None \
@@ -172,83 +196,57 @@ class MambaIntermediateMixin:
         if start + count > self.max_requests:
             raise IndexError(f"prefill_count: expected rows within [0, {self.max_requests}), "
                              f"got [{start}, {start + count})")
-        if not self._has_intermediates or count == 0:
+        if not self.pending or count == 0:
             return None, None
-        offsets = self._intermediate_offsets[start:start + count]
-        counts = self._intermediate_counts[start:start + count]
-        if self.xp is np:
-            self._offsets_dev[:count] = offsets
-            self._counts_dev[:count] = counts
-        else:
-            with stream_scope(stream, self.device), self.device.scope():
-                current = self.xp.cuda.get_current_stream()
-                self._offsets_dev[:count].set(np.ascontiguousarray(offsets), stream=current)
-                self._counts_dev[:count].set(np.ascontiguousarray(counts), stream=current)
+        with launch_scope(self.device, stream):
+            upload_ints(self._offsets_dev, self.offsets[start:start + count])
+            upload_ints(self._counts_dev, self.counts[start:start + count])
         return self._offsets_dev[:count], self._counts_dev[:count]
 
-    def _collect_commit_data(self):
+    def collect(self, kv_block_hashes: np.ndarray):
         """``(intermediate_bids, src_offsets, eos_bids, eos_ctx_indices, all_hashes)`` as int64
-        arrays, or None when nothing is pending. ``all_hashes`` are the KV hashes of
+        arrays, or None when nothing is pending. ``all_hashes`` are the ``kv_block_hashes`` of
         ``intermediate_bids`` then ``eos_bids``; scratch entries are in ascending row order."""
-        if not self._has_intermediates:
+        if not self.pending:
             return None
-        valid = np.arange(_K)[None, :] < self._intermediate_counts[:, None]
-        inter = self._intermediate_block_ids[valid].astype(np.int64)
-        eos_rows = np.nonzero(self._eos_cache_block_id >= 0)[0].astype(np.int64)
-        eos = self._eos_cache_block_id[eos_rows].astype(np.int64)
+        valid = np.arange(_K)[None, :] < self.counts[:, None]
+        inter = self.block_ids[valid].astype(np.int64)
+        eos_rows = np.nonzero(self.eos_block_ids >= 0)[0].astype(np.int64)
+        eos = self.eos_block_ids[eos_rows].astype(np.int64)
         if not len(inter) and not len(eos):
             return None
-        hashes = np.asarray(self._kv.block_hashes)[np.concatenate([inter, eos])].astype(np.int64)
+        hashes = np.asarray(kv_block_hashes)[np.concatenate([inter, eos])].astype(np.int64)
         return inter, np.arange(len(inter), dtype=np.int64), eos, eos_rows, hashes
 
-    def commit_intermediate_states(self, *, stream=None) -> int:
-        """Keep this step's boundary states (scratch and EOS) as cached states, then clear the
-        per-request tracking. Call after the forward pass and before rows are reordered.
+    def clear(self, rows=None) -> None:
+        """Forget the pending entries of ``rows`` (default: every row).
 
-        Best effort: entries whose KV block is unregistered (unreachable), already cached under
-        its hash, or repeated are skipped; when slots run short, entries that own a slot plus as
-        many new ones as are available are kept. Returns the number of states stored.
+        Raises ``IndexError`` (nothing changes) when a row is out of range.
         """
-        data = self._collect_commit_data()
-        if data is None:
-            self._clear_intermediate_state()
-            return 0
-        inter, src, eos, eos_rows, hashes = data
-        bids = np.concatenate([inter, eos])
-        keep = (hashes > 0) & (self._block_hash[bids] != hashes)
-        idx = np.nonzero(keep)[0]
-        _, first = np.unique(bids[idx], return_index=True)
-        idx = np.sort(idx[first])
-        new, available = self._slot_demand(bids[idx])
-        if len(new) > available:
-            allowed = new[:available]
-            idx = idx[(self.block_to_slot[bids[idx]] >= 0) | np.isin(bids[idx], allowed)]
-        slots = np.asarray(self.allocate_slots_batch(bids[idx]), dtype=np.int64)
-        is_inter = idx < len(inter)
-        self._copy_intermediate_to_cache(src[idx[is_inter]], slots[is_inter], stream=stream)
-        self.store_from_live_batch(slots[~is_inter], eos_rows[idx[~is_inter] - len(inter)],
-                                   stream=stream)
-        self.register_block_hashes_batch(bids[idx], hashes[idx])
-        self._clear_intermediate_state()
-        return int(len(idx))
-
-    def _copy_intermediate_to_cache(self, src_offsets, slots, *, stream=None) -> None:
-        """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]`` for conv and SSM of
-        every layer, one launch. Slots must be distinct."""
-        src = index_array("src_offsets", src_offsets, self.max_intermediate_count)
-        dst = index_array("slots", slots, self.max_slots)
-        if len(src) != len(dst):
-            raise ValueError(f"slots: expected {len(src)} slots, got {len(dst)}")
-        if len(np.unique(dst)) != len(dst):
-            raise ValueError("slots: expected distinct slots, got a repeated slot")
-        self._copy(self._scratch_to_cache, src, dst, 1, stream)
-
-    def _clear_intermediate_state(self, rows=None) -> None:
-        """Forget the pending offsets and EOS entries of ``rows`` (default: every row)."""
         sel = slice(None) if rows is None else index_array("rows", rows, self.max_requests)
-        self._intermediate_offsets[sel] = 0
-        self._intermediate_block_ids[sel] = -1
-        self._intermediate_counts[sel] = 0
-        self._eos_cache_block_id[sel] = -1
-        self._has_intermediates = bool(self._intermediate_counts.any()
-                                       or (self._eos_cache_block_id >= 0).any())
+        self.offsets[sel] = 0
+        self.block_ids[sel] = -1
+        self.counts[sel] = 0
+        self.eos_block_ids[sel] = -1
+        self.pending = bool(self.counts.any() or (self.eos_block_ids >= 0).any())
+
+    def reset(self) -> None:
+        """Forget every entry and zero the scratch (device fills, no allocation)."""
+        with self.device.scope():
+            self.conv_out.fill(0)
+            self.ssm_out.fill(0)
+        self.clear()
+
+    def broken_invariants(self) -> list[str]:
+        """Every broken invariant of the tracking (see the module docstring); empty when all
+        hold."""
+        problems = []
+        if ((self.counts < 0) | (self.counts > _K)).any():
+            problems.append(f"intermediate counts outside [0, {_K}]")
+            return problems
+        unused = np.arange(_K)[None, :] >= self.counts[:, None]
+        if (self.offsets[unused] != 0).any() or (self.block_ids[unused] != -1).any():
+            problems.append("intermediate entries beyond a row's count")
+        if not self.pending and (self.counts.any() or (self.eos_block_ids >= 0).any()):
+            problems.append("intermediate entries pending while none are flagged")
+        return problems

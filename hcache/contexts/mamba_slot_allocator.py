@@ -8,62 +8,39 @@ and skip the prefix. Three kinds of state memory are involved:
 - live per-request states, owned by the context: ``[num_mamba_layers, max_requests, *shape]``;
 - durable cache slots, owned here: ``conv_states`` / ``ssm_states``
   ``[num_mamba_layers, max_slots, *shape]``;
-- per-step scratch, owned here: ``intermediate_conv_out`` / ``intermediate_ssm_out``
-  ``[num_mamba_layers, MAX_INTERMEDIATE_OFFSETS_PER_REQUEST * max_requests, *shape]``, which the
-  model fills with mid-prefill states that ``commit_intermediate_states`` then keeps.
+- per-step scratch ``intermediate_conv_out`` / ``intermediate_ssm_out``, which the model fills
+  with mid-prefill states that ``commit_intermediate_states`` then keeps.
 
-Invariants (checked by :meth:`MambaSlotAllocator.check_invariants`):
-
-- ``block_to_slot`` / ``slot_to_block`` are inverse partial maps; every slot is either on the
-  free stack or owned by exactly one block.
-- The Mamba map ``hash_to_block_id`` is a subset of the KV allocator's map (same block ids), and
-  every block in it owns a slot. KV deregistration cascades here through the observer that the
-  constructor subscribes, so a recycled block id never carries a stale state.
-- A slot is evictable only while its KV block's ref count is 0, so pinning a matched block
-  (retain) before allocating also protects its Mamba state.
-
-Host bookkeeping is NumPy; every copy of states is one :func:`hcache.ops.slot_copy` launch over
-all Mamba layers (conv and SSM together), with index arrays staged in buffers allocated here.
+:class:`MambaSlotAllocator` owns four collaborators and keeps them consistent: the slots
+(:class:`~hcache.contexts.mamba_slot_pool.MambaSlotPool`), the Mamba hash map, a subset of the
+slots' blocks (:class:`~hcache.contexts.mamba_hash_map.MambaHashMap`), the intermediate states
+(:class:`~hcache.contexts.mamba_intermediate.IntermediateStates`) and the cache arrays with
+every copy into or out of them (:class:`~hcache.contexts.mamba_state_copies.MambaStateCopies`,
+one :func:`hcache.ops.slot_copy` launch per batch); each states and checks its own invariants.
+KV deregistration cascades here through the observer that the constructor subscribes, so a
+recycled block id never carries a stale state. Host bookkeeping is NumPy.
 """
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 
-from .. import ops
+from .. import ops  # noqa: F401 - ``mamba_slot_allocator.ops`` stays importable (tests patch it)
 from .._checks import as_int, check_index, index_array, int_shape
-from ..device import Device, array_module_of, stream_scope
+from ..device import Device, array_module_of
 from ..dtypes import resolve_dtype, storage_dtype
-from ..errors import CacheCapacityError
-from ..ops.tables import SlotSet
-from ._invariants import check_mamba_slot_allocator
-from .mamba_hash_map import MambaHashMapMixin
-from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, MambaIntermediateMixin
-from .mamba_state_copies import MambaStateCopyMixin
+from .mamba_hash_map import MambaHashMap
+from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, IntermediateStates
+from .mamba_slot_pool import MambaSlotCapacityError, MambaSlotPool
+from .mamba_state_copies import MambaStateCopies
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotCapacityError",
            "MambaSlotAllocator"]
 
 
-
-class MambaSlotCapacityError(CacheCapacityError):
-    """Not enough free plus evictable Mamba cache slots for a batch; nothing was changed.
-
-    Attributes
-    ----------
-    required : int
-        New slots the batch needed.
-    available : int
-        Free slots plus slots that could have been evicted.
-    """
-
-    def __init__(self, required: int, available: int, message: str | None = None):
-        super().__init__(message or f"Mamba cache slots: {required} required, {available} "
-                         "available (free + evictable)", required=int(required),
-                         available=int(available))
-
-
-class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCopyMixin):
+class MambaSlotAllocator:
     """Manages the Mamba state cache for prefix caching in hybrid models.
 
     Parameters
@@ -83,20 +60,21 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
     conv_states_dtype, ssm_states_dtype : str or dtype
         One of the docs/design.md §2 dtypes; must match the live states' storage dtype.
 
+    Attributes
+    ----------
+    conv_states, ssm_states : arrays [num_mamba_layers, max_slots, *shape]
+        The cache slots.
+    block_to_slot, slot_to_block, free_slots, free_count
+        The slot pool's maps and free stack (see :class:`MambaSlotPool`).
+    hash_to_block_id : dict[int, int]
+        The Mamba hash map: KV hash -> block whose state a prefix match can reach.
+    intermediate_conv_out, intermediate_ssm_out : arrays
+        The scratch ``[num_mamba_layers, max_intermediate_count, *shape]``.
+
     Raises
     ------
     TypeError, ValueError
         An argument or a live state array does not fit the description above.
-
-    Notes
-    -----
-    Slot allocation, LRU eviction and the copy primitive live here; the other methods come
-    from mixins: the Mamba hash map (:meth:`register_block_hashes_batch`,
-    :meth:`invalidate_block`, :meth:`on_kv_blocks_deregistered`) from
-    :class:`~hcache.contexts.mamba_hash_map.MambaHashMapMixin`, the intermediate states
-    (:meth:`compute_and_store_offsets`, :meth:`commit_intermediate_states`, ...) from
-    :class:`~hcache.contexts.mamba_intermediate.MambaIntermediateMixin` and store/restore from
-    :class:`~hcache.contexts.mamba_state_copies.MambaStateCopyMixin`.
     """
 
     def __init__(self, context, max_slots, num_mamba_layers, conv_states_shape,
@@ -118,30 +96,15 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
                          ssm_dt, self.max_requests)
         self.xp = xp
         self.device = Device("cuda", live_conv.device.id) if xp is not np else Device("cpu")
-        L, R, S = self.num_mamba_layers, self.max_requests, self.max_slots
-        with self.device.scope():
-            self.conv_states = xp.zeros((L, S, *self.conv_states_shape), dtype=conv_dt)
-            self.ssm_states = xp.zeros((L, S, *self.ssm_states_shape), dtype=ssm_dt)
-            self._init_intermediate(conv_dt, ssm_dt)   # scratch outputs and their tracking
-            # Staged index arrays: lanes (src, dst) for two launches per call. Every launch
-            # writes distinct destination slots, so no call needs more than this many pairs.
-            self._lane_capacity = max(S, R, self.max_intermediate_count)
-            self._idx_dev = xp.full((4, self._lane_capacity), -1, dtype=np.int32)
-            # One SlotSet per copy direction, covering conv and SSM of every layer: each copy
-            # is a single slot_copy launch.
-            layers = range(L)
-            self._live_to_cache = SlotSet(
-                [(live_conv[i], self.conv_states[i]) for i in layers]
-                + [(live_ssm[i], self.ssm_states[i]) for i in layers])
-            self._cache_to_live = SlotSet(
-                [(self.conv_states[i], live_conv[i]) for i in layers]
-                + [(self.ssm_states[i], live_ssm[i]) for i in layers])
-        self.block_to_slot = np.full(self.num_blocks, -1, dtype=np.int32)
-        self.slot_to_block = np.full(S, -1, dtype=np.int32)
-        self.free_slots = np.arange(S - 1, -1, -1, dtype=np.int32)  # top = free_count - 1
-        self.free_count = S
-        self.hash_to_block_id: dict[int, int] = {}
-        self._block_hash = np.full(self.num_blocks, -1, dtype=np.int64)  # Mamba-map hash
+        self._intermediate = IntermediateStates(
+            self.device, self.num_mamba_layers, self.max_requests, self.conv_states_shape,
+            self.ssm_states_shape, conv_dt, ssm_dt)
+        self.max_intermediate_count = self._intermediate.max_count
+        self._pool = MambaSlotPool(self.num_blocks, self.max_slots)
+        self._hashes = MambaHashMap(self.num_blocks)
+        self._copies = MambaStateCopies(context, self._pool, self.device,
+                                        self._intermediate.conv_out, self._intermediate.ssm_out,
+                                        conv_dt, ssm_dt)
         kv.add_blocks_deregistered_observer(self.on_kv_blocks_deregistered)
 
     def _check_live(self, name, live, xp, shape, dtype, rows):
@@ -160,6 +123,27 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
 
     # --- queries --------------------------------------------------------------------------------
 
+    # Views of the collaborators' state (arrays are written in place by the methods).
+    conv_states = property(attrgetter("_copies.conv_states"))
+    ssm_states = property(attrgetter("_copies.ssm_states"))
+    block_to_slot = property(attrgetter("_pool.block_to_slot"))
+    slot_to_block = property(attrgetter("_pool.slot_to_block"))
+    free_slots = property(attrgetter("_pool.free_slots"))
+    hash_to_block_id = property(attrgetter("_hashes.hash_to_block_id"))
+    _block_hash = property(attrgetter("_hashes.block_hash"))
+    intermediate_conv_out = property(attrgetter("_intermediate.conv_out"))
+    intermediate_ssm_out = property(attrgetter("_intermediate.ssm_out"))
+    _intermediate_block_ids = property(attrgetter("_intermediate.block_ids"))
+    _eos_cache_block_id = property(attrgetter("_intermediate.eos_block_ids"))
+
+    @property
+    def free_count(self) -> int:
+        return self._pool.free_count
+
+    @free_count.setter
+    def free_count(self, value: int) -> None:
+        self._pool.free_count = value
+
     @property
     def _kv(self):
         return self.context.kv_block_allocator
@@ -172,12 +156,12 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
     @property
     def num_cached_states(self) -> int:
         """Blocks whose state is reachable through the Mamba hash map."""
-        return len(self.hash_to_block_id)
+        return len(self._hashes)
 
     @property
     def evictable_count(self) -> int:
         """Owned slots whose KV block has ref count 0."""
-        return int(len(self._evictable_block_ids()))
+        return int(len(self._pool.evictable_blocks(self._kv.block_ref_counts)))
 
     def get_slot(self, block_id) -> int:
         """The cache slot of KV block ``block_id``, or -1. Raises ``IndexError`` out of range."""
@@ -189,30 +173,11 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
 
     def can_allocate_slots(self, block_ids) -> bool:
         """Whether :meth:`allocate_slots_batch` would succeed for ``block_ids``."""
-        new, available = self._slot_demand(index_array("block_ids", block_ids,
-                                                        self.num_blocks))
+        ids = index_array("block_ids", block_ids, self.num_blocks)
+        new, available = self._pool.demand(ids, self._kv.block_ref_counts)
         return len(new) <= available
 
-    def _evictable_block_ids(self, exclude=None) -> np.ndarray:
-        owned = self.slot_to_block[self.slot_to_block >= 0].astype(np.int64)
-        refs = np.asarray(self._kv.block_ref_counts)[owned]
-        candidates = owned[refs == 0]
-        if exclude is not None and len(exclude):
-            candidates = candidates[~np.isin(candidates, exclude)]
-        return candidates
-
-    def _slot_demand(self, ids: np.ndarray):
-        """Blocks of ``ids`` needing a new slot (first-seen order) and the slots available to
-        them: free ones plus evictable ones not in ``ids`` (whose slots are being returned)."""
-        missing = ids[self.block_to_slot[ids] < 0]
-        uniq, first = np.unique(missing, return_index=True)
-        new = uniq[np.argsort(first)]
-        available = self.free_count
-        if len(new) > self.free_count:
-            available += len(self._evictable_block_ids(exclude=ids))
-        return new, available
-
-    # --- slot allocation ------------------------------------------------------------------------
+    # --- slots ----------------------------------------------------------------------------------
 
     def allocate_slots_batch(self, block_ids) -> list[int]:
         """Give every block of ``block_ids`` a cache slot, evicting LRU slots if necessary.
@@ -238,85 +203,188 @@ class MambaSlotAllocator(MambaHashMapMixin, MambaIntermediateMixin, MambaStateCo
             Free plus evictable slots (other than those of ``block_ids``) are too few.
         """
         ids = index_array("block_ids", block_ids, self.num_blocks)
-        new, available = self._slot_demand(ids)
-        if len(new) > available:
-            raise MambaSlotCapacityError(len(new), available)
-        if len(new):
-            take = min(len(new), self.free_count)
-            slots = self.free_slots[self.free_count - take:self.free_count][::-1].copy()
-            self.free_count -= take
-            if take < len(new):
-                evicted = self._evict_lru_slots_batch(len(new) - take, exclude=ids)
-                slots = np.concatenate([slots, np.asarray(evicted, dtype=np.int32)])
-            self.block_to_slot[new] = slots
-            self.slot_to_block[slots] = new
-        return self.block_to_slot[ids].tolist()
+        slots, victims = self._pool.allocate(ids, self._kv.block_ref_counts, self._timestamps())
+        self._hashes.drop_blocks(victims)
+        return slots
 
     def _evict_lru_slots_batch(self, num_needed, *, exclude=None) -> list[int]:
-        """Take the slots of the ``num_needed`` least recently used evictable blocks.
-
-        Victims are blocks with a slot whose KV ref count is 0, oldest KV timestamp first, ties
-        by block id (under either eviction policy), never a block of ``exclude``. Their mappings
-        and Mamba hashes are dropped (the KV blocks stay registered). The slots are **not**
-        returned to the free stack: the caller takes ownership.
-
-        Raises
-        ------
-        MambaSlotCapacityError
-            Fewer than ``num_needed`` candidates; nothing changes.
-        """
+        """Take the slots of the ``num_needed`` least recently used evictable blocks (KV ref
+        count 0, oldest KV timestamp first, ties by block id, never a block of ``exclude``) and
+        drop their Mamba hashes; the KV blocks stay registered. The slots are **not** returned
+        to the free stack: the caller takes ownership. Raises :class:`MambaSlotCapacityError`
+        (nothing changes) when fewer blocks are evictable."""
         n = as_int("num_needed", num_needed)
         if n == 0:
             return []
-        candidates = self._evictable_block_ids(exclude)
-        if len(candidates) < n:
-            raise MambaSlotCapacityError(n, len(candidates))
-        stamps = getattr(self._kv, "block_timestamps", None)
-        stamps = (np.zeros(len(candidates), dtype=np.int64) if stamps is None
-                  else np.asarray(stamps)[candidates])
-        victims = candidates[np.lexsort((candidates, stamps))[:n]]
-        slots = self.block_to_slot[victims].copy()
-        self.block_to_slot[victims] = -1
-        self.slot_to_block[slots] = -1
-        self._drop_hashes(victims)
+        slots, victims = self._pool.evict(n, self._kv.block_ref_counts, self._timestamps(),
+                                          exclude=exclude)
+        self._hashes.drop_blocks(victims)
         return slots.tolist()
+
+    def _timestamps(self):
+        return getattr(self._kv, "block_timestamps", None)
+
+    def invalidate_block(self, block_id) -> None:
+        """Free the slot of ``block_id`` (if any) and drop its hash from the Mamba map.
+
+        Raises ``IndexError`` when ``block_id`` is out of range.
+        """
+        self._invalidate_blocks_batch([check_index("block_id", block_id, self.num_blocks)])
+
+    def _invalidate_blocks_batch(self, block_ids_list) -> None:
+        """Vectorised :meth:`invalidate_block`; blocks without a slot are skipped."""
+        ids = np.unique(index_array("block_ids_list", block_ids_list, self.num_blocks))
+        if not len(ids):
+            return
+        self._pool.release(ids)
+        self._hashes.drop_blocks(ids)
+
+    def on_kv_blocks_deregistered(self, block_ids_list, hashes_to_delete) -> None:
+        """Observer of the KV allocator: deregistered blocks ``block_ids_list`` (whose ids may
+        be reused at once) lose their slots and Mamba hashes, and any Mamba-map entry under one
+        of their former hashes ``hashes_to_delete`` is dropped too."""
+        self._invalidate_blocks_batch(block_ids_list)
+        self._hashes.drop_hashes(hashes_to_delete)
+
+    def register_block_hashes_batch(self, block_ids, hashes) -> None:
+        """Make the states of ``block_ids`` reachable under their KV ``hashes`` (entries with
+        ``hash <= 0`` are skipped; see :meth:`MambaHashMap.register`).
+
+        Raises
+        ------
+        IndexError
+            A block id is out of range.
+        ValueError
+            Lengths differ, a block owns no slot, or a hash is not the KV allocator's hash of
+            that block (the Mamba map must stay a subset of the KV map). Nothing changes.
+        """
+        ids = index_array("block_ids", block_ids, self.num_blocks)
+        self._hashes.register(ids, hashes, self.block_to_slot, self._kv.kv_hash_to_block_id)
 
     # --- state copies ---------------------------------------------------------------------------
 
-    def _copy(self, slotset, src, dst, lane, stream):
-        """One ``slot_copy`` launch of ``slotset`` for host index arrays ``src`` -> ``dst``."""
-        src32 = np.ascontiguousarray(src, dtype=np.int32)
-        dst32 = np.ascontiguousarray(dst, dtype=np.int32)
-        n = len(src32)
-        if n == 0:
-            return
-        with stream_scope(stream, self.device), self.device.scope():
-            if self.xp is np:
-                s, d = src32, dst32
-            else:
-                current = self.xp.cuda.get_current_stream()
-                s, d = self._idx_dev[2 * lane, :n], self._idx_dev[2 * lane + 1, :n]
-                s.set(src32, stream=current)
-                d.set(dst32, stream=current)
-            ops.slot_copy(slotset, s, d, stream=stream)
+    def store_from_tensors(self, block_id, layer_idx, ssm_state, conv_state, *,
+                           stream=None) -> None:
+        """Write one Mamba layer's states into the slot of ``block_id`` (mainly for tests).
+
+        ``ssm_state`` / ``conv_state`` have the per-slot shapes and storage dtypes; an array of
+        another module is converted (an allocation). Raises ``IndexError`` (block or layer out
+        of range), ``ValueError`` (block owns no slot, or shape/dtype mismatch).
+        """
+        self._copies.write_layer(block_id, self.get_slot(block_id), layer_idx, ssm_state,
+                                 conv_state, stream=stream)
+
+    def store_from_live_batch(self, slots, request_indices, *, stream=None) -> None:
+        """Copy every layer's live state of each request into the paired cache slot (one launch).
+
+        Raises ``IndexError`` (slot or row out of range) or ``ValueError`` (lengths differ, a
+        slot repeats or is free, a request has no live slot); nothing is copied then.
+        """
+        self._copies.store_from_live(slots, request_indices, stream=stream)
+
+    def restore_to_live(self, request_idx, block_id, *, stream=None) -> bool:
+        """Copy every layer's cached state of ``block_id`` into the request's live slot.
+
+        Returns False (and copies nothing) when the block owns no slot. Raises ``IndexError``
+        (row or block out of range) or ``ValueError`` (the request has no live slot).
+        """
+        return bool(self.restore_to_live_batch([request_idx], [block_id], stream=stream)[0])
+
+    def restore_to_live_batch(self, request_indices, block_ids, *, stream=None) -> list[bool]:
+        """Batched :meth:`restore_to_live`: one launch for every request that has a state.
+
+        Returns, per entry, whether it was restored. The requests' live slots must differ.
+        """
+        return self._copies.restore_to_live(request_indices, block_ids, stream=stream)
+
+    # --- intermediate states --------------------------------------------------------------------
+
+    def compute_and_store_offsets(self, req, current_id, skip_tokens, prefill_chunk_length,
+                                  num_matched_blocks, matched_block_ids,
+                                  overall_required_blocks, *, extra_boundaries=()) -> None:
+        """Choose the block boundaries inside this chunk of request row ``current_id`` whose
+        states the model must emit; see :meth:`IntermediateStates.plan` (the block table, block
+        size and chunk size are the context's). Raises ``IndexError`` for a bad row."""
+        row = check_index("current_id", current_id, self.max_requests)
+        ctx = self.context
+        self._intermediate.plan(
+            row, req, skip_tokens, prefill_chunk_length, num_matched_blocks, matched_block_ids,
+            overall_required_blocks, block_table=ctx.request_to_kv_block_ids,
+            block_size=int(ctx.block_size_tokens), chunk_size=int(ctx.mamba_chunk_size),
+            extra_boundaries=extra_boundaries)
+
+    def intermediate_targets(self) -> list[tuple[int, int, int]]:
+        """``(request_row, offset, scratch_index)`` of every pending intermediate state: the
+        model writes the state after ``chunk_start + offset`` tokens of that row into
+        ``intermediate_*_out[:, scratch_index]``."""
+        return self._intermediate.targets()
+
+    def get_intermediate_gpu_data(self, prefill_start=0, prefill_count=None, *, stream=None):
+        """Offsets ``int32 [prefill_count, 3]`` and counts ``int32 [prefill_count]`` of request
+        rows ``[prefill_start, prefill_start + prefill_count)`` on the states' device, or
+        ``(None, None)``; see :meth:`IntermediateStates.device_data`."""
+        return self._intermediate.device_data(prefill_start, prefill_count, stream=stream)
+
+    def _collect_commit_data(self):
+        """``(intermediate_bids, src_offsets, eos_bids, eos_ctx_indices, all_hashes)`` as int64
+        arrays, or None when nothing is pending (see :meth:`IntermediateStates.collect`)."""
+        return self._intermediate.collect(self._kv.block_hashes)
+
+    def commit_intermediate_states(self, *, stream=None) -> int:
+        """Keep this step's boundary states (scratch and EOS) as cached states, then clear the
+        per-request tracking. Call after the forward pass and before rows are reordered.
+
+        Best effort: entries whose KV block is unregistered (unreachable), already cached under
+        its hash, or repeated are skipped; when slots run short, entries that own a slot plus as
+        many new ones as are available are kept. Returns the number of states stored.
+        """
+        data = self._collect_commit_data()
+        if data is None:
+            self._clear_intermediate_state()
+            return 0
+        inter, src, eos, eos_rows, hashes = data
+        bids = np.concatenate([inter, eos])
+        keep = (hashes > 0) & (self._hashes.block_hash[bids] != hashes)
+        idx = np.nonzero(keep)[0]
+        _, first = np.unique(bids[idx], return_index=True)
+        idx = np.sort(idx[first])
+        new, available = self._pool.demand(bids[idx], self._kv.block_ref_counts)
+        if len(new) > available:
+            allowed = new[:available]
+            idx = idx[(self.block_to_slot[bids[idx]] >= 0) | np.isin(bids[idx], allowed)]
+        slots = np.asarray(self.allocate_slots_batch(bids[idx]), dtype=np.int64)
+        is_inter = idx < len(inter)
+        self._copy_intermediate_to_cache(src[idx[is_inter]], slots[is_inter], stream=stream)
+        self.store_from_live_batch(slots[~is_inter], eos_rows[idx[~is_inter] - len(inter)],
+                                   stream=stream)
+        self.register_block_hashes_batch(bids[idx], hashes[idx])
+        self._clear_intermediate_state()
+        return int(len(idx))
+
+    def _copy_intermediate_to_cache(self, src_offsets, slots, *, stream=None) -> None:
+        """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]`` for conv and SSM of
+        every layer, one launch. Slots must be distinct."""
+        self._copies.scratch_to_cache(src_offsets, slots, stream=stream)
+
+    def _clear_intermediate_state(self, rows=None) -> None:
+        """Forget the pending offsets and EOS entries of ``rows`` (default: every row)."""
+        self._intermediate.clear(rows)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Forget every cached state: mappings, free stack, Mamba map, tracking; zero the cache
         and scratch (device fills, no allocation)."""
-        self.block_to_slot.fill(-1)
-        self.slot_to_block.fill(-1)
-        self.free_slots[:] = np.arange(self.max_slots - 1, -1, -1, dtype=np.int32)
-        self.free_count = self.max_slots
-        self.hash_to_block_id.clear()
-        self._block_hash.fill(-1)
-        with self.device.scope():
-            for a in (self.conv_states, self.ssm_states, self.intermediate_conv_out,
-                      self.intermediate_ssm_out):
-                a.fill(0)
-        self._clear_intermediate_state()
+        self._pool.reset()
+        self._hashes.reset()
+        self._copies.zero()
+        self._intermediate.reset()
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` listing every broken invariant (see the module docstring)."""
-        check_mamba_slot_allocator(self)
+        problems = self._pool.broken_invariants()
+        problems += self._hashes.broken_invariants(self.block_to_slot,
+                                                   self._kv.kv_hash_to_block_id)
+        problems += self._intermediate.broken_invariants()
+        if problems:
+            raise RuntimeError("MambaSlotAllocator invariants broken: " + "; ".join(problems))

@@ -1,33 +1,91 @@
-"""Copies between the live per-request Mamba states and the durable cache slots.
+"""The durable Mamba cache arrays and every copy into or out of them (docs/design.md §6).
 
 The live states ``mamba_conv_states`` / ``mamba_ssm_states``
-``[num_mamba_layers, max_requests, *shape]`` belong to the context, which maps a request row
-to its live slot through ``request_to_mamba_state_idx``. Storing copies a request's live state
-into a cache slot owned by a block; restoring copies a block's cached state back into a live
-slot. Every batch of copies is a single :func:`hcache.ops.slot_copy` launch over conv and SSM of
-all layers, and every call validates all of its arguments before copying anything.
-
-:class:`MambaStateCopyMixin` holds these methods; :class:`MambaSlotAllocator` inherits them.
+``[num_mamba_layers, max_requests, *shape]`` belong to the context, which maps a request row to
+its live slot through ``request_to_mamba_state_idx``. Storing copies a request's live state (or
+a scratch state the model emitted mid-prefill) into a cache slot owned by a block; restoring
+copies a block's cached state back into a live slot. Every batch of copies is a single
+:func:`hcache.ops.slot_copy` launch over conv and SSM of all Mamba layers, with its index arrays
+staged in buffers allocated once, and every call validates all of its arguments before copying
+anything.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .. import ops
 from .._checks import check_index, index_array
-from ..device import stream_scope, to_host
+from ..device import launch_scope, to_host, upload_ints
+from ..ops.tables import SlotSet
 
-__all__ = ["MambaStateCopyMixin"]
+__all__ = ["MambaStateCopies"]
 
 
-class MambaStateCopyMixin:
-    """Store/restore methods of :class:`~hcache.contexts.MambaSlotAllocator`.
+class MambaStateCopies:
+    """Cache slots ``conv_states`` / ``ssm_states`` and the copies between them, the live
+    states and the scratch.
 
-    Relies on the allocator's ``context``, ``xp``, ``device``, ``max_requests``, ``max_slots``,
-    ``num_blocks``, ``num_mamba_layers``, ``conv_states`` / ``ssm_states``,
-    ``block_to_slot`` / ``slot_to_block``, ``get_slot``, ``_copy`` and the SlotSets
-    ``_live_to_cache`` / ``_cache_to_live``.
+    Parameters
+    ----------
+    context : object
+        Holds the live states ``mamba_conv_states`` / ``mamba_ssm_states`` (checked by the
+        caller) and ``request_to_mamba_state_idx`` (request row -> live slot, read per call).
+    pool : MambaSlotPool
+        Which block owns which slot (read per call).
+    device : Device
+    scratch_conv, scratch_ssm : arrays [num_mamba_layers, max_scratch, *shape]
+        The intermediate outputs the model writes.
+    conv_dtype, ssm_dtype : dtype
+        Storage dtypes.
+
+    Attributes
+    ----------
+    conv_states, ssm_states : arrays [num_mamba_layers, max_slots, *shape]
+        The cache slots (zero-initialised).
     """
+
+    def __init__(self, context, pool, device, scratch_conv, scratch_ssm, conv_dtype, ssm_dtype):
+        live_conv, live_ssm = context.mamba_conv_states, context.mamba_ssm_states
+        self.context, self._pool, self.device = context, pool, device
+        self.num_mamba_layers, self.max_requests = int(live_conv.shape[0]), int(live_conv.shape[1])
+        self.max_scratch = int(scratch_conv.shape[1])
+        xp, L, S = device.xp, self.num_mamba_layers, pool.max_slots
+        with device.scope():
+            self.conv_states = xp.zeros((L, S, *live_conv.shape[2:]), dtype=conv_dtype)
+            self.ssm_states = xp.zeros((L, S, *live_ssm.shape[2:]), dtype=ssm_dtype)
+            # Staged index arrays: lanes (src, dst) for two launches per call. Every launch
+            # writes distinct destination slots, so no call needs more than this many pairs.
+            self._idx_dev = xp.full((4, max(S, self.max_requests, self.max_scratch)), -1,
+                                    dtype=np.int32)
+            # One SlotSet per copy direction, covering conv and SSM of every Mamba layer: each
+            # copy is a single slot_copy launch.
+            self._live_to_cache = self._slot_set(live_conv, live_ssm, self.conv_states,
+                                                 self.ssm_states)
+            self._cache_to_live = self._slot_set(self.conv_states, self.ssm_states, live_conv,
+                                                 live_ssm)
+            self._scratch_to_cache = self._slot_set(scratch_conv, scratch_ssm, self.conv_states,
+                                                    self.ssm_states)
+
+    def _slot_set(self, src_conv, src_ssm, dst_conv, dst_ssm) -> SlotSet:
+        mamba_indices = range(self.num_mamba_layers)
+        return SlotSet([(src_conv[m], dst_conv[m]) for m in mamba_indices]
+                       + [(src_ssm[m], dst_ssm[m]) for m in mamba_indices])
+
+    def _copy(self, slotset, src, dst, lane, stream) -> None:
+        """One ``slot_copy`` launch of ``slotset`` for host index arrays ``src`` -> ``dst``,
+        staged in lanes ``2 * lane`` and ``2 * lane + 1`` of the index buffer."""
+        n = len(src)
+        if n == 0:
+            return
+        src_dev, dst_dev = self._idx_dev[2 * lane], self._idx_dev[2 * lane + 1]
+        with launch_scope(self.device, stream):
+            upload_ints(src_dev, np.asarray(src))
+            upload_ints(dst_dev, np.asarray(dst))
+            ops.slot_copy(slotset, src_dev[:n], dst_dev[:n], stream=stream)
+
+    def _rows(self, name, values) -> np.ndarray:
+        return index_array(name, values, len(self.context.request_to_mamba_state_idx))
 
     def _live_slots(self, rows: np.ndarray) -> np.ndarray:
         live = to_host(self.context.request_to_mamba_state_idx)[rows].astype(np.int64)
@@ -37,20 +95,18 @@ class MambaStateCopyMixin:
                              f"got request {int(rows[bad][0])} -> {int(live[bad][0])}")
         return live
 
-    def _rows(self, name, values) -> np.ndarray:
-        table = self.context.request_to_mamba_state_idx
-        return index_array(name, values, len(table))
+    def write_layer(self, block_id, slot, layer_idx, ssm_state, conv_state, *,
+                    stream=None) -> None:
+        """Write one Mamba layer's states into ``slot``, the slot of ``block_id`` (-1: none).
 
-    def store_from_tensors(self, block_id, layer_idx, ssm_state, conv_state, *,
-                           stream=None) -> None:
-        """Write one layer's states into the slot of ``block_id`` (mainly for tests).
-
-        ``ssm_state`` / ``conv_state`` have the per-slot shapes and storage dtypes; an array of
-        another module is converted (an allocation). Raises ``IndexError`` (block or layer out
-        of range), ``ValueError`` (block owns no slot, or shape/dtype mismatch).
+        Raises
+        ------
+        IndexError
+            ``layer_idx`` is out of range.
+        ValueError
+            ``slot`` is -1, or a state's shape or dtype is not the cache's. Nothing changes.
         """
-        slot = self.get_slot(block_id)
-        layer = check_index("layer_idx", layer_idx, self.num_mamba_layers)
+        mamba_index = check_index("layer_idx", layer_idx, self.num_mamba_layers)
         if slot < 0:
             raise ValueError(f"block_id: expected a block owning a slot, got {int(block_id)}")
         for name, value, cache in (("ssm_state", ssm_state, self.ssm_states),
@@ -58,49 +114,77 @@ class MambaStateCopyMixin:
             if tuple(value.shape) != cache.shape[2:] or value.dtype != cache.dtype:
                 raise ValueError(f"{name}: expected {cache.dtype}{cache.shape[2:]}, "
                                  f"got {value.dtype}{tuple(value.shape)}")
-        with stream_scope(stream, self.device), self.device.scope():
-            self.ssm_states[layer, slot] = self.xp.asarray(ssm_state)
-            self.conv_states[layer, slot] = self.xp.asarray(conv_state)
+        with launch_scope(self.device, stream):
+            self.ssm_states[mamba_index, slot] = self.device.xp.asarray(ssm_state)
+            self.conv_states[mamba_index, slot] = self.device.xp.asarray(conv_state)
 
-    def store_from_live_batch(self, slots, request_indices, *, stream=None) -> None:
-        """Copy every layer's live state of each request into the paired cache slot (one launch).
+    def store_from_live(self, slots, request_indices, *, stream=None) -> None:
+        """``cache[:, slots[i]] = live[:, live slot of request_indices[i]]`` (one launch).
 
-        Raises ``IndexError`` (slot or row out of range) or ``ValueError`` (lengths differ, a
-        slot repeats or is free, a request has no live slot); nothing is copied then.
+        Raises
+        ------
+        IndexError
+            A slot or row is out of range.
+        ValueError
+            Lengths differ, a slot repeats or is free, or a request has no live slot. Nothing
+            is copied then.
         """
-        dst = index_array("slots", slots, self.max_slots)
+        dst = index_array("slots", slots, self._pool.max_slots)
         rows = self._rows("request_indices", request_indices)
         if len(dst) != len(rows):
             raise ValueError(f"request_indices: expected {len(dst)} rows, got {len(rows)}")
         if len(np.unique(dst)) != len(dst):
             raise ValueError("slots: expected distinct slots, got a repeated slot")
-        free = dst[self.slot_to_block[dst] < 0]
+        free = dst[self._pool.slot_to_block[dst] < 0]
         if len(free):
             raise ValueError(f"slots: expected slots owned by a block, got free slot "
                              f"{int(free[0])}")
         self._copy(self._live_to_cache, self._live_slots(rows), dst, 0, stream)
 
-    def restore_to_live(self, request_idx, block_id, *, stream=None) -> bool:
-        """Copy every layer's cached state of ``block_id`` into the request's live slot.
+    def restore_to_live(self, request_indices, block_ids, *, stream=None) -> list[bool]:
+        """``live[:, live slot of request_indices[i]] = cache[:, slot of block_ids[i]]`` for
+        every block that owns a slot (one launch); returns, per entry, whether it was restored.
 
-        Returns False (and copies nothing) when the block owns no slot. Raises ``IndexError``
-        (row or block out of range) or ``ValueError`` (the request has no live slot).
-        """
-        return bool(self.restore_to_live_batch([request_idx], [block_id], stream=stream)[0])
-
-    def restore_to_live_batch(self, request_indices, block_ids, *, stream=None) -> list[bool]:
-        """Batched :meth:`restore_to_live`: one launch for every request that has a state.
-
-        Returns, per entry, whether it was restored. The requests' live slots must differ.
+        Raises
+        ------
+        IndexError
+            A row or block is out of range.
+        ValueError
+            Lengths differ, a request has no live slot, or two share one. Nothing is copied.
         """
         rows = self._rows("request_indices", request_indices)
-        ids = index_array("block_ids", block_ids, self.num_blocks)
+        block_to_slot = self._pool.block_to_slot
+        ids = index_array("block_ids", block_ids, len(block_to_slot))
         if len(ids) != len(rows):
             raise ValueError(f"block_ids: expected {len(rows)} blocks, got {len(ids)}")
         live = self._live_slots(rows)
         if len(np.unique(live)) != len(live):
             raise ValueError("request_indices: expected distinct live slots, got a repeat")
-        src = self.block_to_slot[ids]
+        src = block_to_slot[ids]
         found = src >= 0
         self._copy(self._cache_to_live, src[found], live[found], 0, stream)
         return found.tolist()
+
+    def scratch_to_cache(self, src_offsets, slots, *, stream=None) -> None:
+        """``cache[:, slots[i]] = scratch[:, src_offsets[i]]`` (one launch).
+
+        Raises
+        ------
+        IndexError
+            An offset or slot is out of range.
+        ValueError
+            Lengths differ, or a slot repeats. Nothing is copied then.
+        """
+        src = index_array("src_offsets", src_offsets, self.max_scratch)
+        dst = index_array("slots", slots, self._pool.max_slots)
+        if len(src) != len(dst):
+            raise ValueError(f"slots: expected {len(src)} slots, got {len(dst)}")
+        if len(np.unique(dst)) != len(dst):
+            raise ValueError("slots: expected distinct slots, got a repeated slot")
+        self._copy(self._scratch_to_cache, src, dst, 1, stream)
+
+    def zero(self) -> None:
+        """Zero every cache slot (device fills, no allocation)."""
+        with self.device.scope():
+            self.conv_states.fill(0)
+            self.ssm_states.fill(0)

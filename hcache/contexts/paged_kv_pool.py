@@ -1,10 +1,12 @@
-"""The paged KV pool of an attention stack: per-layer block arrays written through block tables.
+"""The paged KV pool of an attention stack: per-layer block arrays written through block tables
+(docs/design.md §6).
 
-Layer ``i`` owns ``[num_blocks, 2, H_i, block_size, D_i]`` (HND: K at ``[:, 0]``, V at
-``[:, 1]``). Block ids are shared by all layers (one :class:`KVBlockAllocator` hands them out),
-so a block table row addresses every layer. Layers of one head dim form a :class:`KVGroup`
-(groups in first-seen order), the unit of one write launch; a :class:`SlotSet` of all layers is
-the unit of one copy-on-write launch.
+Attention layer ``i`` (an ``attention_index``: its position among the layers that own a KV cache)
+owns ``[num_blocks, 2, H_i, block_size, D_i]`` (HND: K at ``[:, 0]``, V at ``[:, 1]``). Block ids
+are shared by all layers (one :class:`KVBlockAllocator` hands them out), so a block table row
+addresses every layer. Layers of one head dim form a :class:`KVGroup` (groups in first-seen
+order; a layer's row in its group is its ``group_position``), the unit of one write launch; a
+:class:`SlotSet` of all layers is the unit of one copy-on-write launch.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 from .. import ops
 from .._checks import as_int, block_id_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import array_module_of, resolve_device, stream_scope
+from ..device import array_module_of, launch_scope, resolve_device, upload_ints
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
 
@@ -41,8 +43,8 @@ class PagedKVPool:
     layers : tuple of arrays [num_blocks, 2, H_i, block_size, D_i]
         Zero-initialised at construction; zero-copy views for a runtime's attention kernels.
     groups : tuple of KVGroup
-        One per distinct head dim, in first-seen order; ``groups[g].layer_indices`` are layer
-        positions.
+        One per distinct head dim, in first-seen order; ``groups[g].layer_indices`` are the
+        attention indices of its layers.
     """
 
     def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
@@ -68,17 +70,16 @@ class PagedKVPool:
             self.layers = tuple(
                 xp.zeros((self.num_blocks, 2, lc.num_kv_heads, self.block_size, lc.head_dim),
                          dtype=self.storage_dtype) for lc in configs)
-            positions = group_layers_by_head_dim([lc.head_dim for lc in configs])
-            self.groups = tuple(KVGroup([self.layers[i] for i in pos], layout="HND",
-                                        layer_indices=pos) for pos in positions)
+            members = group_layers_by_head_dim([lc.head_dim for lc in configs])
+            self.groups = tuple(KVGroup([self.layers[a] for a in indices], layout="HND",
+                                        layer_indices=indices) for indices in members)
             # None without attention layers (a pure-Mamba model): blocks carry only hashes.
             self._slots = SlotSet([(a, a) for a in self.layers]) if self.layers else None
             # Host id lists for copy_blocks are uploaded here, so copies allocate nothing.
             self._copy_ids = xp.empty((2, self.num_blocks), dtype=np.int32)
-        self._where = {}
-        for g, pos in enumerate(positions):
-            for j, i in enumerate(pos):
-                self._where[i] = (g, j)
+        # attention_index -> (group index, group_position)
+        self._group_position = {a: (g, position) for g, indices in enumerate(members)
+                                for position, a in enumerate(indices)}
 
     # --- derived values -----------------------------------------------------------------
 
@@ -104,7 +105,7 @@ class PagedKVPool:
         TypeError, IndexError
             ``i`` is not an int, or not in ``[0, num_layers)``.
         """
-        return self.layers[self._layer_index(i)]
+        return self.layers[self._attention_index(i)]
 
     def memory_report(self) -> dict:
         """Sizes in bytes: total, per block, per layer, and the head-dim groups."""
@@ -151,27 +152,27 @@ class PagedKVPool:
             if not self.num_layers:
                 return  # no attention layer: nothing to write
             num_tokens = self._check_rows("k[0]", ks[0], 0, None)
-            for i in range(self.num_layers):
-                self._check_rows(f"k[{i}]", ks[i], i, num_tokens)
-                self._check_rows(f"v[{i}]", vs[i], i, num_tokens)
+            for a in range(self.num_layers):
+                self._check_rows(f"k[{a}]", ks[a], a, num_tokens)
+                self._check_rows(f"v[{a}]", vs[a], a, num_tokens)
         else:
-            i = self._layer_index(layer, "layer")
-            num_tokens = self._check_rows("k", k, i, None)
-            self._check_rows("v", v, i, num_tokens)
+            attention_index = self._attention_index(layer, "layer")
+            num_tokens = self._check_rows("k", k, attention_index, None)
+            self._check_rows("v", v, attention_index, num_tokens)
         if block_table is None:
             raise TypeError("block_table: expected an int32 [batch, max_blocks] array, got None")
         kwargs = dict(seq_offsets=seq_offsets, uniform_tokens=uniform_tokens, batch=batch,
                       cache_lengths=cache_lengths, positions=positions, block_table=block_table,
                       status=status, stream=stream)
-        with self.device.scope():
+        with launch_scope(self.device, stream):
             if layer is not None:
-                g, j = self._where[i]
-                ops.kv_write(self.groups[g], k, v, layers=j, **kwargs)
+                g, group_position = self._group_position[attention_index]
+                ops.kv_write(self.groups[g], k, v, layers=group_position, **kwargs)
                 return
             # ops validates the shared index arrays on the first launch, before any write.
             for group in self.groups:
-                pos = group.layer_indices
-                ops.kv_write(group, [ks[i] for i in pos], [vs[i] for i in pos], **kwargs)
+                indices = group.layer_indices
+                ops.kv_write(group, [ks[a] for a in indices], [vs[a] for a in indices], **kwargs)
 
     def copy_blocks(self, src_ids, dst_ids, *, status=None, stream=None) -> None:
         """Copy whole blocks of every layer, ``dst[i] <- src[i]`` (copy-on-write), one launch.
@@ -198,7 +199,8 @@ class PagedKVPool:
                              f"got {dst.shape[0]}")
         if isinstance(src, np.ndarray) != isinstance(dst, np.ndarray):
             raise TypeError("src_ids, dst_ids: expected both host ids or both device arrays")
-        if isinstance(src, np.ndarray):
+        host_ids = isinstance(src, np.ndarray)
+        if host_ids:
             live = (src != -1) & (dst != -1)
             src, dst = src[live], dst[live]   # padding pairs are dropped on the host
             if np.unique(dst).shape[0] != dst.shape[0]:
@@ -207,25 +209,25 @@ class PagedKVPool:
             if both.any():
                 raise ValueError(f"dst_ids: expected no block that is also a source, got "
                                  f"{int(dst[both][0])}")
-            if self.xp is not np:
+        with launch_scope(self.device, stream):
+            if self._slots is None:
+                return  # no attention layer: blocks hold no data
+            if host_ids:
                 n = src.shape[0]   # <= num_blocks: destinations are distinct
-                with self.device.scope(), stream_scope(stream, self.device):
-                    self._copy_ids[0, :n].set(src)
-                    self._copy_ids[1, :n].set(dst)
+                upload_ints(self._copy_ids[0], src)
+                upload_ints(self._copy_ids[1], dst)
                 src, dst = self._copy_ids[0, :n], self._copy_ids[1, :n]
-        if self._slots is None:
-            return  # no attention layer: blocks hold no data
-        with self.device.scope():
             ops.slot_copy(self._slots, src, dst, status=status, stream=stream)
 
     # --- internals ----------------------------------------------------------------------
 
-    def _layer_index(self, i, name: str = "i") -> int:
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int, got {type(i).__name__}")
-        if not 0 <= int(i) < self.num_layers:
-            raise IndexError(f"{name}: expected a layer in [0, {self.num_layers}), got {int(i)}")
-        return int(i)
+    def _attention_index(self, value, name: str = "i") -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if not 0 <= int(value) < self.num_layers:
+            raise IndexError(f"{name}: expected a layer in [0, {self.num_layers}), "
+                             f"got {int(value)}")
+        return int(value)
 
     def _per_layer(self, name, arrays) -> list:
         if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
@@ -234,8 +236,8 @@ class PagedKVPool:
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per layer), "
                          f"got {got}")
 
-    def _check_rows(self, name, a, i, num_tokens) -> int:
-        lc = self.layer_configs[i]
+    def _check_rows(self, name, a, attention_index, num_tokens) -> int:
+        lc = self.layer_configs[attention_index]
         if array_module_of(a) is not self.xp or not hasattr(a, "shape"):
             raise TypeError(f"{name}: expected a {self.xp.__name__} array, "
                             f"got {type(a).__name__}")

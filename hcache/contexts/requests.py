@@ -5,7 +5,9 @@
 - ``_Request``: the context's private record of an active request (row, live Mamba slot,
   tokens, blocks, hashes and progress counters), and ``_Chunk``, the request view that
   :meth:`MambaSlotAllocator.compute_and_store_offsets` reads;
-- :class:`RequestTableMixin`: the request-id -> record table and its per-request queries.
+- :class:`RequestTable`: the request-id -> record table, the free rows and live Mamba slots,
+  and the host tables ``request_to_kv_block_ids`` / ``request_to_mamba_state_idx``;
+- :func:`token_list`: the check of the token arguments of the context.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["PrefixCacheStats", "StepPlan", "RequestTableMixin"]
+__all__ = ["PrefixCacheStats", "StepPlan", "RequestTable", "token_list"]
 
 
 @dataclass
@@ -73,11 +75,12 @@ class StepPlan:
 
 @dataclass
 class _Request:
+    """The context's record of an active request (see :class:`RequestTable`)."""
+
     request_id: object
     row: int
     live_slot: int
     tokens: list
-    prompt_length: int
     blocks: list
     hashes: list                  # hashes of the complete blocks of `tokens` computed so far
     computed: int = 0             # tokens whose KV and Mamba state are final
@@ -85,10 +88,6 @@ class _Request:
     registered: int = 0           # leading blocks whose hashes are registered
     pending_end: int = -1         # end of the scheduled step, or -1
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-
-    @property
-    def finished_chunk_token_count(self) -> int:
-        return self.computed
 
 
 @dataclass(frozen=True)
@@ -99,40 +98,99 @@ class _Chunk:
     finished_chunk_token_count: int
 
 
-class RequestTableMixin:
-    """The request table of :class:`~hcache.contexts.DynamicInferenceContext`.
+def token_list(name, tokens) -> list:
+    """``tokens`` (a 1-D integer sequence or array) as a list of Python ints.
 
-    Relies on the context's ``_requests`` (request id -> ``_Request``, insertion order),
-    ``request_to_kv_block_ids`` and ``request_to_mamba_state_idx``.
+    Raises
+    ------
+    TypeError
+        Not integers (or a scalar).
+    ValueError
+        Not 1-D.
+    """
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return []
+    if arr.ndim == 0 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} "
+                        f"{arr.shape}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    return arr.astype(np.int64).tolist()
+
+
+class RequestTable:
+    """The active requests of a context: id -> record, their rows and live Mamba slots, and the
+    host tables the allocators read.
+
+    Parameters
+    ----------
+    max_requests, max_blocks_per_request : int
+
+    Attributes
+    ----------
+    request_to_kv_block_ids : int32 [max_requests, max_blocks_per_request]
+        Block table: row -> the request's block ids; -1 = none.
+    request_to_mamba_state_idx : int32 [max_requests]
+        Row -> live Mamba slot; -1 = none.
+
+    Notes
+    -----
+    Invariant: every active record owns one row and one live slot, written into the two tables;
+    rows and live slots of no record are on the free lists, and their table entries are -1.
     """
 
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._requests)
+    def __init__(self, max_requests: int, max_blocks_per_request: int):
+        self.max_requests = max_requests
+        self.request_to_kv_block_ids = np.full((max_requests, max_blocks_per_request), -1,
+                                               dtype=np.int32)
+        self.request_to_mamba_state_idx = np.full(max_requests, -1, dtype=np.int32)
+        self._records: dict[object, _Request] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every record; every row and live slot is free."""
+        self._records.clear()
+        self.request_to_kv_block_ids.fill(-1)
+        self.request_to_mamba_state_idx.fill(-1)
+        self._free_rows = list(range(self.max_requests - 1, -1, -1))   # pop(): lowest row first
+        self._free_live_slots = list(range(self.max_requests))         # pop(): highest first
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, request_id) -> bool:
+        return request_id in self._records
 
     @property
-    def request_ids(self) -> list:
-        return list(self._requests)
+    def ids(self) -> list:
+        """Active request ids in admission order."""
+        return list(self._records)
 
-    def request_stats(self, request_id) -> PrefixCacheStats:
-        """Counters of one live request (a copy)."""
-        return PrefixCacheStats(**vars(self._get(request_id).stats))
+    @property
+    def has_free_row(self) -> bool:
+        return bool(self._free_rows)
 
-    def block_ids(self, request_id) -> np.ndarray:
-        """The request's block-table row, ``int32 [num_blocks]`` (a copy)."""
-        r = self._get(request_id)
-        return np.asarray(r.blocks, dtype=np.int32)
+    def records(self):
+        """The active records in admission order."""
+        return self._records.values()
 
-    def num_computed_tokens(self, request_id) -> int:
-        return self._get(request_id).computed
+    def in_row_order(self) -> list:
+        """The active records sorted by row."""
+        return sorted(self._records.values(), key=lambda r: r.row)
 
-    def mamba_slot(self, request_id) -> int:
-        """The request's live Mamba slot."""
-        return self._get(request_id).live_slot
+    def get(self, request_id) -> _Request:
+        """The record of an active request.
 
-    def _get(self, request_id) -> _Request:
+        Raises
+        ------
+        TypeError
+            ``request_id`` is not hashable.
+        ValueError
+            No active request has this id.
+        """
         try:
-            return self._requests[request_id]
+            return self._records[request_id]
         except TypeError:
             raise TypeError(f"request_id: expected a hashable id, "
                             f"got {type(request_id).__name__}") from None
@@ -140,19 +198,25 @@ class RequestTableMixin:
             raise ValueError(f"request_id: expected an active request, got {request_id!r}") \
                 from None
 
-    def _tokens(self, name, tokens) -> list:
-        arr = np.asarray(tokens)
-        if arr.size == 0:
-            return []
-        if arr.ndim == 0 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} "
-                            f"{arr.shape}")
-        if arr.ndim != 1:
-            raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-        return arr.astype(np.int64).tolist()
+    def new_record(self, request_id, tokens: list, blocks: list, hashes: list) -> _Request:
+        """A record for a new request on the lowest free row and a free live slot (the caller
+        checked :attr:`has_free_row`); :meth:`install` makes it active."""
+        return _Request(request_id, self._free_rows.pop(), self._free_live_slots.pop(), tokens,
+                        blocks, hashes)
 
-    def _install(self, r: _Request) -> None:
+    def install(self, r: _Request) -> None:
+        """Make ``r`` active and write its row of both tables (again after its blocks grew)."""
         self.request_to_kv_block_ids[r.row] = -1
         self.request_to_kv_block_ids[r.row, :len(r.blocks)] = r.blocks
         self.request_to_mamba_state_idx[r.row] = r.live_slot
-        self._requests[r.request_id] = r
+        self._records[r.request_id] = r
+
+    def release(self, records) -> None:
+        """Forget active ``records``: clear their table rows, free their rows and live slots."""
+        rows = [r.row for r in records]
+        self.request_to_kv_block_ids[rows] = -1
+        self.request_to_mamba_state_idx[rows] = -1
+        for r in records:
+            self._free_rows.append(r.row)
+            self._free_live_slots.append(r.live_slot)
+            del self._records[r.request_id]

@@ -1,0 +1,244 @@
+"""The registered KV blocks: their prefix hashes, the hash map and the parent forest, with the
+leaf-peeling eviction order (docs/design.md §6).
+
+A registered block holds a positive hash; ``hash_to_block`` is the inverse of ``hashes`` on
+registered blocks. Registered blocks form a forest through their parent links: a block's parent
+is the block that held its parent hash when it was registered. Invariants (checked by
+:meth:`BlockForest.broken_invariants`):
+
+- a parent link always points at a registered block, and links point backwards in registration
+  order, so the forest is acyclic; ``child_counts`` counts each block's registered children;
+- eviction removes leaves only (oldest timestamp first, ties by block id), so a cached block's
+  ancestors stay cached and a prefix match scanned along a hash chain never meets a hole;
+- a cached block with an in-use descendant is not evictable (peeling cannot reach it);
+- unlinking a block orphans its registered children, so no link dangles.
+
+Ref counts and timestamps belong to :class:`~hcache.contexts.KVBlockAllocator`, which passes
+them in where the forest needs them.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+__all__ = ["BlockForest"]
+
+
+class BlockForest:
+    """Hashes, hash map and parent forest of the registered blocks among ``num_blocks``.
+
+    Attributes
+    ----------
+    hashes : int64 [num_blocks]
+        Hash of each block; -1 = unregistered.
+    hash_to_block : dict[int, int]
+        Registered hash -> block id.
+    parent_ids : int32 [num_blocks]
+        Registered parent of each registered block; -1 = none.
+    parent_hashes : int64 [num_blocks]
+        Hash of that parent; 0 = no parent.
+    child_counts : int32 [num_blocks]
+        Number of registered blocks whose parent is this block.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.hashes = np.empty(num_blocks, dtype=np.int64)
+        self.hash_to_block: dict[int, int] = {}
+        self.parent_ids = np.empty(num_blocks, dtype=np.int32)
+        self.parent_hashes = np.empty(num_blocks, dtype=np.int64)
+        self.child_counts = np.empty(num_blocks, dtype=np.int32)
+        self.reset()
+
+    def reset(self) -> None:
+        """Unregister every block."""
+        self.hashes.fill(-1)
+        self.hash_to_block.clear()
+        self.parent_ids.fill(-1)
+        self.parent_hashes.fill(0)
+        self.child_counts.fill(0)
+
+    @property
+    def registered(self) -> np.ndarray:
+        """``bool [num_blocks]``: blocks holding a hash."""
+        return self.hashes != -1
+
+    # --- registration -------------------------------------------------------------------
+
+    def plan_registration(self, block_ids: np.ndarray, hashes: np.ndarray,
+                          parent_hashes: np.ndarray, ref_counts: np.ndarray) -> dict:
+        """Validate a registration batch and return the blocks it registers.
+
+        Parameters
+        ----------
+        block_ids, hashes, parent_hashes : int64 [n]
+            Checked ids in range, and int64 hashes (0 parent hash = no parent).
+        ref_counts : int32 [num_blocks]
+            The allocator's ref counts: a block to register must be in use.
+
+        Returns
+        -------
+        dict
+            ``block id -> (hash, parent hash)`` of the unregistered blocks, first occurrence
+            first; blocks already holding the same hash are left out.
+
+        Raises
+        ------
+        ValueError
+            A hash is not positive, a registered block would get a different hash, a block is
+            free, a block gets two hashes, or a hash is held by another block.
+        """
+        if (hashes <= 0).any():
+            raise ValueError(f"hashes: expected positive hashes, "
+                             f"got {int(hashes[hashes <= 0][0])}")
+        current = self.hashes[block_ids]
+        clash = (current != -1) & (current != hashes)
+        if clash.any():
+            i = int(np.argmax(clash))
+            raise ValueError(f"block_ids: expected block {int(block_ids[i])} re-registered under "
+                             f"its hash {int(current[i])}, got a different hash {int(hashes[i])}")
+        free = (current == -1) & (ref_counts[block_ids] == 0)
+        if free.any():
+            raise ValueError(f"block_ids: expected blocks in use, got free block "
+                             f"{int(block_ids[free][0])}")
+        new = current == -1
+        pending: dict[int, tuple[int, int]] = {}   # block -> (hash, parent hash), first seen
+        claimed: dict[int, int] = {}               # hash -> block
+        for b, h, p in zip(block_ids[new].tolist(), hashes[new].tolist(),
+                           parent_hashes[new].tolist(), strict=True):
+            if pending.setdefault(b, (h, p))[0] != h:
+                raise ValueError(f"hashes: expected one hash for block {b}, "
+                                 f"got {pending[b][0]} and {h}")
+            holder = claimed.setdefault(h, self.hash_to_block.get(h, b))
+            if holder != b:
+                raise ValueError(f"hashes: expected hash {h} to be free, got it held by block "
+                                 f"{holder} while registering block {b}")
+        return pending
+
+    def link(self, pending: dict) -> None:
+        """Register the blocks of a :meth:`plan_registration` result and link each to its
+        parent (a parent hash that is 0 or not registered, before this call or earlier in the
+        batch, means no parent)."""
+        # Parents resolve to blocks registered before this call or earlier in the batch, so
+        # every parent link points backwards in registration order (no cycles).
+        parent_ids = []
+        for b, (h, p) in pending.items():
+            parent_ids.append(self.hash_to_block.get(p, -1) if p > 0 else -1)
+            self.hash_to_block[h] = b
+        new_ids = np.fromiter(pending, dtype=np.int64, count=len(pending))
+        parents = np.asarray(parent_ids, dtype=np.int32)
+        self.hashes[new_ids] = [h for h, _ in pending.values()]
+        has_parent = parents >= 0
+        self.parent_ids[new_ids] = parents
+        self.parent_hashes[new_ids] = np.where(has_parent, self.hashes[np.maximum(parents, 0)],
+                                               0)
+        np.add.at(self.child_counts, parents[has_parent], 1)
+
+    def unlink(self, block_ids: np.ndarray) -> set:
+        """Unregister unique registered ``block_ids``, orphaning their children; returns their
+        former hashes."""
+        hashes = self.hashes[block_ids]
+        for h in hashes.tolist():
+            del self.hash_to_block[h]
+        parents = self.parent_ids[block_ids]
+        np.subtract.at(self.child_counts, parents[parents >= 0], 1)
+        orphans = np.isin(self.parent_ids, block_ids)
+        self.parent_ids[orphans] = -1
+        self.parent_hashes[orphans] = 0
+        self.parent_ids[block_ids] = -1
+        self.parent_hashes[block_ids] = 0
+        self.child_counts[block_ids] = 0
+        self.hashes[block_ids] = -1
+        return set(hashes.tolist())
+
+    # --- eviction order -----------------------------------------------------------------
+
+    def evictable_mask(self, ref_counts: np.ndarray) -> np.ndarray:
+        """``bool [num_blocks]``: cached blocks (registered, ref count 0) with no used
+        descendant, exactly the blocks leaf peeling can reach."""
+        registered = self.registered
+        used = ref_counts > 0
+        cached = registered & ~used
+        if not cached.any():
+            return np.zeros(self.num_blocks, dtype=bool)
+        blocked = np.zeros(self.num_blocks, dtype=bool)
+        parents = self.parent_ids[registered & used]
+        # Walk up from used blocks through cached ancestors only; a request normally holds its
+        # whole chain, so this loop usually stops after one round.
+        while parents.size:
+            parents = parents[parents >= 0]
+            parents = np.unique(parents[cached[parents] & ~blocked[parents]])
+            blocked[parents] = True
+            parents = self.parent_ids[parents]
+        return cached & ~blocked
+
+    def peel(self, n: int, evictable: np.ndarray, timestamps: np.ndarray) -> np.ndarray | None:
+        """The first ``n`` blocks of the leaf-peeling order over ``evictable`` (oldest
+        ``timestamps`` first, ties by block id), or None if fewer are evictable.
+
+        Leaves come from one vectorised sort; only parents freed by the peel go through a heap,
+        so the Python loop runs ``n`` times.
+        """
+        if np.count_nonzero(evictable) < n:
+            return None
+        ts = timestamps
+        leaves = np.flatnonzero(evictable & (self.child_counts == 0))
+        leaves = leaves[np.lexsort((leaves, ts[leaves]))].tolist()
+        children = self.child_counts.copy()
+        heap: list[tuple[int, int]] = []
+        out: list[int] = []
+        i = 0
+        while len(out) < n:
+            if heap and (i >= len(leaves) or heap[0] < (int(ts[leaves[i]]), leaves[i])):
+                b = heapq.heappop(heap)[1]
+            else:
+                b = leaves[i]
+                i += 1
+            out.append(b)
+            p = int(self.parent_ids[b])
+            if p >= 0:
+                children[p] -= 1
+                if children[p] == 0 and evictable[p]:
+                    heapq.heappush(heap, (int(ts[p]), p))
+        return np.asarray(out, dtype=np.int64)
+
+    # --- checks -------------------------------------------------------------------------
+
+    def broken_invariants(self) -> list[str]:
+        """Every broken invariant of the hashes, the hash map and the forest (see the module
+        docstring); empty when all hold. Reads only."""
+        errors: list[str] = []
+        n, hashes = self.num_blocks, self.hashes
+        registered = self.registered
+        if (hashes[registered] <= 0).any() or (hashes[~registered] != -1).any():
+            errors.append("hashes must be positive or -1")
+        if len(self.hash_to_block) != int(registered.sum()):
+            errors.append(f"hash map has {len(self.hash_to_block)} entries, "
+                          f"{int(registered.sum())} blocks are registered")
+        for h, b in self.hash_to_block.items():
+            if not 0 <= b < n or int(hashes[b]) != h:
+                errors.append(f"hash map entry {h} -> {b} disagrees with block_hashes")
+        pid, phash = self.parent_ids.astype(np.int64), self.parent_hashes
+        if ((pid < -1) | (pid >= n)).any():
+            errors.append("parent ids out of range")
+            return errors
+        if (pid[~registered] != -1).any() or (phash[~registered] != 0).any() \
+                or (self.child_counts[~registered] != 0).any():
+            errors.append("unregistered blocks with a parent or children")
+        linked = registered & (pid >= 0)
+        if not registered[pid[linked]].all():
+            errors.append("a registered block's parent hash is no longer registered")
+        if (phash[linked] != hashes[pid[linked]]).any() \
+                or (phash[registered & (pid < 0)] != 0).any():
+            errors.append("block_parent_hashes disagree with block_parent_ids")
+        counts = np.bincount(pid[linked], minlength=n)
+        if (counts != self.child_counts).any():
+            errors.append("block_child_counts disagree with the parent links")
+        up = np.where(linked, pid, -1)
+        for _ in range(max(1, n.bit_length())):
+            up = np.where(up >= 0, up[np.maximum(up, 0)], -1)
+        if (up >= 0).any():
+            errors.append("the parent links contain a cycle")
+        return errors

@@ -1,0 +1,175 @@
+"""The Mamba cache slots and their owners: a free stack and a block <-> slot map with LRU
+eviction (docs/design.md §6).
+
+Slots ``0..max_slots-1`` of the durable Mamba state cache are owned by KV blocks. Invariants
+(checked by :meth:`MambaSlotPool.broken_invariants`):
+
+- ``block_to_slot`` / ``slot_to_block`` are inverse partial maps;
+- every slot is either on the free stack (``free_slots[:free_count]``, top last) or owned by
+  exactly one block;
+- a slot is evictable only while its KV block's ref count is 0, so pinning a matched block
+  (retain) before allocating also protects its Mamba state.
+
+KV ref counts and timestamps belong to the KV allocator; they are passed in where needed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CacheCapacityError
+
+__all__ = ["MambaSlotCapacityError", "MambaSlotPool"]
+
+
+class MambaSlotCapacityError(CacheCapacityError):
+    """Not enough free plus evictable Mamba cache slots for a batch; nothing was changed.
+
+    Attributes
+    ----------
+    required : int
+        New slots the batch needed.
+    available : int
+        Free slots plus slots that could have been evicted.
+    """
+
+    def __init__(self, required: int, available: int, message: str | None = None):
+        super().__init__(message or f"Mamba cache slots: {required} required, {available} "
+                         "available (free + evictable)", required=int(required),
+                         available=int(available))
+
+
+class MambaSlotPool:
+    """Cache slots ``0..max_slots-1`` owned by KV blocks ``0..num_blocks-1``.
+
+    Attributes
+    ----------
+    block_to_slot : int32 [num_blocks]
+        Slot of each block; -1 = none.
+    slot_to_block : int32 [max_slots]
+        Block owning each slot; -1 = free.
+    free_slots : int32 [max_slots], free_count : int
+        The free stack: ``free_slots[:free_count]``, its top last.
+    """
+
+    def __init__(self, num_blocks: int, max_slots: int):
+        self.max_slots = max_slots
+        self.block_to_slot = np.full(num_blocks, -1, dtype=np.int32)
+        self.slot_to_block = np.full(max_slots, -1, dtype=np.int32)
+        self.free_slots = np.empty(max_slots, dtype=np.int32)
+        self.reset()
+
+    def reset(self) -> None:
+        """Free every slot (a fresh pool hands out slots 0, 1, 2, ...)."""
+        self.block_to_slot.fill(-1)
+        self.slot_to_block.fill(-1)
+        self.free_slots[:] = np.arange(self.max_slots - 1, -1, -1, dtype=np.int32)
+        self.free_count = self.max_slots
+
+    def evictable_blocks(self, ref_counts, exclude=None) -> np.ndarray:
+        """Blocks owning a slot whose KV ``ref_counts`` are 0, other than those of
+        ``exclude``, in slot order (int64)."""
+        owned = self.slot_to_block[self.slot_to_block >= 0].astype(np.int64)
+        candidates = owned[np.asarray(ref_counts)[owned] == 0]
+        if exclude is not None and len(exclude):
+            candidates = candidates[~np.isin(candidates, exclude)]
+        return candidates
+
+    def demand(self, block_ids: np.ndarray, ref_counts):
+        """Blocks of ``block_ids`` needing a new slot (first-seen order) and the slots
+        available to them: free ones plus evictable ones not in ``block_ids`` (whose slots are
+        being returned)."""
+        missing = block_ids[self.block_to_slot[block_ids] < 0]
+        uniq, first = np.unique(missing, return_index=True)
+        new = uniq[np.argsort(first)]
+        available = self.free_count
+        if len(new) > self.free_count:
+            available += len(self.evictable_blocks(ref_counts, exclude=block_ids))
+        return new, available
+
+    def allocate(self, block_ids: np.ndarray, ref_counts, timestamps):
+        """Give every block of ``block_ids`` a slot (one per distinct block; owners keep
+        theirs), free slots first, then by :meth:`evict`, all or nothing.
+
+        Returns
+        -------
+        (list of int, numpy.ndarray of int64)
+            The slot of each entry of ``block_ids``, and the blocks that lost their slot.
+
+        Raises
+        ------
+        MambaSlotCapacityError
+            Free plus evictable slots (other than those of ``block_ids``) are too few.
+        """
+        new, available = self.demand(block_ids, ref_counts)
+        if len(new) > available:
+            raise MambaSlotCapacityError(len(new), available)
+        victims = np.zeros(0, dtype=np.int64)
+        if len(new):
+            take = min(len(new), self.free_count)
+            slots = self.free_slots[self.free_count - take:self.free_count][::-1].copy()
+            self.free_count -= take
+            if take < len(new):
+                evicted, victims = self.evict(len(new) - take, ref_counts, timestamps,
+                                              exclude=block_ids)
+                slots = np.concatenate([slots, evicted])
+            self.block_to_slot[new] = slots
+            self.slot_to_block[slots] = new
+        return self.block_to_slot[block_ids].tolist(), victims
+
+    def evict(self, n: int, ref_counts, timestamps, *, exclude=None):
+        """Take the slots of the ``n`` least recently used evictable blocks: oldest
+        ``timestamps`` first (all 0 when None), ties by block id, never a block of
+        ``exclude``. The slots are **not** returned to the free stack.
+
+        Returns
+        -------
+        (numpy.ndarray of int32, numpy.ndarray of int64)
+            The slots taken and their former blocks.
+
+        Raises
+        ------
+        MambaSlotCapacityError
+            Fewer than ``n`` candidates; nothing changes.
+        """
+        candidates = self.evictable_blocks(ref_counts, exclude)
+        if len(candidates) < n:
+            raise MambaSlotCapacityError(n, len(candidates))
+        stamps = (np.zeros(len(candidates), dtype=np.int64) if timestamps is None
+                  else np.asarray(timestamps)[candidates])
+        victims = candidates[np.lexsort((candidates, stamps))[:n]]
+        slots = self.block_to_slot[victims].copy()
+        self.block_to_slot[victims] = -1
+        self.slot_to_block[slots] = -1
+        return slots, victims
+
+    def release(self, block_ids: np.ndarray) -> None:
+        """Push the slots of unique ``block_ids`` onto the free stack (blocks without one are
+        skipped)."""
+        slots = self.block_to_slot[block_ids]
+        owned = slots >= 0
+        blocks, slots = block_ids[owned], slots[owned]
+        self.block_to_slot[blocks] = -1
+        self.slot_to_block[slots] = -1
+        self.free_slots[self.free_count:self.free_count + len(slots)] = slots
+        self.free_count += len(slots)
+
+    def broken_invariants(self) -> list[str]:
+        """Every broken invariant of the maps and the free stack; empty when all hold."""
+        problems = []
+        free = self.free_slots[:self.free_count].astype(np.int64)
+        if not 0 <= self.free_count <= self.max_slots:
+            problems.append(f"free_count {self.free_count} outside [0, {self.max_slots}]")
+        elif len(np.unique(free)) != len(free) or (self.slot_to_block[free] >= 0).any():
+            problems.append("free stack holds a repeated or owned slot")
+        owned_slots = np.nonzero(self.slot_to_block >= 0)[0]
+        if self.free_count + len(owned_slots) != self.max_slots:
+            problems.append(f"free {self.free_count} + owned {len(owned_slots)} != "
+                            f"max_slots {self.max_slots}")
+        blocks = np.nonzero(self.block_to_slot >= 0)[0]
+        slots = self.block_to_slot[blocks]
+        if len(np.unique(slots)) != len(slots):
+            problems.append("a slot is owned by two blocks")
+        if len(blocks) != len(owned_slots) or (self.slot_to_block[slots] != blocks).any():
+            problems.append("block_to_slot and slot_to_block are not inverse")
+        return problems
