@@ -14,7 +14,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import hcache.contexts.mamba_slot_allocator as msa
 from hcache import ops
 from hcache.contexts import (
     MAX_INTERMEDIATE_OFFSETS_PER_REQUEST,
@@ -401,7 +400,7 @@ def test_all_layers_are_one_launch(monkeypatch):
         calls.append((slots.num_tensors, len(src)))
         return real(slots, src, dst, **kw)
 
-    monkeypatch.setattr(msa.ops, "slot_copy", spy)
+    monkeypatch.setattr(ops, "slot_copy", spy)
     _, kv, alloc = make(max_slots=4)
     ids, hashes = registered_blocks(kv, 3)
     slots = alloc.allocate_slots_batch(ids)

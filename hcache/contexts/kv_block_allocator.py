@@ -98,10 +98,7 @@ class KVBlockAllocator:
 
     # --- derived values -----------------------------------------------------------------
 
-    @property
-    def num_blocks(self) -> int:
-        return self._num_blocks
-
+    num_blocks = property(attrgetter("_num_blocks"))
     # Views of the forest's arrays (see Attributes): written in place by the methods.
     block_hashes = property(attrgetter("_forest.hashes"))
     kv_hash_to_block_id = property(attrgetter("_forest.hash_to_block"))
@@ -119,9 +116,7 @@ class KVBlockAllocator:
         """True when registered blocks survive a ref count of 0 (caching on, policy lru)."""
         return self.enable_prefix_caching and self.eviction_policy == "lru"
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self._free_top
+    num_free_blocks = property(attrgetter("_free_top"))
 
     @property
     def num_used_blocks(self) -> int:

@@ -27,7 +27,6 @@ from operator import attrgetter
 
 import numpy as np
 
-from .. import ops  # noqa: F401 - ``mamba_slot_allocator.ops`` stays importable (tests patch it)
 from .._checks import as_int, check_index, index_array, int_shape
 from ..device import Device, array_module_of
 from ..dtypes import resolve_dtype, storage_dtype
