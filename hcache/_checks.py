@@ -16,7 +16,8 @@ import numpy as np
 from .device import array_module_of
 
 __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host_ints",
-           "index_array", "block_id_array", "hash_array", "int_shape", "int32_array"]
+           "index_array", "block_id_array", "hash_array", "int_shape", "int32_array",
+           "exact_int", "token_counts", "token_list"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1   # the C ``int`` of the kernels, int32 lengths
 _INT64_MAX = np.iinfo(np.int64).max
@@ -155,3 +156,66 @@ def int32_array(name: str, a, xp, *, min_len: int = 0, ndim: int = 1) -> None:
                          f"got shape {tuple(a.shape)}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array")
+
+
+def exact_int(name: str, value) -> int:
+    """``value`` as an int of any size (a seq id, whose liveness the caller checks; a count).
+
+    Raises
+    ------
+    TypeError
+        ``value`` is a bool, a float or no int at all.
+    """
+    return _exact_int(name, value)
+
+
+def token_counts(values, batch: int, name: str = "valid_lengths") -> list[int]:
+    """``values`` as ``batch`` Python ints >= 0 (tokens per batch row).
+
+    Parameters
+    ----------
+    values : host ints [batch]
+        A sequence of ints or a 1-D integer NumPy array (``uint64`` included, read exactly).
+
+    Raises
+    ------
+    TypeError
+        Not a sequence of ints or a 1-D integer array.
+    ValueError
+        Not ``batch`` entries, or a negative entry.
+    """
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind not in "iu" or values.ndim != 1:
+            raise TypeError(f"{name}: expected a 1-D integer array, "
+                            f"got {values.dtype} with shape {values.shape}")
+        counts = values.tolist()     # exact Python ints (uint64 included)
+    elif isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name}: expected a sequence of int, got {type(values).__name__}")
+    else:
+        counts = [exact_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
+    if len(counts) != batch:
+        raise ValueError(f"{name}: expected {batch} lengths, got {len(counts)}")
+    if any(v < 0 for v in counts):
+        raise ValueError(f"{name}: expected lengths >= 0, got {counts}")
+    return counts
+
+
+def token_list(name: str, tokens) -> list:
+    """``tokens`` (a 1-D integer sequence or array) as a list of Python ints.
+
+    Raises
+    ------
+    TypeError
+        Not integers (or a scalar).
+    ValueError
+        Not 1-D.
+    """
+    arr = np.asarray(tokens)
+    if arr.size == 0:
+        return []
+    if arr.ndim == 0 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} "
+                        f"{arr.shape}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    return arr.astype(np.int64).tolist()

@@ -28,7 +28,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, int_shape
+from .._checks import as_int, int_shape, token_list
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from ..errors import CacheCapacityError
@@ -43,7 +43,7 @@ from .prefix_match import (
     pending_blocks_overlap,
     restore_depth_tokens,
 )
-from .requests import PrefixCacheStats, RequestTable, StepPlan, _Chunk, token_list
+from .requests import PrefixCacheStats, RequestTable, StepPlan, _Chunk
 from .step_kv_writer import StepKVWriter
 
 __all__ = ["DynamicInferenceContext", "StepPlan", "PrefixCacheStats"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["PrefixCacheStats", "StepPlan", "RequestTable", "token_list"]
+__all__ = ["PrefixCacheStats", "StepPlan", "RequestTable"]
 
 
 @dataclass
@@ -96,27 +96,6 @@ class _Chunk:
 
     prompt_length: int
     finished_chunk_token_count: int
-
-
-def token_list(name, tokens) -> list:
-    """``tokens`` (a 1-D integer sequence or array) as a list of Python ints.
-
-    Raises
-    ------
-    TypeError
-        Not integers (or a scalar).
-    ValueError
-        Not 1-D.
-    """
-    arr = np.asarray(tokens)
-    if arr.size == 0:
-        return []
-    if arr.ndim == 0 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} "
-                        f"{arr.shape}")
-    if arr.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-    return arr.astype(np.int64).tolist()
 
 
 class RequestTable:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import token_counts
 from ..device import array_module_of, stream_handle
-from .params import token_counts
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
 

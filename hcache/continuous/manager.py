@@ -36,12 +36,12 @@ import threading
 
 import numpy as np
 
-from .._checks import INT32_MAX, as_int
+from .._checks import INT32_MAX, as_int, exact_int, token_counts
 from ..device import resolve_device, stream_handle, to_host
 from ..dtypes import dtype_name, resolve_dtype
 from ..errors import CacheCapacityError
 from .collection import ContinuousBatchingKVCacheCollection
-from .params import KVCacheStaticParams, exact_int, token_counts
+from .params import KVCacheStaticParams
 from .store import KVBlockStore
 
 __all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",

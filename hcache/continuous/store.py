@@ -14,10 +14,10 @@ import threading
 import numpy as np
 
 from .. import ops
+from .._checks import exact_int
 from ..device import launch_scope, upload_ints
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
-from .params import exact_int
 
 __all__ = ["KVBlockStore"]
 
