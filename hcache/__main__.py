@@ -68,6 +68,11 @@ def demo(args) -> int:
 def bench(args) -> int:
     from hcache.bench import main as bench_main
 
+    if args.host:
+        from hcache.bench import host
+
+        return bench_main(device=args.device, out_dir=args.out, quick=args.quick,
+                          benches=(host,))
     return bench_main(device=args.device, out_dir=args.out, quick=args.quick)
 
 
@@ -90,6 +95,9 @@ def main(argv=None) -> int:
                            help="results folder (default: bench/results in the current directory)")
             p.add_argument("--quick", action="store_true",
                            help="fewer repetitions (20 on a GPU, 2 on the CPU)")
+            p.add_argument("--host", action="store_true",
+                           help="host overhead per decode step (bookkeeping µs, median and "
+                                "worst step) instead of the kernels")
     args = parser.parse_args(argv)
     return args.fn(args)
 

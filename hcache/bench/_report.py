@@ -11,12 +11,24 @@ __all__ = ["print_table", "write_report"]
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'family':<11} {'model':<16} {'case':<24} {'us':>10} {'GB/s':>9} {'xcopy':>7} "
-          f"{'xnaive':>7} launches")
-    for r in rows:
+    kernel_rows = [r for r in rows if "GBps" in r]
+    host_rows = [r for r in rows if "worst_us" in r]
+    if kernel_rows:
+        print(f"{'family':<11} {'model':<16} {'case':<24} {'us':>10} {'GB/s':>9} {'xcopy':>7} "
+              f"{'xnaive':>7} launches")
+    for r in kernel_rows:
         print(f"{r['family']:<11} {r['model']:<16} {r['case']:<24} {r['us']:>10.1f} "
               f"{r['GBps'] or 0:>9.1f} {r['vs_copy'] or 0:>7.2f} "
               f"{r['speedup_vs_naive'] or 0:>7.2f} {r['launches']}")
+    if host_rows:
+        print(f"{'case':<30} {'median us':>10} {'mean us':>9} {'worst us':>9} {'goal us':>8}  "
+              "other")
+    for r in host_rows:
+        other = {k: v for k, v in r.items() if k not in ("family", "model", "case", "us",
+                                                           "mean_us", "worst_us", "goal_us")}
+        goal = "-" if r["goal_us"] is None else f"{r['goal_us']:.1f}"
+        print(f"{r['case']:<30} {r['us']:>10.2f} {r['mean_us']:>9.2f} {r['worst_us']:>9.2f} "
+              f"{goal:>8}  {other}")
 
 
 def write_report(out: Path, report: dict) -> list[Path]:
@@ -43,7 +55,7 @@ def _plot(rows: list[dict], path: Path) -> Path | None:
         return None
     labels = [f"{r['family']}\n{r['model']}\n{r['case']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4.5))
-    ax.bar(range(len(rows)), [r["GBps"] or 0 for r in rows])
+    ax.bar(range(len(rows)), [r.get("GBps") or 0 for r in rows])
     ax.set_xticks(range(len(rows)), labels, fontsize=6)
     ax.set_ylabel("effective GB/s (read + written)")
     fig.tight_layout()

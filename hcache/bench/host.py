@@ -1,0 +1,223 @@
+"""Host overhead per decode step (``python -m hcache bench --host``; docs/design.md §8).
+
+What an engine pays on the host, every step, for the caches' bookkeeping: no kernel can win
+this back. Cases (batch 256 unless named otherwise):
+
+* ``hybrid commit``: ``HybridCacheManager.commit_sequence_length(1)`` of a 52-layer
+  Nemotron-H layout;
+* ``continuous fetch+step``: ``ContinuousBatchingKVCacheManager.fetch`` + ``step`` of a decode
+  batch;
+* ``context decode``: ``DynamicInferenceContext.extend_requests`` (one token per request) +
+  ``commit_step``, block size 16: the median step, the mean, and the worst step (the one where
+  every request completes a block); its scaling with the sequence length and the batch size;
+* ``context add_request``: admitting one new request (prompt of 64 tokens) next to 255 others;
+* ``mamba register``: ``MambaSlotAllocator.register_block_hashes_batch`` of 4 blocks, against a
+  plain dict update of the same pairs (what Megatron-LM's registry does, no validation);
+* ``cpu kv_write``: the cpu backend's decode-size write of 64 sequences, against
+  ``numpy.copyto`` of the same bytes.
+
+Noise. Every case runs ``rounds`` times; a step's time is the median over the rounds of that
+step (so a periodic cost such as a block boundary stays, and a one-off preemption of the shared
+machine does not), and the garbage collector is off while timing. Rows report the median step
+(``us``), the mean (``mean_us``), the worst step (``worst_us``) and the goal of the issue that
+set it (``goal_us``), all in µs.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import numpy as np
+
+from hcache.config import HybridCacheConfig, KVLayerConfig
+from hcache.contexts import DynamicInferenceContext
+from hcache.continuous.manager import ContinuousBatchingKVCacheManager, KVCacheStaticParams
+from hcache.ops import kv_write
+from hcache.ops.tables import KVGroup
+from hcache.slots.hybrid import HybridCacheManager
+
+FAMILY = "host"
+
+BATCH = 256
+BLOCK = 16
+
+
+def run(ctx) -> list[dict]:
+    rounds = ctx.timer.repeat
+    rows = [_hybrid_commit(ctx, rounds), _continuous_step(ctx, rounds)]
+    for prompt in (64, 512, 960):
+        rows.append(_context_decode(ctx, rounds, BATCH, prompt))
+    for batch in (16, 64):
+        rows.append(_context_decode(ctx, rounds, batch, 64))
+    rows += [_add_request(ctx, rounds), _mamba_register(ctx, rounds), _cpu_kv_write(rounds)]
+    return rows
+
+
+def _step_times(rounds: int, steps: int, setup, step) -> list[float]:
+    """Per-step µs: ``setup()`` then ``steps`` calls of ``step(i)``, ``rounds`` times; each
+    step's time is its median over the rounds."""
+    table = np.zeros((rounds, steps))
+    for r in range(rounds):
+        state = setup()
+        gc.collect()
+        gc.disable()
+        try:
+            for i in range(steps):
+                t0 = time.perf_counter_ns()
+                step(state, i)
+                table[r, i] = (time.perf_counter_ns() - t0) / 1e3
+        finally:
+            gc.enable()
+    return list(np.median(table, axis=0))
+
+
+def _row(case: str, times: list[float], goal: float | None, **extra) -> dict:
+    return {"model": extra.pop("model", "-"), "case": case,
+            "us": round(statistics.median(times), 2),
+            "mean_us": round(statistics.fmean(times), 2), "worst_us": round(max(times), 2),
+            "goal_us": goal, "steps": len(times), **extra}
+
+
+def _hybrid_commit(ctx, rounds: int) -> dict:
+    pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"   # 52 layers
+    cfg = HybridCacheConfig.from_hf_config(
+        {"model_type": "nemotron_h", "hybrid_override_pattern": pattern,
+         "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8,
+         "mamba_num_heads": 1, "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 1,
+         "conv_kernel": 4},
+        max_batch_size=BATCH, max_sequence_length=4096)
+    steps = 200
+
+    def setup():
+        cache = HybridCacheManager(cfg, device=ctx.device)
+        cache.reset_for_new_sequences(np.zeros(BATCH, np.int32))
+        return cache
+
+    times = _step_times(rounds, steps, setup, lambda c, i: c.commit_sequence_length(1))
+    return _row("hybrid commit(1) 52 layers", times, 10.0, model="nemotron-h 52L")
+
+
+def _continuous_step(ctx, rounds: int) -> dict:
+    steps = 200
+    ones = np.ones(BATCH, np.int32)
+
+    def setup():
+        mgr = ContinuousBatchingKVCacheManager(
+            "float16", KVCacheStaticParams(num_heads=1, head_size=8), max_batch_size=BATCH,
+            max_seq_len=1024, num_layers=2, device=ctx.device)
+        return mgr, mgr.claim(BATCH)
+
+    def step(state, i):
+        mgr, ids = state
+        mgr.step(ones, mgr.fetch(ids))
+
+    times = _step_times(rounds, steps, setup, step)
+    return _row("continuous fetch+step", times, 25.0, batch=BATCH)
+
+
+def _context(ctx, batch: int, prompt: int):
+    kv = [KVLayerConfig(1, 8)]
+    blocks = batch * (prompt // BLOCK + 4) + 16
+    return DynamicInferenceContext(
+        kv_layer_configs=kv, num_blocks=blocks, block_size_tokens=BLOCK,
+        max_requests=batch, max_blocks_per_request=prompt // BLOCK + 8, num_mamba_layers=4,
+        ssm_states_shape=(2, 4, 4), conv_states_shape=(16, 4), mamba_cache_slots=5 * batch,
+        device=ctx.device)
+
+
+def _admitted(ctx, batch: int, prompt: int, admit: int | None = None):
+    """A context for ``batch`` requests with ``admit`` (default all) of them admitted with
+    random ``prompt``-token prompts and their prefill committed."""
+    context = _context(ctx, batch, prompt)
+    rng = np.random.default_rng(prompt)
+    ids = list(range(batch if admit is None else admit))
+    for rid in ids:
+        context.add_request(rid, rng.integers(0, 50_000, prompt))
+    context.commit_step()
+    return context, ids
+
+
+def _context_decode(ctx, rounds: int, batch: int, prompt: int) -> dict:
+    steps = 2 * BLOCK
+    tokens = np.arange(batch, dtype=np.int64) + 7
+
+    def step(state, i):
+        context, ids = state
+        context.extend_requests(ids, tokens)
+        context.commit_step()
+
+    times = _step_times(rounds, steps, lambda: _admitted(ctx, batch, prompt), step)
+    goal = 100.0 if batch == BATCH and prompt == 64 else None
+    return _row(f"context decode b{batch} len{prompt}", times, goal, batch=batch,
+                prompt=prompt, worst_goal_us=300.0 if goal else None)
+
+
+def _add_request(ctx, rounds: int) -> dict:
+    steps = 16
+
+    def setup():
+        context, ids = _admitted(ctx, BATCH, 64, BATCH - steps)
+        return context, np.random.default_rng(1)
+
+    def step(state, i):
+        context, rng = state
+        context.add_request(10_000 + i, rng.integers(0, 50_000, 64))
+
+    times = _step_times(rounds, steps, setup, step)
+    return _row("context add_request", times, 100.0, batch=BATCH)
+
+
+def _mamba_register(ctx, rounds: int) -> dict:
+    steps = 64
+    n = 4
+
+    def setup():
+        context, ids = _admitted(ctx, 64, 4 * BLOCK)
+        alloc = context.mamba_slot_allocator
+        kv = context.kv_block_allocator
+        pairs = []
+        for rid in ids:
+            for b in context.block_ids(rid)[:n].tolist():
+                pairs.append((b, int(kv.block_hashes[b])))
+        chunks = [pairs[i:i + n] for i in range(0, len(pairs), n)][:steps]
+        for chunk in chunks:
+            alloc.allocate_slots_batch([b for b, _ in chunk])
+        return alloc, [([b for b, _ in c], [h for _, h in c]) for c in chunks]
+
+    def ours(state, i):
+        alloc, chunks = state
+        alloc.register_block_hashes_batch(*chunks[i])
+
+    def plain(state, i):
+        table, chunks = state
+        for b, h in zip(*chunks[i]):
+            if h > 0:
+                table[h] = b
+
+    times = _step_times(rounds, steps, setup, ours)
+    base = _step_times(rounds, steps, lambda: ({}, setup()[1]), plain)
+    return _row(f"mamba register {n} blocks", times, round(statistics.median(base), 2),
+                baseline="plain dict update (Megatron-LM's registry, no checks)")
+
+
+def _cpu_kv_write(rounds: int) -> dict:
+    batch, heads, dim, seq = 64, 8, 128, 256
+    layers = [np.zeros((batch, 2, heads, seq, dim), np.float16) for _ in range(4)]
+    group = KVGroup(layers)
+    k = np.ones((batch, heads, dim), np.float16)
+    lengths = np.full(batch, 10, np.int32)
+    steps = 64
+
+    def write(state, i):
+        kv_write(group, k, k, layers=i % 4, uniform_tokens=1, batch=batch,
+                 cache_lengths=lengths)
+
+    times = _step_times(rounds, steps, lambda: None, write)
+    dst = np.empty((2, batch, heads, dim), np.float16)
+    src = np.ones_like(dst)
+    copy = _step_times(rounds, steps, lambda: None, lambda s, i: np.copyto(dst, src))
+    ratio = statistics.median(copy) / statistics.median(times)
+    return _row("cpu kv_write decode b64", times, None, model="8x128 fp16",
+                vs_copyto=round(ratio, 3), goal_vs_copyto=0.5)
