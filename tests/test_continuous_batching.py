@@ -456,8 +456,9 @@ def test_check_invariants_reports_every_broken_invariant():
     m = make(n=4, s=5)
     a, b, _ = m.claim(3)
     m.check_invariants()
-    m._block_of[b] = m._block_of[a]              # two live sequences on one block
-    m._lengths[a] = 6                            # past max_seq_len
+    seqs = m._sequences
+    seqs.block_of[b] = seqs.block_of[a]          # two live sequences on one block
+    seqs.block_len[seqs.block_of[a]] = 6         # past max_seq_len
     with pytest.raises(RuntimeError) as info:
         m.check_invariants()
     text = str(info.value)
@@ -618,3 +619,55 @@ def test_fetch_wait_from_a_thread_that_reuses_the_owner_ident():
         pytest.skip("this platform did not recycle the thread id")
     assert "within" in outcome[0], outcome[0]       # timed out waiting, not refused as owner
     assert m.in_flight is not None and m.in_flight.seq_ids == (a,)
+
+
+# --- the decode fast paths: a repeated fetch reuses its lookup, step commits vectorized ------
+
+def test_repeated_fetch_follows_claims_and_releases():
+    m = make(n=4, s=8)
+    a, b, c = m.claim(3)
+    m.step(np.ones(2, np.int32), m.fetch([a, b]))
+    m.step([1, 1], m.fetch([a, b]))                  # the same ids again
+    m.release(b)
+    with pytest.raises(ValueError, match="unknown"):
+        m.fetch([a, b])                              # b is gone, even though [a, b] was cached
+    (d,) = m.claim(1)                                # d takes b's block, with no tokens
+    coll = m.fetch([a, d])
+    assert coll.blocks == (m.block_of(a), m.block_of(d)) and coll.host_cache_lengths == (2, 0)
+    m.step([3, 1], coll)
+    assert m.cache_lengths == {a: 5, c: 0, d: 1}
+    m.check_invariants()
+
+
+def test_repeated_fetch_still_checks_types_and_duplicates():
+    m = make(n=4, s=8)
+    a, b = m.claim(2)
+    m.step([0, 0], m.fetch([a, b]))
+    for bad in ([float(a), b], [a, True], [a, np.float64(b)]):
+        with pytest.raises(TypeError, match=r"seq_ids\[\d\]"):
+            m.fetch(bad)
+    with pytest.raises(ValueError, match="distinct"):
+        m.fetch([a, a])
+    coll = m.fetch(np.array([b, a]))                 # an integer array works like a list
+    assert coll.seq_ids == (b, a)
+
+
+@pytest.mark.parametrize("lengths", [[2**70, 0], np.array([2**64 - 1, 0], np.uint64),
+                                     [9, 0], np.array([9, 0], np.int32)])
+def test_step_refuses_a_length_past_the_block_with_its_exact_value(lengths):
+    m = make(n=2, s=8)
+    a, b = m.claim(2)
+    coll = m.fetch([a, b])
+    before = state(m)
+    with pytest.raises(ValueError, match=rf"valid_lengths\[0\]: .* got {int(lengths[0])}$"):
+        m.step(lengths, coll)
+    assert state(m) == before and m.in_flight is coll
+
+
+@pytest.mark.parametrize("lengths", [np.array([1, -1], np.int64), [1, -1]])
+def test_step_refuses_negative_lengths_from_arrays_and_lists(lengths):
+    m = make(n=2, s=8)
+    coll = m.fetch(m.claim(2))
+    with pytest.raises(ValueError, match="lengths >= 0"):
+        m.step(lengths, coll)
+    assert m.in_flight is coll and set(m.cache_lengths.values()) == {0}

@@ -50,8 +50,8 @@ class ContinuousBatchingKVCacheCollection:
         # Host mirrors of the two device arrays: committed lengths cannot change while the
         # batch is in flight (only ``step`` commits, and release of an in-flight seq is refused),
         # so ``write`` validates positions against them without reading the device.
-        self._blocks = np.array(host_blocks, dtype=np.int64)
-        self._lengths = np.array(host_lengths, dtype=np.int64)
+        self._blocks = host_blocks.view()      # int64 [batch], views that cannot write
+        self._lengths = host_lengths.view()
         self._blocks.flags.writeable = False
         self._lengths.flags.writeable = False
 
@@ -81,6 +81,16 @@ class ContinuousBatchingKVCacheCollection:
     def host_cache_lengths(self) -> tuple[int, ...]:
         """Host copy of ``cache_lengths``: committed tokens of each row at fetch time."""
         return tuple(int(n) for n in self._lengths)
+
+    @property
+    def lookup_table_host(self) -> np.ndarray:
+        """Read-only host mirror of ``lookup_table``, int64 ``[batch]``."""
+        return self._blocks
+
+    @property
+    def cache_lengths_host(self) -> np.ndarray:
+        """Read-only host mirror of ``cache_lengths``, int64 ``[batch]``."""
+        return self._lengths
 
     @property
     def max_cache_length(self) -> int:

@@ -22,7 +22,9 @@ Design decisions (where the reference is silent or not thread-safe):
   concurrent ``step`` cannot end the batch half-way. ``fetch`` and ``write`` should use one
   stream (the index buffers are reused by the next ``fetch``).
 
-The manager keeps the books (free heap, live sequences, the batch in flight). Its device side,
+The manager runs the batch protocol (claims, the batch in flight, threads); which block holds
+which sequence and its committed tokens are a :class:`~hcache.continuous.sequences.SequenceBlocks`.
+Its device side,
 ``blocks_buf``, the index buffers and the lock, is a :class:`~hcache.continuous.store.KVBlockStore`
 that it shares with the batches it hands out
 (:class:`~hcache.continuous.collection.ContinuousBatchingKVCacheCollection`).
@@ -30,7 +32,6 @@ that it shares with the batches it hands out
 
 from __future__ import annotations
 
-import heapq
 import math
 import threading
 
@@ -39,9 +40,9 @@ import numpy as np
 from .._checks import INT32_MAX, as_int, exact_int, token_counts
 from ..device import resolve_device, stream_handle, to_host
 from ..dtypes import dtype_name, resolve_dtype
-from ..errors import CacheCapacityError
 from .collection import ContinuousBatchingKVCacheCollection
 from .params import KVCacheStaticParams
+from .sequences import SequenceBlocks, seq_id_list, token_count_array
 from .store import KVBlockStore
 
 __all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
@@ -87,11 +88,7 @@ class ContinuousBatchingKVCacheManager:
         self._store = KVBlockStore(self._device, self._dtype, n, self._num_layers,
                                    self._max_seq_len, kv_params.num_heads, kv_params.head_size)
         self._cond = self._store.lock                  # one lock for the manager and its batch
-        # Every block is on the free heap or held by exactly one live sequence.
-        self._free: list[int] = list(range(n))        # a heap: claim takes the lowest block
-        self._block_of: dict[int, int] = {}            # live seq_id -> block
-        self._lengths: dict[int, int] = {}             # live seq_id -> committed tokens
-        self._next_id = 0                              # ids below it were handed out once
+        self._sequences = SequenceBlocks(n, self._max_seq_len)
         self._inflight: ContinuousBatchingKVCacheCollection | None = None
         self._inflight_owner: threading.Thread | None = None   # the thread that fetched it
 
@@ -116,18 +113,18 @@ class ContinuousBatchingKVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         with self._cond:
-            return len(self._free)
+            return len(self._sequences.free)
 
     @property
     def num_live_sequences(self) -> int:
         with self._cond:
-            return len(self._block_of)
+            return len(self._sequences.block_of)
 
     @property
     def cache_lengths(self) -> dict[int, int]:
         """Snapshot ``{seq_id: committed tokens}`` of the live sequences."""
         with self._cond:
-            return dict(self._lengths)
+            return self._sequences.lengths()
 
     @property
     def in_flight(self) -> ContinuousBatchingKVCacheCollection | None:
@@ -138,15 +135,13 @@ class ContinuousBatchingKVCacheManager:
         """True when ``claim(batch_size)`` would succeed now."""
         n = as_int("batch_size", batch_size, 0)
         with self._cond:
-            return n <= len(self._free)
+            return n <= len(self._sequences.free)
 
     def block_of(self, seq_id: int) -> int:
         """The block of a live sequence. Raises ``ValueError`` for an unknown id."""
         sid = exact_int("seq_id", seq_id)
         with self._cond:
-            if sid not in self._block_of:
-                raise ValueError(f"seq_id: expected a live sequence, got {sid}")
-            return self._block_of[sid]
+            return self._sequences.block(sid)
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -168,17 +163,7 @@ class ContinuousBatchingKVCacheManager:
         """
         n = as_int("batch_size", batch_size, 0)
         with self._cond:
-            available = len(self._free)
-            if n > available:
-                raise CacheCapacityError(f"batch_size: expected at most {available} free blocks "
-                                         f"(of {self._num_blocks}), got {n}",
-                                         required=n, available=available)
-            ids = list(range(self._next_id, self._next_id + n))
-            for sid in ids:
-                self._block_of[sid] = heapq.heappop(self._free)
-                self._lengths[sid] = 0
-            self._next_id += n
-            return ids
+            return self._sequences.claim(n)
 
     def fetch(self, seq_ids, *, wait: bool = False, timeout: float | None = None,
               stream=None) -> ContinuousBatchingKVCacheCollection:
@@ -212,13 +197,9 @@ class ContinuousBatchingKVCacheManager:
             An id is not an int, ``timeout`` is not None or a number, or ``stream`` is not a
             stream.
         """
-        if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
-            raise TypeError(f"seq_ids: expected a sequence of int, got {type(seq_ids).__name__}")
-        ids = [exact_int(f"seq_ids[{i}]", s) for i, s in enumerate(seq_ids)]
+        ids = seq_id_list(seq_ids)
         if not ids:
             raise ValueError("seq_ids: expected at least one seq_id, got 0")
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"seq_ids: expected distinct ids, got {ids}")
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
                                                                       np.floating)):
@@ -236,12 +217,8 @@ class ContinuousBatchingKVCacheManager:
                 if not self._cond.wait_for(lambda: self._inflight is None, timeout):
                     raise BatchInFlightError(f"fetch: expected the batch in flight to be "
                                              f"stepped within {timeout} s, got none")
-            unknown = [s for s in ids if s not in self._block_of]
-            if unknown:
-                raise ValueError(f"seq_ids: expected live sequences, got unknown {unknown}")
-            batch = len(ids)
-            blocks = np.fromiter((self._block_of[s] for s in ids), np.int32, batch)
-            lengths = np.fromiter((self._lengths[s] for s in ids), np.int32, batch)
+            blocks = self._sequences.blocks_of(ids)
+            lengths = self._sequences.block_len[blocks]
             self._store.load_batch(blocks, lengths, stream)
             coll = ContinuousBatchingKVCacheCollection(self, self._store, ids, blocks, lengths)
             self._inflight, self._inflight_owner = coll, threading.current_thread()
@@ -260,18 +237,16 @@ class ContinuousBatchingKVCacheManager:
         """
         with self._cond:
             self._check_active(collection, "step")
-            add = token_counts(valid_lengths, collection.batch_size)
-            # Python ints: a huge length must be refused, not wrap around in int64.
-            old = collection.host_cache_lengths
-            new = [n + a for n, a in zip(old, add, strict=True)]
-            over = [i for i, n in enumerate(new) if n > self._max_seq_len]
-            if over:
-                i = over[0]
+            add = token_count_array(valid_lengths, collection.batch_size, self._max_seq_len)
+            old = collection.cache_lengths_host
+            new = old + add
+            if (new > self._max_seq_len).any():
+                i = int(np.flatnonzero(new > self._max_seq_len)[0])
+                got = token_counts(valid_lengths, collection.batch_size)[i]   # exact value
                 raise ValueError(f"valid_lengths[{i}]: expected at most "
-                                 f"{self._max_seq_len - old[i]} for seq_id "
-                                 f"{collection.seq_ids[i]}, got {add[i]}")
-            for sid, n in zip(collection.seq_ids, new, strict=True):
-                self._lengths[sid] = n
+                                 f"{self._max_seq_len - int(old[i])} for seq_id "
+                                 f"{collection.seq_ids[i]}, got {got}")
+            self._sequences.commit(collection.lookup_table_host, new)
             self._inflight, self._inflight_owner = None, None
             self._cond.notify_all()
 
@@ -287,13 +262,11 @@ class ContinuousBatchingKVCacheManager:
         """
         sid = exact_int("seq_id", seq_id)
         with self._cond:
-            if sid not in self._block_of:
-                raise ValueError(f"seq_id: expected a live sequence, got {sid}")
+            self._sequences.block(sid)   # raises for an unknown id
             if self._inflight is not None and sid in self._inflight.seq_ids:
                 raise ValueError(f"seq_id: expected a sequence not in the batch in flight, "
                                  f"got {sid}; step the batch first")
-            heapq.heappush(self._free, self._block_of.pop(sid))
-            del self._lengths[sid]
+            self._sequences.release(sid)
 
     # --- checks and diagnostics -------------------------------------------------------------
 
@@ -322,27 +295,7 @@ class ContinuousBatchingKVCacheManager:
             Listing every broken invariant.
         """
         with self._cond:
-            p: list[str] = []
-            live = list(self._block_of.values())
-            free, total = self._free, self._num_blocks
-            if set(self._block_of) != set(self._lengths):
-                p.append("live seq_ids of blocks and of cache_lengths differ")
-            if len(set(live)) != len(live):
-                p.append(f"a block is held by two live sequences: {sorted(live)}")
-            if len(set(free)) != len(free):
-                p.append(f"a block is free twice: {sorted(free)}")
-            if set(free) & set(live):
-                p.append(f"blocks both free and live: {sorted(set(free) & set(live))}")
-            if len(free) + len(live) != total or set(free) | set(live) != set(range(total)):
-                p.append(f"free ({len(free)}) + live ({len(live)}) blocks do not make the "
-                         f"{total} blocks")
-            if any(free[(i - 1) // 2] > free[i] for i in range(1, len(free))):
-                p.append("the free list is not a heap")
-            bad = {s: n for s, n in self._lengths.items() if not 0 <= n <= self._max_seq_len}
-            if bad:
-                p.append(f"lengths outside [0, {self._max_seq_len}]: {bad}")
-            if any(not 0 <= s < self._next_id for s in self._block_of):
-                p.append("a live seq_id was never handed out")
+            p = self._sequences.broken_invariants()
             coll = self._inflight
             if coll is not None:
                 p.extend(self._inflight_problems(coll))
@@ -353,12 +306,13 @@ class ContinuousBatchingKVCacheManager:
                                    + "\n- ".join(p))
 
     def _inflight_problems(self, coll) -> list[str]:
-        ids, p = coll.seq_ids, []
-        if any(s not in self._block_of for s in ids) or len(set(ids)) != len(ids):
+        ids, p, seqs = coll.seq_ids, [], self._sequences
+        if any(s not in seqs.block_of for s in ids) or len(set(ids)) != len(ids):
             return [f"in-flight batch {list(ids)} holds dead or repeated seq_ids"]
-        if [self._block_of[s] for s in ids] != list(coll.blocks):
+        if [seqs.block_of[s] for s in ids] != list(coll.blocks):
             p.append("in-flight blocks differ from the live sequences' blocks")
-        if [self._lengths[s] for s in ids] != list(coll.host_cache_lengths):
+        if [int(seqs.block_len[seqs.block_of[s]]) for s in ids] != list(
+                coll.host_cache_lengths):
             p.append("in-flight lengths differ from the committed lengths")
         dev = [to_host(a) for a in (coll.lookup_table, coll.cache_lengths)]
         if dev[0].tolist() != list(coll.blocks) or dev[1].tolist() != list(
@@ -376,7 +330,7 @@ class ContinuousBatchingKVCacheManager:
         with self._cond:
             blocks = int(self.blocks_buf.nbytes)
             per_block = blocks // self._num_blocks
-            committed = sum(self._lengths.values())
+            committed = int(self._sequences.block_len.sum())
             capacity = self._num_blocks * self._max_seq_len
             index = self._store.index_nbytes
             return {"device": str(self._device), "dtype": dtype_name(self._dtype),
@@ -384,8 +338,8 @@ class ContinuousBatchingKVCacheManager:
                     "total_bytes": blocks + index,
                     "bytes_per_block": per_block,
                     "bytes_per_token": per_block // self._max_seq_len,
-                    "num_blocks": self._num_blocks, "free_blocks": len(self._free),
-                    "live_sequences": len(self._block_of), "committed_tokens": committed,
+                    "num_blocks": self._num_blocks, "free_blocks": len(self._sequences.free),
+                    "live_sequences": len(self._sequences.block_of), "committed_tokens": committed,
                     "capacity_tokens": capacity, "token_utilization": committed / capacity}
 
     def __repr__(self) -> str:
@@ -394,3 +348,4 @@ class ContinuousBatchingKVCacheManager:
                 f"max_batch_size={self._num_blocks}, max_seq_len={self._max_seq_len}, "
                 f"num_layers={self._num_layers}, device={self._device}, "
                 f"live={self.num_live_sequences})")
+
