@@ -28,6 +28,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.enviro
 
 HAS_GPU = cupy_available()
 
+if HAS_GPU and os.environ.get("HCACHE_CUPY_POOL") == "0":
+    # Under compute-sanitizer memcheck: every array its own allocation, so an overrun past an
+    # array's end is outside any allocation (inside a pooled block it would go unseen).
+    import cupy
+
+    cupy.cuda.set_allocator(None)
+    cupy.cuda.set_pinned_memory_allocator(None)
+
 
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
