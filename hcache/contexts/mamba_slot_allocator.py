@@ -33,7 +33,7 @@ from ..dtypes import resolve_dtype, storage_dtype
 from .mamba_hash_map import MambaHashMap
 from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, IntermediateStates
 from .mamba_slot_pool import MambaSlotCapacityError, MambaSlotPool
-from .mamba_state_copies import MambaStateCopies
+from .mamba_state_copies import MambaStateCopies, check_live_states
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotCapacityError",
            "MambaSlotAllocator"]
@@ -89,10 +89,11 @@ class MambaSlotAllocator:
         xp = array_module_of(live_conv)
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
-        self.max_requests = self._check_live("context.mamba_conv_states", live_conv, xp,
-                                             self.conv_states_shape, conv_dt, None)
-        self._check_live("context.mamba_ssm_states", live_ssm, xp, self.ssm_states_shape,
-                         ssm_dt, self.max_requests)
+        L = self.num_mamba_layers
+        self.max_requests = check_live_states("context.mamba_conv_states", live_conv, xp, L,
+                                              self.conv_states_shape, conv_dt, None)
+        check_live_states("context.mamba_ssm_states", live_ssm, xp, L, self.ssm_states_shape,
+                          ssm_dt, self.max_requests)
         self.xp = xp
         self.device = Device("cuda", live_conv.device.id) if xp is not np else Device("cpu")
         self._intermediate = IntermediateStates(
@@ -100,25 +101,12 @@ class MambaSlotAllocator:
             self.ssm_states_shape, conv_dt, ssm_dt)
         self.max_intermediate_count = self._intermediate.max_count
         self._pool = MambaSlotPool(self.num_blocks, self.max_slots)
-        self._hashes = MambaHashMap(self.num_blocks)
+        # Bound to the KV allocator for its lifetime, as the observer subscribed below is.
+        self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owners)
         self._copies = MambaStateCopies(context, self._pool, self.device,
                                         self._intermediate.conv_out, self._intermediate.ssm_out,
                                         conv_dt, ssm_dt)
         kv.add_blocks_deregistered_observer(self.on_kv_blocks_deregistered)
-
-    def _check_live(self, name, live, xp, shape, dtype, rows):
-        want = (self.num_mamba_layers, rows, *shape)
-        if array_module_of(live) is not xp:
-            raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(live).__name__}")
-        if live.ndim != len(want) or live.shape[0] != want[0] or live.shape[2:] != want[2:] \
-                or (rows is not None and live.shape[1] != rows) or live.shape[1] < 1:
-            raise ValueError(f"{name}: expected shape [{want[0]}, max_requests, "
-                             f"{', '.join(map(str, shape))}], got {tuple(live.shape)}")
-        if live.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype}, got {live.dtype}")
-        if not live.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous array")
-        return int(live.shape[1])
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -129,11 +117,15 @@ class MambaSlotAllocator:
     slot_to_block = property(attrgetter("_pool.slot_to_block"))
     free_slots = property(attrgetter("_pool.free_slots"))
     hash_to_block_id = property(attrgetter("_hashes.hash_to_block_id"))
-    _block_hash = property(attrgetter("_hashes.block_hash"))
     intermediate_conv_out = property(attrgetter("_intermediate.conv_out"))
     intermediate_ssm_out = property(attrgetter("_intermediate.ssm_out"))
     _intermediate_block_ids = property(attrgetter("_intermediate.block_ids"))
     _eos_cache_block_id = property(attrgetter("_intermediate.eos_block_ids"))
+
+    @property
+    def _block_hash(self) -> np.ndarray:
+        """``int64 [num_blocks]``: the Mamba-map hash of each block, -1 = none (derived)."""
+        return self._hashes.block_hashes(self.num_blocks)
 
     @property
     def free_count(self) -> int:
@@ -203,7 +195,7 @@ class MambaSlotAllocator:
         """
         ids = index_array("block_ids", block_ids, self.num_blocks)
         slots, victims = self._pool.allocate(ids, self._kv.block_ref_counts, self._timestamps())
-        self._hashes.drop_blocks(victims)
+        self._hashes.drop_blocks(victims, self._kv.block_hashes)
         return slots
 
     def _evict_lru_slots_batch(self, num_needed, *, exclude=None) -> list[int]:
@@ -217,7 +209,7 @@ class MambaSlotAllocator:
             return []
         slots, victims = self._pool.evict(n, self._kv.block_ref_counts, self._timestamps(),
                                           exclude=exclude)
-        self._hashes.drop_blocks(victims)
+        self._hashes.drop_blocks(victims, self._kv.block_hashes)
         return slots.tolist()
 
     def _timestamps(self):
@@ -235,8 +227,8 @@ class MambaSlotAllocator:
         ids = np.unique(index_array("block_ids_list", block_ids_list, self.num_blocks))
         if not len(ids):
             return
+        self._hashes.drop_blocks(ids, self._kv.block_hashes)
         self._pool.release(ids)
-        self._hashes.drop_blocks(ids)
 
     def on_kv_blocks_deregistered(self, block_ids_list, hashes_to_delete) -> None:
         """Observer of the KV allocator: deregistered blocks ``block_ids_list`` (whose ids may
@@ -249,16 +241,22 @@ class MambaSlotAllocator:
         """Make the states of ``block_ids`` reachable under their KV ``hashes`` (entries with
         ``hash <= 0`` are skipped; see :meth:`MambaHashMap.register`).
 
+        Lists of Python ints whose every pair is registrable take a lean path of dict and set
+        lookups (:meth:`MambaHashMap.register_lists`); anything else, errors included, the
+        vectorised checks.
+
         Raises
         ------
         IndexError
             A block id is out of range.
+        TypeError
+            An id or hash is not an integer.
         ValueError
             Lengths differ, a block owns no slot, or a hash is not the KV allocator's hash of
             that block (the Mamba map must stay a subset of the KV map). Nothing changes.
         """
-        ids = index_array("block_ids", block_ids, self.num_blocks)
-        self._hashes.register(ids, hashes, self.block_to_slot, self._kv.kv_hash_to_block_id)
+        if not self._hashes.register_lists(block_ids, hashes):
+            self._hashes.register(index_array("block_ids", block_ids, self.num_blocks), hashes)
 
     # --- state copies ---------------------------------------------------------------------------
 
@@ -312,6 +310,17 @@ class MambaSlotAllocator:
             block_size=int(ctx.block_size_tokens), chunk_size=int(ctx.mamba_chunk_size),
             extra_boundaries=extra_boundaries)
 
+    def compute_and_store_offsets_batch(self, rows, chunk_starts, seq_lens, boundaries,
+                                        eos_columns) -> None:
+        """:meth:`compute_and_store_offsets` of distinct request ``rows`` at once, with their
+        candidate boundaries given; see :meth:`IntermediateStates.plan_batch` (the block table,
+        block size and chunk size are the context's)."""
+        ctx = self.context
+        self._intermediate.plan_batch(
+            rows, chunk_starts, seq_lens, boundaries, eos_columns,
+            block_table=ctx.request_to_kv_block_ids, block_size=int(ctx.block_size_tokens),
+            chunk_size=int(ctx.mamba_chunk_size))
+
     def intermediate_targets(self) -> list[tuple[int, int, int]]:
         """``(request_row, offset, scratch_index)`` of every pending intermediate state: the
         model writes the state after ``chunk_start + offset`` tokens of that row into
@@ -343,10 +352,10 @@ class MambaSlotAllocator:
             return 0
         inter, src, eos, eos_rows, hashes = data
         bids = np.concatenate([inter, eos])
-        keep = (hashes > 0) & (self._hashes.block_hash[bids] != hashes)
-        idx = np.nonzero(keep)[0]
+        idx = np.flatnonzero((hashes > 0) & ~self._hashes.cached(bids, hashes))
         _, first = np.unique(bids[idx], return_index=True)
-        idx = np.sort(idx[first])
+        if len(first) < len(idx):       # a repeated block keeps its first entry
+            idx = np.sort(idx[first])
         new, available = self._pool.demand(bids[idx], self._kv.block_ref_counts)
         if len(new) > available:
             allowed = new[:available]
@@ -382,8 +391,7 @@ class MambaSlotAllocator:
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` listing every broken invariant (see the module docstring)."""
         problems = self._pool.broken_invariants()
-        problems += self._hashes.broken_invariants(self.block_to_slot,
-                                                   self._kv.kv_hash_to_block_id)
+        problems += self._hashes.broken_invariants(self.block_to_slot)
         problems += self._intermediate.broken_invariants()
         if problems:
             raise RuntimeError("MambaSlotAllocator invariants broken: " + "; ".join(problems))
