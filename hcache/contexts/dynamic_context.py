@@ -222,7 +222,8 @@ class DynamicInferenceContext:
         n = len(toks)
         if not n or n > self.max_sequence_length:
             raise ValueError(f"tokens: expected 1..{self.max_sequence_length} tokens, got {n}")
-        stream_handle(stream)   # validated before anything changes
+        if stream is not None:
+            stream_handle(stream)   # validated before anything changes
         plan, stats = self._scheduler.admit(request_id, toks, stream=stream)
         self.stats.add(stats)
         return plan
@@ -326,7 +327,8 @@ class DynamicInferenceContext:
         TypeError, ValueError
             ``stream`` is not a stream (nothing changes).
         """
-        stream_handle(stream)   # validated before anything changes
+        if stream is not None:
+            stream_handle(stream)   # validated before anything changes
         requests, kv = self._requests, self.kv_block_allocator
         rows = np.flatnonzero(requests.pending_end >= 0)
         registered = 0

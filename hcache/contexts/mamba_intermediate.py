@@ -196,11 +196,8 @@ class IntermediateStates:
         ValueError
             A kept boundary or EOS entry has no block. Nothing changes.
         """
-        n = len(rows)
         if boundaries is None:
-            counts = np.zeros(n, np.int32)
-            offsets = np.zeros((n, _K), np.int64)
-            blocks = np.full((n, _K), -1, np.int64)
+            counts = None
         else:
             off = boundaries - chunk_starts[:, None]
             valid = (off > 0) & (off < seq_lens[:, None]) & (off % chunk_size == 0)
@@ -218,15 +215,22 @@ class IntermediateStates:
             if (blocks[used] < 0).any():
                 raise ValueError("request_to_kv_block_ids: expected a block at every "
                                  "snapshot boundary")
-        eos = np.where(eos_columns >= 0, block_table[rows, np.maximum(eos_columns, 0)], -1)
-        if (eos[eos_columns >= 0] < 0).any():
+        has_eos = np.flatnonzero(eos_columns >= 0)
+        eos = block_table[rows[has_eos], eos_columns[has_eos]]
+        if (eos < 0).any():
             raise ValueError("request_to_kv_block_ids: expected a block at every EOS entry")
-        if self.pending or counts.any():
+        if self.pending:     # rows may hold entries of an uncommitted step: replace them
+            self.offsets[rows] = 0
+            self.block_ids[rows] = -1
+            self.counts[rows] = 0
+            self.eos_block_ids[rows] = -1
+        if counts is not None and counts.any():
             self.offsets[rows] = offsets
             self.block_ids[rows] = blocks
             self.counts[rows] = counts
-        self.eos_block_ids[rows] = eos
-        if counts.any() or (eos >= 0).any():
+            self.pending = True
+        if len(eos):
+            self.eos_block_ids[rows[has_eos]] = eos
             self.pending = True
 
     def targets(self) -> list[tuple[int, int, int]]:
@@ -282,6 +286,8 @@ class IntermediateStates:
 
         Raises ``IndexError`` (nothing changes) when a row is out of range.
         """
+        if rows is None and not self.pending:
+            return      # nothing pending: every row is clear already
         sel = slice(None) if rows is None else index_array("rows", rows, self.max_requests)
         self.offsets[sel] = 0
         self.block_ids[sel] = -1

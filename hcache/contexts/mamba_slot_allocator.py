@@ -196,7 +196,7 @@ class MambaSlotAllocator:
         ids = index_array("block_ids", block_ids, self.num_blocks)
         slots, victims = self._pool.allocate(ids, self._kv.block_ref_counts, self._timestamps())
         self._hashes.drop_blocks(victims, self._kv.block_hashes)
-        return slots
+        return slots.tolist()
 
     def _evict_lru_slots_batch(self, num_needed, *, exclude=None) -> list[int]:
         """Take the slots of the ``num_needed`` least recently used evictable blocks (KV ref
@@ -273,10 +273,8 @@ class MambaSlotAllocator:
 
     def store_from_live_batch(self, slots, request_indices, *, stream=None) -> None:
         """Copy every layer's live state of each request into the paired cache slot (one launch).
-
         Raises ``IndexError`` (slot or row out of range) or ``ValueError`` (lengths differ, a
-        slot repeats or is free, a request has no live slot); nothing is copied then.
-        """
+        slot repeats or is free, a request has no live slot); nothing is copied then."""
         self._copies.store_from_live(slots, request_indices, stream=stream)
 
     def restore_to_live(self, request_idx, block_id, *, stream=None) -> bool:
@@ -334,8 +332,8 @@ class MambaSlotAllocator:
         return self._intermediate.device_data(prefill_start, prefill_count, stream=stream)
 
     def _collect_commit_data(self):
-        """``(intermediate_bids, src_offsets, eos_bids, eos_ctx_indices, all_hashes)`` as int64
-        arrays, or None when nothing is pending (see :meth:`IntermediateStates.collect`)."""
+        """``(intermediate_bids, src_offsets, eos_bids, eos_ctx_indices, all_hashes)``, int64,
+        or None when nothing is pending (see :meth:`IntermediateStates.collect`)."""
         return self._intermediate.collect(self._kv.block_hashes)
 
     def commit_intermediate_states(self, *, stream=None) -> int:
@@ -353,19 +351,23 @@ class MambaSlotAllocator:
         inter, src, eos, eos_rows, hashes = data
         bids = np.concatenate([inter, eos])
         idx = np.flatnonzero((hashes > 0) & ~self._hashes.cached(bids, hashes))
-        _, first = np.unique(bids[idx], return_index=True)
-        if len(first) < len(idx):       # a repeated block keeps its first entry
-            idx = np.sort(idx[first])
-        new, available = self._pool.demand(bids[idx], self._kv.block_ref_counts)
+        idx = idx[self._pool.first_occurrences(bids[idx])]   # a repeated block: first entry
+        refs = self._kv.block_ref_counts
+        new, available = self._pool.demand(bids[idx], refs, distinct=True)
         if len(new) > available:
             allowed = new[:available]
             idx = idx[(self.block_to_slot[bids[idx]] >= 0) | np.isin(bids[idx], allowed)]
-        slots = np.asarray(self.allocate_slots_batch(bids[idx]), dtype=np.int64)
+        ids = bids[idx]
+        slots, victims = self._pool.allocate(ids, refs, self._timestamps(), distinct=True)
+        self._hashes.drop_blocks(victims, self._kv.block_hashes)
         is_inter = idx < len(inter)
-        self._copy_intermediate_to_cache(src[idx[is_inter]], slots[is_inter], stream=stream)
-        self.store_from_live_batch(slots[~is_inter], eos_rows[idx[~is_inter] - len(inter)],
-                                   stream=stream)
-        self.register_block_hashes_batch(bids[idx], hashes[idx])
+        if is_inter.any():
+            self._copies.scratch_to_cache(src[idx[is_inter]], slots[is_inter], stream=stream)
+        if not is_inter.all():      # checked by construction: owned distinct slots, live rows
+            self._copies.store_live_unchecked(slots[~is_inter],
+                                              eos_rows[idx[~is_inter] - len(inter)], stream)
+        # Registered unchecked: the hashes are these blocks' own KV hashes, just read.
+        self.hash_to_block_id.update(zip(hashes[idx].tolist(), ids.tolist()))
         self._clear_intermediate_state()
         return int(len(idx))
 

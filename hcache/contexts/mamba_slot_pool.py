@@ -62,6 +62,7 @@ class MambaSlotPool:
         self.slot_to_block = np.full(max_slots, -1, dtype=np.int32)
         self.free_slots = np.empty(max_slots, dtype=np.int32)
         self.owners: set[int] = set()
+        self._seen = np.zeros(num_blocks, dtype=np.int64)   # scratch of first_occurrences
         self.reset()
 
     def reset(self) -> None:
@@ -81,25 +82,33 @@ class MambaSlotPool:
             candidates = candidates[~np.isin(candidates, exclude)]
         return candidates
 
-    def demand(self, block_ids: np.ndarray, ref_counts):
-        """Blocks of ``block_ids`` needing a new slot (first-seen order) and the slots
-        available to them: free ones plus evictable ones not in ``block_ids`` (whose slots are
-        being returned)."""
-        missing = block_ids[self.block_to_slot[block_ids] < 0]
-        uniq, first = np.unique(missing, return_index=True)
-        new = uniq[np.argsort(first)]
+    def demand(self, block_ids: np.ndarray, ref_counts, *, distinct: bool = False):
+        """Blocks of ``block_ids`` (``distinct``: known to hold no repeat) needing a new slot
+        (first-seen order) and the slots available to them: free ones plus evictable ones not
+        in ``block_ids`` (whose slots are being returned)."""
+        new = block_ids[self.block_to_slot[block_ids] < 0]
+        if not distinct:
+            uniq, first = np.unique(new, return_index=True)
+            new = uniq[np.argsort(first)]
         available = self.free_count
         if len(new) > self.free_count:
             available += len(self.evictable_blocks(ref_counts, exclude=block_ids))
         return new, available
 
-    def allocate(self, block_ids: np.ndarray, ref_counts, timestamps):
+    def first_occurrences(self, block_ids: np.ndarray) -> np.ndarray:
+        """``bool [n]``: whether each entry of checked ``block_ids`` is its block's first."""
+        order = np.arange(len(block_ids))
+        self._seen[block_ids[::-1]] = order[::-1]
+        return self._seen[block_ids] == order
+
+    def allocate(self, block_ids: np.ndarray, ref_counts, timestamps, *,
+                 distinct: bool = False):
         """Give every block of ``block_ids`` a slot (one per distinct block; owners keep
         theirs), free slots first, then by :meth:`evict`, all or nothing.
 
         Returns
         -------
-        (list of int, numpy.ndarray of int64)
+        (numpy.ndarray of int64, numpy.ndarray of int64)
             The slot of each entry of ``block_ids``, and the blocks that lost their slot.
 
         Raises
@@ -107,7 +116,7 @@ class MambaSlotPool:
         MambaSlotCapacityError
             Free plus evictable slots (other than those of ``block_ids``) are too few.
         """
-        new, available = self.demand(block_ids, ref_counts)
+        new, available = self.demand(block_ids, ref_counts, distinct=distinct)
         if len(new) > available:
             raise MambaSlotCapacityError(len(new), available)
         victims = np.zeros(0, dtype=np.int64)
@@ -122,7 +131,7 @@ class MambaSlotPool:
             self.block_to_slot[new] = slots
             self.slot_to_block[slots] = new
             self.owners.update(new.tolist())
-        return self.block_to_slot[block_ids].tolist(), victims
+        return self.block_to_slot[block_ids].astype(np.int64), victims
 
     def evict(self, n: int, ref_counts, timestamps, *, exclude=None):
         """Take the slots of the ``n`` least recently used evictable blocks: oldest

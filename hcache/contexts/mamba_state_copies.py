@@ -166,6 +166,12 @@ class MambaStateCopies:
                              f"{int(free[0])}")
         self._copy(self._live_to_cache, self._live_slots(rows), dst, 0, stream)
 
+    def store_live_unchecked(self, slots: np.ndarray, rows: np.ndarray, stream) -> None:
+        """:meth:`store_from_live` of arguments the caller built valid (distinct owned slots,
+        rows with a live slot)."""
+        live = to_host(self.context.request_to_mamba_state_idx)[rows]
+        self._copy(self._live_to_cache, live, slots, 0, stream)
+
     def restore_to_live(self, request_indices, block_ids, *, stream=None) -> list[bool]:
         """``live[:, live slot of request_indices[i]] = cache[:, slot of block_ids[i]]`` for
         every block that owns a slot (one launch); returns, per entry, whether it was restored.

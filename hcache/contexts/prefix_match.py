@@ -101,10 +101,14 @@ def blocks_to_register(requests, rows, kv_hash_to_block_id: dict):
         return (np.zeros(0, np.int64),) * 3
     rows, done, complete = rows[grew], done[grew], complete[grew]
     requests.registered[rows] = complete
-    which, cols = ragged_columns(done, complete - done)
-    owners = rows[which]
+    if (complete - done).max() == 1:      # a decode step: one block each
+        owners, cols = rows, done
+    else:
+        which, cols = ragged_columns(done, complete - done)
+        owners = rows[which]
     hashes = requests.hashes[owners, cols]
-    parents = np.where(cols > 0, requests.hashes[owners, np.maximum(cols - 1, 0)], 0)
+    parents = requests.hashes[owners, cols - 1]
+    parents[cols == 0] = 0
     block_ids = requests.request_to_kv_block_ids[owners, cols].astype(np.int64)
     listed = hashes.tolist()
     keep = np.fromiter(map(kv_hash_to_block_id.__contains__, listed), bool, len(listed))

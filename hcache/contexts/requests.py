@@ -121,8 +121,6 @@ class RequestTable:
         Per row: tokens held, blocks held, tokens computed (KV and Mamba state final), the end
         of the scheduled step (-1 = none), positions below which the blocks are shared
         (matched) ones, leading blocks already offered for registration.
-    computed_tokens : int64 [max_requests]
-        Per row: tokens scheduled for computation (the request's counter).
     hashes : int64 [max_requests, max_blocks_per_request]
         Chained hashes of each row's complete blocks.
     digests : uint8 [max_requests, 32]
@@ -140,23 +138,26 @@ class RequestTable:
         self.hashes = np.zeros((R, B), dtype=np.int64)
         self.digests = np.zeros((R, DIGEST_BYTES), dtype=np.uint8)
         for name in ("lengths", "num_blocks", "computed", "pending_end", "kv_cached",
-                     "registered", "computed_tokens"):
+                     "registered"):
             setattr(self, name, np.zeros(R, dtype=np.int64))
         self._row_of: dict = {}                 # request id -> row, in admission order
         self._id_of: list = [None] * R
-        self._stats: list = [None] * R          # admission counters (computed_tokens aside)
+        self._stats: list = [None] * R          # admission counters
         self._seen = np.zeros(R, dtype=np.int64)   # scratch of the duplicate check
+        # The last distinct batch of ids looked up, valid while no request came or went.
+        self._version, self._last_version, self._last_ids, self._last_rows = 0, -1, None, None
         self.reset()
 
     def reset(self) -> None:
         """Forget every request; every row and live slot is free."""
+        self._version += 1
         self._row_of.clear()
         self._id_of[:] = [None] * self.max_requests
         self.request_to_kv_block_ids.fill(-1)
         self.request_to_mamba_state_idx.fill(-1)
         self.pending_end.fill(-1)
         for a in (self.lengths, self.num_blocks, self.computed, self.kv_cached,
-                  self.registered, self.computed_tokens):
+                  self.registered):
             a.fill(0)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))   # pop(): lowest row first
         self._free_live_slots = list(range(self.max_requests))         # pop(): highest first
@@ -210,6 +211,9 @@ class RequestTable:
         ValueError
             An id is not active, or (``distinct``) appears twice.
         """
+        if type(request_ids) is list and distinct and request_ids == self._last_ids \
+                and self._last_version == self._version:
+            return self._last_rows.copy()   # the previous batch again, no admission between
         if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__len__"):
             raise TypeError(f"{name}: expected a sequence of request ids, "
                             f"got {type(request_ids).__name__}")
@@ -227,12 +231,16 @@ class RequestTable:
             if len(repeated):
                 rid = request_ids[int(repeated[0])]
                 raise ValueError(f"{name}: expected distinct request ids, got {rid!r} twice")
+        if type(request_ids) is list and distinct:
+            self._last_ids, self._last_rows = list(request_ids), rows.copy()
+            self._last_version = self._version
         return rows
 
     def stats(self, row: int) -> PrefixCacheStats:
         """The counters of the request in ``row`` (a copy)."""
         out = PrefixCacheStats(**vars(self._stats[row]))
-        out.computed_tokens = int(self.computed_tokens[row])
+        # Every step schedules [computed, lengths): all but the skipped prompt tokens.
+        out.computed_tokens = int(self.lengths[row]) - out.skipped_tokens
         return out
 
     def blocks(self, row: int) -> np.ndarray:
@@ -251,12 +259,12 @@ class RequestTable:
         last one's digest (ignored without hashing).
         """
         row, slot = self._free_rows.pop(), self._free_live_slots.pop()
+        self._version += 1
         n, nb = len(tokens), len(blocks)
         self.tokens[row, :n] = tokens
         self.lengths[row], self.num_blocks[row], self.computed[row] = n, nb, computed
         self.pending_end[row] = -1
         self.kv_cached[row], self.registered[row] = kv_cached, registered
-        self.computed_tokens[row] = 0
         self.request_to_kv_block_ids[row, :nb] = blocks
         self.request_to_mamba_state_idx[row] = slot
         if self.hashing:
@@ -269,49 +277,64 @@ class RequestTable:
 
     def add_blocks(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
         """Append ``counts[i]`` blocks of ``block_ids`` (in order) to the table row of
-        ``rows[i]``."""
+        ``rows[i]`` (``counts`` may be a 0/1 mask of any integer type)."""
+        if counts.dtype == np.int8:
+            rows = rows[counts.view(bool)]
+            self.request_to_kv_block_ids[rows, self.num_blocks[rows]] = block_ids
+            self.num_blocks[rows] += 1
+            return
         which, cols = ragged_columns(self.num_blocks[rows], counts)
         self.request_to_kv_block_ids[rows[which], cols] = block_ids
         self.num_blocks[rows] += counts
 
-    def append(self, rows: np.ndarray, flat: np.ndarray, counts: np.ndarray | None) -> None:
-        """Append tokens to distinct ``rows`` (``counts[i]`` of ``flat`` each, one each when
-        ``counts`` is None) and hash the blocks they complete (the caller checked the room)."""
-        old = self.lengths[rows]
+    def append(self, rows: np.ndarray, flat: np.ndarray, counts, starts: np.ndarray,
+               ends: np.ndarray, closing=None) -> None:
+        """Append tokens to distinct ``rows`` holding ``starts`` tokens, ``ends - starts``
+        each, from ``flat`` (one each when ``counts`` is None), and hash the blocks they
+        complete; ``closing`` (one token each only) says which rows complete a block. The
+        caller checked the room."""
         if counts is None:
-            self.tokens[rows, old] = flat
-            new = old + 1
+            self.tokens[rows, starts] = flat
         else:
-            which, cols = ragged_columns(old, counts)
+            which, cols = ragged_columns(starts, counts)
             self.tokens[rows[which], cols] = flat
-            new = old + counts
-        self.lengths[rows] = new
-        if self.hashing:
-            self._hash_new_blocks(rows, old // self.block_size, new // self.block_size)
-
-    def _hash_new_blocks(self, rows, done, complete) -> None:
-        """Hash blocks ``[done[i], complete[i])`` of ``rows[i]`` from the row's last digest."""
-        grew = complete > done
-        if not grew.any():
+        self.lengths[rows] = ends
+        if not self.hashing:
             return
-        rows, done, counts = rows[grew], done[grew], (complete - done)[grew]
         bs = self.block_size
-        which, cols = ragged_columns(done, counts)
-        owners = rows[which]
-        blocks = self.tokens[owners[:, None], cols[:, None] * bs + np.arange(bs)]
-        hashes, digests = chain_block_hashes(self.digests[rows], blocks,
-                                             None if len(cols) == len(rows) else counts)
-        self.hashes[owners, cols] = hashes
-        self.digests[rows] = digests[np.cumsum(counts) - 1]
+        if closing is not None:
+            if closing.any():
+                rows = rows[closing]
+                self._hash_new_blocks(rows, ends[closing] // bs - 1, None)
+            return
+        done, complete = starts // bs, ends // bs
+        grew = complete > done
+        if grew.any():
+            self._hash_new_blocks(rows[grew], done[grew], (complete - done)[grew])
 
-    def schedule(self, rows: np.ndarray) -> None:
-        """Schedule ``[computed, lengths)`` of distinct ``rows`` and count those tokens."""
-        ends = self.lengths[rows]
+    def _hash_new_blocks(self, rows, first, counts) -> None:
+        """Hash blocks ``[first[i], first[i] + counts[i])`` (one each when ``counts`` is
+        None) of distinct ``rows``, chained from each row's last digest."""
+        bs = self.block_size
+        if counts is None:
+            owners, cols = rows, first
+        else:
+            which, cols = ragged_columns(first, counts)
+            owners = rows[which]
+        starts = owners * self.max_sequence_length + cols * bs
+        blocks = self.tokens.reshape(-1).take(starts[:, None] + np.arange(bs))
+        chains = None if counts is None or len(cols) == len(rows) else counts
+        hashes, digests = chain_block_hashes(self.digests[rows], blocks, chains)
+        self.hashes[owners, cols] = hashes
+        self.digests[rows] = digests if chains is None else digests[np.cumsum(counts) - 1]
+
+    def schedule(self, rows, ends) -> None:
+        """Schedule ``[computed, ends)`` of ``rows``, ``ends`` being their lengths."""
         self.pending_end[rows] = ends
-        self.computed_tokens[rows] += ends - self.computed[rows]
 
     def release(self, rows) -> None:
         """Forget the requests of ``rows``: clear their table rows, free rows and live slots."""
+        self._version += 1
         for row in rows:
             self._free_rows.append(row)
             self._free_live_slots.append(int(self.request_to_mamba_state_idx[row]))
@@ -321,7 +344,7 @@ class RequestTable:
         self.request_to_mamba_state_idx[rows] = -1
         self.pending_end[rows] = -1
         for a in (self.lengths, self.num_blocks, self.computed, self.kv_cached,
-                  self.registered, self.computed_tokens):
+                  self.registered):
             a[rows] = 0
 
     # --- checks ---------------------------------------------------------------------------------

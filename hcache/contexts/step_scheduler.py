@@ -96,7 +96,7 @@ class StepScheduler:
             mamba.restore_to_live(row, restored, stream=stream)
         elif self.num_mamba_layers:
             self.live.zero(slot, stream=stream)
-        requests.schedule(np.array([row]))
+        requests.schedule(row, n)
         if mamba is not None:
             # Beyond the reference's three candidates, also keep the boundary one block before
             # the last one: the back-off point of an exact repeat of this block-aligned prefix.
@@ -123,21 +123,25 @@ class StepScheduler:
             Not enough KV blocks even after eviction. Nothing changes.
         """
         requests, kv, bs = self.requests, self.kv, self.block_size
-        scheduled = requests.pending_end[rows] >= 0
-        if scheduled.any():
-            i = int(np.argmax(scheduled))
+        scheduled = requests.pending_end[rows]
+        if len(rows) and scheduled.max() >= 0:
+            i = int(np.argmax(scheduled >= 0))
             raise ValueError(f"{'request_id' if single else f'request_ids[{i}]'}: expected a "
                              f"request without a scheduled step, got {ids[i]!r}")
+        # No step is scheduled, so computed == lengths and num_blocks == ceil(lengths / bs).
         starts = requests.lengths[rows]
         ends = starts + (1 if counts is None else counts)
-        bad = (ends > self.max_sequence_length) | (ends == starts)
-        if bad.any():
-            i = int(np.argmax(bad))
+        if len(rows) and (ends.max() > self.max_sequence_length
+                          or (counts is not None and counts.min() < 1)):
+            i = int(np.argmax((ends > self.max_sequence_length) | (ends == starts)))
             raise ValueError(f"{'tokens' if single else f'tokens[{i}]'}: expected "
                              f"1..{self.max_sequence_length - starts[i]} tokens, "
                              f"got {ends[i] - starts[i]}")
-        need = -(-ends // bs) - requests.num_blocks[rows]
-        total = int(need.sum())
+        if counts is None:
+            need = (starts % bs == 0).view(np.int8)     # the token opens a block
+        else:
+            need = -(-ends // bs) - requests.num_blocks[rows]
+        total = int(np.count_nonzero(need)) if counts is None else int(need.sum())
         if total and not kv.is_memory_available(total):
             available = kv.get_allocatable_count()
             raise CacheCapacityError(f"KV blocks: {total} required, {available} allocatable",
@@ -149,18 +153,34 @@ class StepScheduler:
                 new = np.concatenate([kv.allocate_memory_blocks(k)
                                       for k in need[need > 0].tolist()])
             requests.add_blocks(rows, need, new)
-        requests.append(rows, flat, counts)
-        requests.schedule(rows)
+        closing = ends % bs == 0 if counts is None else None    # the token closes a block
+        requests.append(rows, flat, counts, starts, ends, closing)
+        requests.schedule(rows, ends)
         if self.mamba is not None:
-            bounds = None
-            if counts is not None and (counts > 1).any():   # boundaries inside the chunk
-                last = ends // bs * bs
-                bounds = np.stack([-(-starts // bs) * bs, last, (-(-ends // bs) - 1) * bs,
-                                   last - bs], axis=1)
-            self.mamba.compute_and_store_offsets_batch(
-                rows, starts, ends - starts, bounds,
-                np.where(ends % bs == 0, ends // bs - 1, -1))
-        offsets = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(ends - starts, out=offsets[1:])
+            self._plan_snapshots(rows, starts, ends, counts, closing)
+        if counts is None:
+            offsets = np.arange(len(rows) + 1)
+        else:
+            offsets = np.zeros(len(rows) + 1, np.int64)
+            np.cumsum(counts, out=offsets[1:])
         return BatchStepPlan(ids, rows, requests.request_to_mamba_state_idx[rows], starts, ends,
-                             offsets, flat.copy(), requests.request_to_kv_block_ids[rows])
+                             offsets, flat.copy(),
+                             requests.request_to_kv_block_ids.take(rows, axis=0))
+
+    def _plan_snapshots(self, rows, starts, ends, counts, closing) -> None:
+        """Ask the Mamba slot allocator for the boundary states of the extension chunks
+        ``[starts, ends)`` of ``rows``: the candidates of an admission with nothing matched
+        (``ceil(start / bs)``, the last block boundary, the start of the last block, the one
+        before the last boundary) and the EOS entry of a chunk that ends on a boundary."""
+        bs = self.block_size
+        eos = ends % bs == 0 if closing is None else closing
+        single = counts is None or counts.max() == 1
+        if single and not eos.any():
+            return      # one token each, none on a boundary: no snapshot (rows are clear)
+        bounds = None
+        if not single:
+            last = ends // bs * bs
+            bounds = np.stack([-(-starts // bs) * bs, last, (-(-ends // bs) - 1) * bs,
+                               last - bs], axis=1)
+        self.mamba.compute_and_store_offsets_batch(rows, starts, ends - starts, bounds,
+                                                   np.where(eos, ends // bs - 1, -1))
