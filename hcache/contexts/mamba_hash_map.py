@@ -91,29 +91,22 @@ class MambaHashMap:
         self.hash_to_block_id.update(update)    # the map's invariants imply no clash
         return True
 
-    def register(self, block_ids: np.ndarray, hashes) -> None:
+    def register(self, block_ids: np.ndarray, hashes: np.ndarray) -> None:
         """Put ``block_ids`` in the map under their KV ``hashes``, all or nothing.
 
         Parameters
         ----------
-        block_ids : int64 [n]
-            Checked block ids.
-        hashes : sequence of int [n]
-            Entries with ``hash <= 0`` (an unregistered KV block) are skipped; re-registering
-            the same pair is a no-op.
+        block_ids, hashes : int64 [n]
+            Checked block ids and int64 hashes. Entries with ``hash <= 0`` (an unregistered
+            KV block) are skipped; re-registering the same pair is a no-op.
 
         Raises
         ------
-        TypeError
-            ``hashes`` are not integers.
         ValueError
             Lengths differ, a block owns no slot, or a hash is not the KV hash of that block
             (or is already in the map under another block). Nothing changes.
         """
-        hs = np.asarray(hashes if isinstance(hashes, np.ndarray) else list(hashes))
-        if hs.size and (hs.dtype == np.bool_ or hs.dtype.kind not in "iu"):
-            raise TypeError(f"hashes: expected int64 hashes, got dtype {hs.dtype}")
-        hs = hs.astype(np.int64).reshape(-1)
+        hs = hashes
         if hs.shape != block_ids.shape:
             raise ValueError(f"hashes: expected {len(block_ids)} hashes, got {len(hs)}")
         keep = hs > 0

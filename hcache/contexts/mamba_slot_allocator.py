@@ -27,7 +27,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, check_index, index_array, int_shape
+from .._checks import as_int, check_index, host_ints, index_array, int_shape
 from ..device import Device, array_module_of
 from ..dtypes import resolve_dtype, storage_dtype
 from .mamba_hash_map import MambaHashMap
@@ -256,7 +256,8 @@ class MambaSlotAllocator:
             that block (the Mamba map must stay a subset of the KV map). Nothing changes.
         """
         if not self._hashes.register_lists(block_ids, hashes):
-            self._hashes.register(index_array("block_ids", block_ids, self.num_blocks), hashes)
+            ids = index_array("block_ids", host_ints("block_ids", block_ids), self.num_blocks)
+            self._hashes.register(ids, host_ints("hashes", hashes))
 
     # --- state copies ---------------------------------------------------------------------------
 

@@ -27,6 +27,8 @@ from .step_plans import PrefixCacheStats
 
 __all__ = ["RequestTable", "token_array", "batch_tokens"]
 
+_BOOLS = frozenset((bool, np.bool_))
+
 
 def token_array(name: str, tokens) -> np.ndarray:
     """``tokens`` (a 1-D integer sequence or array) as a 1-D int64 array.
@@ -38,6 +40,9 @@ def token_array(name: str, tokens) -> np.ndarray:
     ValueError
         Not 1-D.
     """
+    if isinstance(tokens, (list, tuple)) and not _BOOLS.isdisjoint(map(type, tokens)):
+        # np.asarray([1, True]) is an int array: a bool entry would pass as 0 or 1.
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got a bool entry")
     try:
         arr = np.asarray(tokens)
     except (OverflowError, ValueError) as exc:     # a ragged or out-of-range sequence
