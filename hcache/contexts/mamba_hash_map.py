@@ -70,23 +70,28 @@ class MambaHashMap:
 
     def cached(self, block_ids: np.ndarray, hashes: np.ndarray) -> np.ndarray:
         """``bool [n]``: whether each block is in the map under the paired hash."""
-        got = map(self.hash_to_block_id.get, hashes.tolist(), repeat(-1))
-        return np.fromiter(got, np.int64, len(hashes)) == block_ids
+        listed = hashes.tolist()
+        if self.hash_to_block_id.keys().isdisjoint(listed):
+            return np.zeros(len(listed), bool)
+        got = map(self.hash_to_block_id.get, listed, repeat(-1))
+        return np.fromiter(got, np.int64, len(listed)) == block_ids
 
     def register_lists(self, block_ids, hashes) -> bool:
         """Register ``block_ids`` under ``hashes`` when both are lists of Python ints whose
         every pair is registrable (positive hash held by that block in the KV map, a block
         owning a slot); True if done, False (nothing changed) to leave any other call to
         :meth:`register`. A lean path: dict and set lookups only, for short host lists."""
-        if type(block_ids) is not list or type(hashes) is not list:
+        if type(block_ids) is not list or type(hashes) is not list \
+                or len(block_ids) != len(hashes):
             return False
         kv_map, owners, update = self._kv_map, self._owners, {}
-        for b, h in zip(block_ids, hashes):
-            if kv_map.get(h, -1) != b or b not in owners or type(b) is not int \
-                    or type(h) is not int:
-                return False
-            update[h] = b
-        if len(update) != len(block_ids) or len(block_ids) != len(hashes):
+        try:
+            for b, h in zip(block_ids, hashes):
+                if kv_map[h] != b or b not in owners or type(b) is not int \
+                        or type(h) is not int:
+                    return False
+                update[h] = b
+        except (KeyError, TypeError):       # no KV block holds h, or h is not hashable
             return False
         self.hash_to_block_id.update(update)    # the map's invariants imply no clash
         return True

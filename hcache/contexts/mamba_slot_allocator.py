@@ -216,10 +216,8 @@ class MambaSlotAllocator:
         return getattr(self._kv, "block_timestamps", None)
 
     def invalidate_block(self, block_id) -> None:
-        """Free the slot of ``block_id`` (if any) and drop its hash from the Mamba map.
-
-        Raises ``IndexError`` when ``block_id`` is out of range.
-        """
+        """Free the slot of ``block_id`` (if any) and drop its hash from the Mamba map; raises
+        ``IndexError`` when ``block_id`` is out of range."""
         self._invalidate_blocks_batch([check_index("block_id", block_id, self.num_blocks)])
 
     def _invalidate_blocks_batch(self, block_ids_list) -> None:
@@ -352,7 +350,8 @@ class MambaSlotAllocator:
         inter, src, eos, eos_rows, hashes = data
         bids = np.concatenate([inter, eos])
         idx = np.flatnonzero((hashes > 0) & ~self._hashes.cached(bids, hashes))
-        idx = idx[self._pool.first_occurrences(bids[idx])]   # a repeated block: first entry
+        if len(idx) > 1:       # a repeated block keeps its first entry
+            idx = idx[self._pool.first_occurrences(bids[idx])]
         refs = self._kv.block_ref_counts
         new, available = self._pool.demand(bids[idx], refs, distinct=True)
         if len(new) > available:
