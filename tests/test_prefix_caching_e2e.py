@@ -197,9 +197,8 @@ def compare(waves, device="cpu", *, batched=False, **kw):
 SYSTEM = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 0, 3]      # 3 blocks
 
 
-@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_overlapping_prompts(device, batched):
+def test_overlapping_prompts(device, batched=False):
     waves = [
         [("a", SYSTEM + [11, 12, 13], 3)],
         [("b", SYSTEM + [21, 22], 2), ("c", SYSTEM + [31, 32, 33, 34, 35, 36], 2)],
@@ -222,9 +221,8 @@ def test_overlapping_prompts(device, batched):
     assert res["h"]["stats"].skipped_tokens == 12
 
 
-@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_multi_turn_continuation(device, batched):
+def test_multi_turn_continuation(device, batched=False):
     turn1 = [5, 6, 7, 8, 9, 1, 2, 3, 4, 10, 11]
     waves = [
         [("t1", turn1, 6)],
@@ -237,6 +235,15 @@ def test_multi_turn_continuation(device, batched):
     assert res["t2"]["stats"].skipped_tokens == 16
     assert res["t3"]["stats"].skipped_tokens >= 20
     assert on.stats.computed_tokens < off.stats.computed_tokens - 30
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_through_extend_requests(device):
+    """The scenarios above with every decode step one extend_requests call."""
+    test_overlapping_prompts(device, batched=True)
+    test_multi_turn_continuation(device, batched=True)
+    for policy in ("lru", "ref_zero"):
+        test_evictions_under_a_small_pool(device, policy, batched=True)
 
 
 def test_same_step_duplicates_and_deferral():
@@ -262,10 +269,9 @@ def test_same_step_duplicates_and_deferral():
     assert ctx.num_active_requests == 0 and ctx.kv_block_allocator.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy", ["lru", "ref_zero"])
-def test_evictions_under_a_small_pool(device, policy, batched):
+def test_evictions_under_a_small_pool(device, policy, batched=False):
     rng = np.random.default_rng(3)
     prefixes = [SYSTEM, SYSTEM[::-1], [1, 2] * 5]
     waves = []

@@ -188,7 +188,7 @@ class IntermediateStates:
         eos_columns : int64 [n]
             Block-table column of each row's EOS entry, or -1.
         block_table : int32 [max_requests, max_blocks_per_request]
-            Host block table.
+            Request row -> KV block ids (-1 = none), host or device.
         block_size, chunk_size : int
 
         Raises
@@ -196,6 +196,7 @@ class IntermediateStates:
         ValueError
             A kept boundary or EOS entry has no block. Nothing changes.
         """
+        block_table = to_host(block_table)
         if boundaries is None:
             counts = None
         else:
