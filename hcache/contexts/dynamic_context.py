@@ -244,8 +244,8 @@ class DynamicInferenceContext:
         """
         row = self._requests.row(request_id)
         toks = token_array("tokens", tokens)
-        plan = self._scheduler.extend([request_id], np.array([row]), toks,
-                                      np.array([len(toks)]), single=True)
+        counts = None if len(toks) == 1 else np.array([len(toks)])   # None: one token each
+        plan = self._scheduler.extend([request_id], np.array([row]), toks, counts, single=True)
         self.stats.computed_tokens += len(toks)
         return plan[0]
 
@@ -333,10 +333,11 @@ class DynamicInferenceContext:
         rows = np.flatnonzero(requests.pending_end >= 0)
         registered = 0
         if len(rows):
-            requests.computed[rows] = requests.pending_end[rows]
+            ends = requests.pending_end[rows]
+            requests.computed[rows] = ends
             requests.pending_end[rows] = -1
             if self.prefix_caching_enabled:
-                ids, hashes, parents = blocks_to_register(requests, rows,
+                ids, hashes, parents = blocks_to_register(requests, rows, ends,
                                                           kv.kv_hash_to_block_id)
                 if len(ids):
                     kv.register_kv_block_hashes(ids, hashes, parents)

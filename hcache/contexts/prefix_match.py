@@ -72,16 +72,16 @@ def restore_depth_tokens(num_tokens: int, matched: list, depths: list, block_siz
     return max(usable) * block_size
 
 
-def blocks_to_register(requests, rows, kv_hash_to_block_id: dict):
+def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
     """The blocks that the steps of ``rows`` completed, to register at commit.
 
     Parameters
     ----------
     requests : RequestTable
-        Read: ``computed`` (the steps' ends), ``registered``, the hashes and the block table;
-        ``registered`` of ``rows`` is advanced to their complete blocks.
-    rows : int64 [n]
-        Rows whose step was just computed, ascending.
+        Read: ``registered``, the hashes and the block table; ``registered`` of ``rows`` is
+        advanced to their complete blocks.
+    rows, ends : int64 [n]
+        Rows whose step was just computed, ascending, and their computed tokens.
     kv_hash_to_block_id : dict[int, int]
         The KV hash map (read only).
 
@@ -94,7 +94,7 @@ def blocks_to_register(requests, rows, kv_hash_to_block_id: dict):
         duplicates stay private.
     """
     bs = requests.block_size
-    complete = requests.computed[rows] // bs
+    complete = ends // bs
     done = requests.registered[rows]
     grew = complete > done
     if not grew.any():
@@ -111,8 +111,11 @@ def blocks_to_register(requests, rows, kv_hash_to_block_id: dict):
     parents[cols == 0] = 0
     block_ids = requests.request_to_kv_block_ids[owners, cols].astype(np.int64)
     listed = hashes.tolist()
-    keep = np.fromiter(map(kv_hash_to_block_id.__contains__, listed), bool, len(listed))
-    np.logical_not(keep, out=keep)
+    if kv_hash_to_block_id.keys().isdisjoint(listed):
+        keep = np.ones(len(listed), bool)
+    else:
+        keep = np.fromiter(map(kv_hash_to_block_id.__contains__, listed), bool, len(listed))
+        np.logical_not(keep, out=keep)
     if len(set(listed)) != len(listed):      # first occurrence wins
         first = np.zeros(len(listed), bool)
         first[np.unique(hashes, return_index=True)[1]] = True

@@ -296,8 +296,8 @@ class RequestTable:
                ends: np.ndarray, closing=None) -> None:
         """Append tokens to distinct ``rows`` holding ``starts`` tokens, ``ends - starts``
         each, from ``flat`` (one each when ``counts`` is None), and hash the blocks they
-        complete; ``closing`` (one token each only) says which rows complete a block. The
-        caller checked the room."""
+        complete; ``closing`` (one token each only) says which rows complete a block (False:
+        none). The caller checked the room."""
         if counts is None:
             self.tokens[rows, starts] = flat
         else:
@@ -307,10 +307,9 @@ class RequestTable:
         if not self.hashing:
             return
         bs = self.block_size
-        if closing is not None:
-            if closing.any():
-                rows = rows[closing]
-                self._hash_new_blocks(rows, ends[closing] // bs - 1, None)
+        if closing is not None:           # one token each; False: no row completes a block
+            if closing is not False:
+                self._hash_new_blocks(rows[closing], ends[closing] // bs - 1, None)
             return
         done, complete = starts // bs, ends // bs
         grew = complete > done

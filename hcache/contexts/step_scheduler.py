@@ -153,7 +153,11 @@ class StepScheduler:
                 new = np.concatenate([kv.allocate_memory_blocks(k)
                                       for k in need[need > 0].tolist()])
             requests.add_blocks(rows, need, new)
-        closing = ends % bs == 0 if counts is None else None    # the token closes a block
+        closing = None
+        if counts is None:
+            closing = ends % bs == 0      # the token closes a block
+            if not closing.any():
+                closing = False           # (no row does)
         requests.append(rows, flat, counts, starts, ends, closing)
         requests.schedule(rows, ends)
         if self.mamba is not None:
@@ -173,10 +177,12 @@ class StepScheduler:
         (``ceil(start / bs)``, the last block boundary, the start of the last block, the one
         before the last boundary) and the EOS entry of a chunk that ends on a boundary."""
         bs = self.block_size
+        if closing is False:
+            return      # one token each, none on a boundary: no snapshot (rows are clear)
         eos = ends % bs == 0 if closing is None else closing
         single = counts is None or counts.max() == 1
         if single and not eos.any():
-            return      # one token each, none on a boundary: no snapshot (rows are clear)
+            return
         bounds = None
         if not single:
             last = ends // bs * bs
