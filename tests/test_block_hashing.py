@@ -1,6 +1,5 @@
-"""compute_block_hashes: the SHA-256 chain of docs/design.md §6, checked against an independent
-hashlib
-computation."""
+"""compute_block_hashes and chain_block_hashes: the SHA-256 chain of docs/design.md §6, checked
+against an independent hashlib computation."""
 
 from __future__ import annotations
 
@@ -14,6 +13,7 @@ import pytest
 from hypothesis import given
 
 from hcache.contexts import compute_block_hashes
+from hcache.contexts.block_hashing import chain_block_hashes
 
 TOKENS = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40)
 
@@ -118,3 +118,51 @@ def test_block_hashes_follow_the_spec_definition(block_size, length):
     assert got == spec_hashes(tokens, block_size)
     assert len(got) == length // block_size     # partial tail block: no hash
     assert compute_block_hashes(np.asarray(tokens, dtype=np.int64), block_size) == got
+
+
+# --- incremental hashing: chains continued from their last digest -----------------------------
+
+@given(st.integers(1, 5), st.integers(1, 4), st.data())
+def test_chains_continued_from_their_digests_equal_the_whole_prefix(block_size, streams, data):
+    """Token streams grown in random chunks (across block boundaries, several blocks at once
+    or none); after each round the blocks that completed are hashed in one
+    chain_block_hashes call, continuing every stream from its last digest. The hashes kept so
+    far always equal compute_block_hashes (and the definition) of each whole stream."""
+    tokens = [[] for _ in range(streams)]
+    hashes = [[] for _ in range(streams)]
+    digests = np.zeros((streams, 32), np.uint8)
+    for _ in range(data.draw(st.integers(1, 6))):
+        grown, blocks, counts = [], [], []
+        for i in range(streams):
+            done = len(tokens[i]) // block_size
+            tokens[i] += data.draw(st.lists(st.integers(-2**63, 2**63 - 1), max_size=12))
+            new = len(tokens[i]) // block_size - done
+            if new:
+                grown.append(i)
+                counts.append(new)
+                blocks += [tokens[i][k * block_size:(k + 1) * block_size]
+                           for k in range(done, done + new)]
+        if grown:
+            got, got_digests = chain_block_hashes(
+                digests[grown], np.array(blocks, np.int64).reshape(-1, block_size),
+                np.array(counts))
+            ends = np.cumsum(counts)
+            for i, n, end in zip(grown, counts, ends.tolist(), strict=True):
+                hashes[i] += got[end - n:end].tolist()
+                digests[i] = got_digests[end - 1]
+        for i in range(streams):
+            assert hashes[i] == compute_block_hashes(tokens[i], block_size) \
+                == oracle(tokens[i], block_size)
+
+
+def test_one_block_per_chain_and_empty_inputs():
+    tokens = np.arange(12, dtype=np.int64)
+    first, digests = chain_block_hashes(np.zeros((3, 32), np.uint8), tokens.reshape(3, 4))
+    assert first.tolist() == [compute_block_hashes(tokens[k * 4:k * 4 + 4], 4)[0]
+                              for k in range(3)]
+    second, _ = chain_block_hashes(digests, tokens[::-1].reshape(3, 4))
+    assert [compute_block_hashes(np.concatenate([tokens[k * 4:k * 4 + 4],
+                                                 tokens[::-1][k * 4:k * 4 + 4]]), 4)[1]
+            for k in range(3)] == second.tolist()
+    empty, no_digests = chain_block_hashes(np.zeros((0, 32), np.uint8), np.zeros((0, 4)))
+    assert empty.shape == (0,) and no_digests.shape == (0, 32)

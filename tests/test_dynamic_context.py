@@ -13,8 +13,11 @@ from __future__ import annotations
 import copy
 import random
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from hcache.config.caches import KVLayerConfig
 from hcache.contexts import DynamicInferenceContext, compute_block_hashes
@@ -233,3 +236,294 @@ def test_one_block_of_one_token(policy):
     assert plan.num_matched_blocks == 0 and plan.block_ids.tolist() == [0]
     assert ctx.mamba_slot_allocator.num_cached_states == 0
     check(ctx)
+
+
+# --- extend_requests: one call for a batch, the same as a loop of extend_request ------------
+
+def full_state(ctx):
+    """Everything a call could change: allocators, request table (tokens and hashes of live
+    rows), Mamba tracking and cache, live states, counters."""
+    kv, m, t = ctx.kv_block_allocator, ctx.mamba_slot_allocator, ctx._requests
+    out = state(ctx) + [kv.block_parent_hashes.tolist(), kv.block_child_counts.tolist(),
+                        vars(ctx.stats).copy(), ctx.mamba_conv_states.tolist(),
+                        ctx.mamba_ssm_states.tolist(), list(t._free_rows),
+                        list(t._free_live_slots)]
+    for rid in ctx.request_ids:
+        row = t.row(rid)
+        n = int(t.lengths[row])
+        out.append((rid, row, t.tokens[row, :n].tolist(), int(t.num_blocks[row]),
+                    int(t.pending_end[row]), int(t.kv_cached[row]), int(t.registered[row]),
+                    t.hashes[row, :n // ctx.block_size_tokens].tolist(), t.digests[row].tolist(),
+                    vars(ctx.request_stats(rid))))
+    if m is not None:
+        i = m._intermediate
+        out += [m.slot_to_block.tolist(), m.free_slots[:m.free_count].tolist(),
+                i.offsets.tolist(), i.block_ids.tolist(), i.counts.tolist(),
+                i.eos_block_ids.tolist(), i.pending, m.conv_states.tolist(), m.ssm_states.tolist()]
+    return out
+
+
+def twin(ctx):
+    """An independent copy (array modules are shared, not copied)."""
+    return copy.deepcopy(ctx, {id(np): np})
+
+
+def plans_of(plans):
+    return [(p.request_id, p.row, p.mamba_slot, p.start, p.end, p.tokens.tolist(),
+             p.block_ids.tolist(), p.skip_tokens, p.num_matched_blocks, p.restored_block)
+            for p in plans]
+
+
+def check_all(ctx):
+    check(ctx)
+    ctx.check_invariants()
+
+
+def busy_ctx(*, num_blocks=40, bs=4, rows=6, mamba=1, slots=6, prompts=None, commit=True):
+    ctx = make_ctx(num_blocks, bs=bs, mamba=mamba, slots=slots, rows=rows, max_blocks=24 // bs)
+    prompts = prompts or [[1, 2, 3, 4, 5], [1, 2, 3, 4, 9, 9, 9], [7] * 8, [5, 6]]
+    for i, p in enumerate(prompts):
+        ctx.add_request(f"r{i}", p)
+    if commit:
+        ctx.commit_step()
+    return ctx
+
+
+TOKEN_LISTS = st.lists(st.integers(0, 20), min_size=1, max_size=9)
+
+
+@settings(max_examples=30)
+@given(st.data())
+def test_extend_requests_equals_a_loop_of_extend_request(data):
+    bs = data.draw(st.sampled_from([1, 2, 4]))
+    ctx = busy_ctx(slots=data.draw(st.integers(0, 4)), bs=bs,
+                   num_blocks=-(-data.draw(st.integers(24, 60)) // bs) + 2)
+    for _ in range(data.draw(st.integers(1, 4))):
+        ids = data.draw(st.permutations(ctx.request_ids))
+        ids = ids[:data.draw(st.integers(1, len(ids)))]
+        form = data.draw(st.sampled_from(["one each", "lists", "2-D"]))
+        if form == "one each":
+            toks = np.array(data.draw(st.lists(st.integers(0, 20), min_size=len(ids),
+                                               max_size=len(ids))), dtype=np.int64)
+            per = [[int(x)] for x in toks]
+        elif form == "lists":
+            per = [data.draw(TOKEN_LISTS) for _ in ids]
+            toks = per
+        else:
+            k = data.draw(st.integers(1, 3))
+            toks = np.array(data.draw(st.lists(st.integers(0, 20), min_size=k * len(ids),
+                                               max_size=k * len(ids)))).reshape(len(ids), k)
+            per = toks.tolist()
+        loop = twin(ctx)
+        try:
+            got = list(ctx.extend_requests(ids, toks))
+        except (ValueError, CacheCapacityError):
+            assert full_state(ctx) == full_state(loop)    # refused: nothing changed
+            with pytest.raises((ValueError, CacheCapacityError)):
+                for rid, t in zip(ids, per, strict=True):
+                    loop.extend_request(rid, t)
+            break
+        want = [loop.extend_request(rid, t) for rid, t in zip(ids, per, strict=True)]
+        assert plans_of(got) == plans_of(want)
+        assert full_state(ctx) == full_state(loop)
+        assert ctx.snapshot_targets() == loop.snapshot_targets()
+        assert ctx.commit_step() == loop.commit_step()
+        assert full_state(ctx) == full_state(loop)
+        check_all(ctx)
+
+
+def test_batch_plan_arrays_and_step_plans():
+    ctx = busy_ctx()
+    plan = ctx.extend_requests(["r2", "r0"], [[8, 9], [6]])
+    assert len(plan) == 2 and plan.request_ids == ["r2", "r0"]
+    assert plan.starts.tolist() == [8, 5] and plan.ends.tolist() == [10, 6]
+    assert plan.token_offsets.tolist() == [0, 2, 3] and plan.tokens.tolist() == [8, 9, 6]
+    assert plan.rows.tolist() == [ctx._requests.row("r2"), ctx._requests.row("r0")]
+    assert plan.mamba_slots.tolist() == [ctx.mamba_slot("r2"), ctx.mamba_slot("r0")]
+    for i, rid in enumerate(plan.request_ids):
+        np.testing.assert_array_equal(plan.block_table[i][:len(ctx.block_ids(rid))],
+                                      ctx.block_ids(rid))
+        p = plan[i]
+        assert (p.request_id, p.start, p.end) == (rid, plan.starts[i], plan.ends[i])
+        assert p.block_ids.tolist() == ctx.block_ids(rid).tolist()
+        assert (p.skip_tokens, p.num_matched_blocks, p.restored_block) == (0, 0, -1)
+    assert [p.request_id for p in plan] == ["r2", "r0"] and plan[-1].request_id == "r0"
+    with pytest.raises(IndexError):
+        plan[2]
+    assert len(ctx.extend_requests([], [])) == 0        # an empty batch changes nothing
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("unknown id", ValueError, r"request_ids\[1\]: expected an active request"),
+    ("unhashable id", TypeError, r"request_ids\[1\]: expected a hashable id"),
+    ("repeated id", ValueError, "request_ids: expected distinct request ids, got 'r1' twice"),
+    ("scheduled step", ValueError, r"request_ids\[1\]: expected a request without a sched"),
+    ("too many tokens", ValueError, r"tokens\[1\]: expected 1\.\.17 tokens, got 18"),
+    ("no token", ValueError, r"tokens\[1\]: expected at least 1 token, got 0"),
+    ("too few tokens", ValueError, "tokens: expected 2 tokens"),
+    ("float tokens", TypeError, "tokens"), ("bool token", TypeError, "tokens"),
+    ("2-D of the wrong rows", ValueError, "tokens: expected shape"),
+    ("out of KV blocks", CacheCapacityError, "KV blocks"),
+    ("ids not a sequence", TypeError, "request_ids: expected a sequence")])
+def test_refused_batches_change_nothing(case, error, match):
+    ctx = busy_ctx(num_blocks=13)
+    ctx.add_request("late", [4, 4, 4])                 # a request with a scheduled step
+    before = full_state(ctx)
+    ids, toks = ["r0", "r1"], np.array([3, 3])
+    ids, toks = {"unknown id": (["r0", "nope"], toks), "unhashable id": (["r0", ["x"]], toks),
+                 "repeated id": (["r1", "r1"], toks), "scheduled step": (["r0", "late"], toks),
+                 "too many tokens": (ids, [[3], [3] * 18]), "no token": (ids, [[3], []]),
+                 "too few tokens": (ids, np.array([3])), "float tokens": (ids, [1.5, 2.0]),
+                 "bool token": (ids, [3, True]),
+                 "2-D of the wrong rows": (ids, np.ones((3, 2), np.int64)),
+                 "out of KV blocks": (ids, [[3] * 12, [3] * 12]),
+                 "ids not a sequence": (iter(ids), toks)}[case]
+    with pytest.raises(error, match=match):
+        ctx.extend_requests(ids, toks)
+    assert full_state(ctx) == before
+    check_all(ctx)
+
+
+def test_out_of_blocks_refusal_reports_the_batch_need():
+    ctx = busy_ctx(num_blocks=13)
+    kv = ctx.kv_block_allocator
+    with pytest.raises(CacheCapacityError) as info:
+        ctx.extend_requests(["r0", "r1"], [[3] * 12, [3] * 16])
+    assert (info.value.required, info.value.available) == (7, 6) == (7, kv.num_free_blocks)
+
+
+def test_extend_request_keeps_its_argument_names():
+    ctx = busy_ctx()
+    with pytest.raises(ValueError, match="^tokens: expected 1..19 tokens, got 0"):
+        ctx.extend_request("r0", [])
+    ctx.extend_request("r0", [1])
+    with pytest.raises(ValueError, match="^request_id: expected a request without"):
+        ctx.extend_request("r0", [1])
+    with pytest.raises(ValueError, match="^request_id: expected an active request"):
+        ctx.extend_request("nope", [1])
+
+
+def test_batch_allocates_in_request_order_even_under_eviction():
+    # A pool whose free stack is short: the batch evicts cached blocks exactly as the loop does.
+    ctx = make_ctx(12, bs=2, mamba=1, slots=3, rows=4, max_blocks=6)
+    ctx.add_request("old", [9, 8, 7, 6, 5, 4])
+    ctx.commit_step()
+    ctx.release_requests(["old"])                       # 3 cached blocks
+    for rid, p in (("a", [1, 2, 3]), ("b", [4, 5, 6]), ("c", [7])):
+        ctx.add_request(rid, p)
+    ctx.commit_step()
+    loop = twin(ctx)
+    assert ctx.kv_block_allocator.num_free_blocks < 5
+    got = list(ctx.extend_requests(["c", "a", "b"], [[1] * 6, [2, 2, 2], [3, 3]]))
+    want = [loop.extend_request(r, t) for r, t in (("c", [1] * 6), ("a", [2, 2, 2]),
+                                                   ("b", [3, 3]))]
+    assert plans_of(got) == plans_of(want) and full_state(ctx) == full_state(loop)
+    assert ctx.kv_block_allocator.num_cached_blocks < 3           # evicted some
+    check_all(ctx)
+
+
+# --- block hashes: computed once, when a block completes ------------------------------------
+
+@settings(max_examples=40)
+@given(st.integers(1, 5), st.lists(st.lists(st.integers(-2**63, 2**63 - 1), min_size=1,
+                                            max_size=11), min_size=1, max_size=8))
+def test_incremental_hashes_equal_hashes_of_the_whole_prefix(bs, chunks):
+    """Hashes kept as blocks complete (chained from the parent's digest, across any number of
+    extensions) are compute_block_hashes of the whole sequence, and so are the registered
+    KV hashes after each commit."""
+    ctx = make_ctx(64, bs=bs, mamba=1, slots=4, rows=2, max_blocks=64 // bs + 1)
+    seq = list(chunks[0])
+    ctx.add_request("x", seq)
+    ctx.commit_step()
+    for chunk in chunks[1:]:
+        if len(seq) + len(chunk) > ctx.max_sequence_length:
+            break
+        ctx.extend_requests(["x"], [chunk])
+        seq += chunk
+        want = compute_block_hashes(seq, bs)
+        row = ctx._requests.row("x")
+        assert ctx._requests.hashes[row, :len(want)].tolist() == want
+        ctx.commit_step()
+        kv = ctx.kv_block_allocator
+        assert kv.block_hashes[ctx.block_ids("x")[:len(want)]].tolist() == want
+        ctx.check_invariants()
+
+
+# --- stateful: a context driven in batches against a twin driven request by request ----------
+
+STEMS = [[1, 2, 3, 4, 5, 6], [9, 8, 7, 6], [1, 2, 3, 4, 7, 7]]
+
+
+class BatchedVersusLoopedContext(RuleBasedStateMachine):
+    """Two copies of a context, one extended with ``extend_requests``, the other with a loop
+    of ``extend_request``, through random admissions, batches (unknown, repeated and
+    scheduled ids included), commits and releases: they stay identical, every refused batch
+    changes nothing, and both keep their invariants (hashes included)."""
+
+    @initialize(bs=st.sampled_from([1, 2, 3]), blocks=st.integers(5, 20),
+                slots=st.integers(0, 3), policy=st.sampled_from(["lru", "ref_zero"]))
+    def setup(self, bs, blocks, slots, policy):
+        self.ctx = make_ctx(blocks, bs=bs, mamba=1, slots=slots, rows=4, max_blocks=24 // bs,
+                            policy=policy)
+        self.loop = twin(self.ctx)
+        self.next_id = 0
+
+    @rule(data=st.data())
+    def add(self, data):
+        tokens = data.draw(st.sampled_from(STEMS))[:data.draw(st.integers(1, 6))]
+        tokens += data.draw(st.lists(st.integers(0, 3), max_size=3))
+        outcomes = []
+        for ctx in (self.ctx, self.loop):
+            try:
+                outcomes.append(plans_of([ctx.add_request(self.next_id, tokens)]))
+            except (ValueError, CacheCapacityError) as exc:
+                outcomes.append(type(exc))
+        assert outcomes[0] == outcomes[1]
+        self.next_id += 1
+
+    @rule(data=st.data())
+    def extend(self, data):
+        if not self.ctx.request_ids:
+            with pytest.raises(ValueError, match="active"):
+                self.ctx.extend_requests(["nope"], [[1]])
+            return
+        table = self.ctx._requests
+        ready = [r for r in self.ctx.request_ids if table.pending_end[table.row(r)] < 0]
+        if not ready:     # an engine would run the step first
+            self.commit()
+            ready = self.ctx.request_ids
+        ids = data.draw(st.lists(st.sampled_from(ready), unique=True, min_size=1)) \
+            if ready else []
+        if not ids or data.draw(st.integers(0, 9)) == 0:      # a caller mistake, now and then
+            ids.insert(data.draw(st.integers(0, len(ids))),
+                       data.draw(st.sampled_from(["nope"] + self.ctx.request_ids)))
+        per = [data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=4)) for _ in ids]
+        before = full_state(self.ctx)
+        try:
+            got = list(self.ctx.extend_requests(ids, per))
+        except (ValueError, CacheCapacityError):
+            assert full_state(self.ctx) == before
+            return
+        want = [self.loop.extend_request(rid, t) for rid, t in zip(ids, per, strict=True)]
+        assert plans_of(got) == plans_of(want)
+
+    @rule()
+    def commit(self):
+        assert self.ctx.commit_step() == self.loop.commit_step()
+
+    @rule(data=st.data())
+    def release(self, data):
+        if self.ctx.request_ids:
+            ids = data.draw(st.lists(st.sampled_from(self.ctx.request_ids), min_size=1))
+            self.ctx.release_requests(ids)
+            self.loop.release_requests(ids)
+
+    @invariant()
+    def identical_and_consistent(self):
+        if hasattr(self, "ctx"):
+            assert full_state(self.ctx) == full_state(self.loop)
+            assert self.ctx.snapshot_targets() == self.loop.snapshot_targets()
+            check_all(self.ctx)
+
+
+TestBatchedVersusLoopedContext = BatchedVersusLoopedContext.TestCase

@@ -315,6 +315,24 @@ def test_parents_resolve_to_earlier_blocks_only():
     a.check_invariants()
 
 
+def test_siblings_and_a_repeated_pair_in_one_batch():
+    a = KVBlockAllocator(8)
+    ids = a.allocate_memory_blocks(5).tolist()
+    # ids[1], ids[2] are siblings under ids[0] (registered earlier in the batch); ids[3] is a
+    # child of ids[2]; the pair (ids[4], 54) is listed twice and counts once.
+    a.register_kv_block_hashes([ids[0], ids[1], ids[2], ids[4], ids[3], ids[4]],
+                               [50, 51, 52, 54, 53, 54], [0, 50, 50, 53, 52, 53])
+    assert a.block_parent_ids[ids].tolist() == [-1, ids[0], ids[0], ids[2], -1]
+    assert a.block_child_counts[ids].tolist() == [2, 0, 1, 0, 0]
+    assert a.kv_hash_to_block_id == {50: ids[0], 51: ids[1], 52: ids[2], 53: ids[3],
+                                     54: ids[4]}
+    a.check_invariants()
+    more = a.allocate_memory_blocks(3).tolist()     # three siblings, no repeat
+    a.register_kv_block_hashes(more, [60, 61, 62], [51, 51, 51])
+    assert a.block_child_counts[ids[1]] == 3 and a.block_parent_ids[more].tolist() == [ids[1]] * 3
+    a.check_invariants()
+
+
 @pytest.mark.parametrize("case", ["different_hash", "hash_of_other", "lengths", "parent_lengths",
                                   "free_block", "nonpositive", "two_hashes_one_block",
                                   "one_hash_two_blocks", "out_of_range"])

@@ -313,6 +313,94 @@ def test_register_block_hashes_validates_against_kv_map():
     alloc.check_invariants()
 
 
+def _registered_with_slots():
+    _, kv, alloc = make()
+    ids, hashes = registered_blocks(kv, 3)
+    fresh = kv.allocate_memory_blocks(1).tolist()            # unregistered KV block
+    alloc.allocate_slots_batch(ids[:2] + fresh)
+    return kv, alloc, ids, hashes, fresh
+
+
+@pytest.mark.parametrize("form", ["list", "tuple", "array", "numpy ints", "mixed"])
+def test_register_lean_and_checked_paths_agree(form):
+    # Lists of Python ints take the lean path; every other form the vectorised checks. Both
+    # register the same pairs.
+    kv, alloc, ids, hashes, _ = _registered_with_slots()
+    b, h = ids[:2], hashes[:2]
+    args = {"list": (b, h), "tuple": (tuple(b), tuple(h)), "array": (np.array(b), np.array(h)),
+            "numpy ints": ([np.int64(x) for x in b], [np.int64(x) for x in h]),
+            "mixed": (b, np.array(h))}[form]
+    alloc.register_block_hashes_batch(*args)
+    assert alloc.hash_to_block_id == {h[0]: b[0], h[1]: b[1]}
+    assert all(type(k) is int and type(v) is int for k, v in alloc.hash_to_block_id.items())
+    alloc.check_invariants()
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("bool id", TypeError, "block_ids"), ("float hash", TypeError, "hashes"),
+    ("bool hash", TypeError, "hashes"), ("float id", TypeError, "block_ids"),
+    ("other block's hash", ValueError, "KV hash"), ("unregistered block", ValueError, "KV hash"),
+    ("no slot", ValueError, "owning a slot"), ("out of range", IndexError, "block_ids"),
+    ("short hashes", ValueError, "hashes"), ("long hashes", ValueError, "hashes"),
+    ("repeated hash", ValueError, "KV hash")])
+def test_register_refusals_change_nothing_on_either_path(case, error, match):
+    kv, alloc, ids, hashes, fresh = _registered_with_slots()
+    alloc.register_block_hashes_batch(ids[:1], hashes[:1])
+    before = snapshot(alloc)
+    # Each refused batch leads with a registrable pair, so the lean path has begun its scan.
+    b, h = [ids[1]], [hashes[1]]
+    bad = {"bool id": (b + [True], h + [hashes[0]]),
+           "float hash": (b + [ids[0]], h + [float(hashes[0])]),
+           "bool hash": (b + [ids[0]], h + [True]),
+           "float id": (b + [float(ids[0])], h + [hashes[0]]),
+           "other block's hash": (b + [ids[0]], h + [hashes[1]]),
+           "unregistered block": (b + fresh, h + [12345]),
+           "no slot": (b + [ids[2]], h + [hashes[2]]),
+           "out of range": (b + [99], h + [5]),
+           "short hashes": (b + [ids[0]], h),
+           "long hashes": (b, h + [hashes[0]]),
+           "repeated hash": (b + [ids[0]], h + h)}[case]
+    with pytest.raises(error, match=match):
+        alloc.register_block_hashes_batch(*bad)
+    assert_unchanged(before, alloc)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_batched_offsets_equal_one_row_at_a_time(seed):
+    """compute_and_store_offsets_batch with an extension's candidates (nothing matched or
+    skipped; the boundaries ceil(start / bs), the last boundary, the start of the last block and
+    the boundary before the last one) equals compute_and_store_offsets row by row."""
+    rng = np.random.default_rng(seed)
+    bs, chunk = int(rng.choice([1, 2, 4])), 1
+    chunk = int(rng.choice([c for c in (1, 2, 4) if bs % c == 0]))
+    ctx_a, _, one = make(bs=bs, chunk=chunk)
+    ctx_b, _, batch = make(bs=bs, chunk=chunk)
+    rows = rng.permutation(R)[:int(rng.integers(1, R + 1))]
+    starts = rng.integers(0, 8 * bs - 1, len(rows))
+    ends = np.minimum(starts + rng.integers(1, 3 * bs + 2, len(rows)), 8 * bs)
+    for ctx in (ctx_a, ctx_b):
+        ctx.request_to_kv_block_ids[:] = np.arange(R * 8).reshape(R, 8)
+    for row, s, e in zip(rows.tolist(), starts.tolist(), ends.tolist(), strict=True):
+        last = e // bs * bs
+        one.compute_and_store_offsets(_req(e, s), row, 0, e - s, 0, [], -(-e // bs),
+                                      extra_boundaries=(last - bs,))
+    last = ends // bs * bs
+    bounds = np.stack([-(-starts // bs) * bs, last, (-(-ends // bs) - 1) * bs, last - bs], 1)
+    batch.compute_and_store_offsets_batch(rows.astype(np.int64), starts, ends - starts,
+                                          bounds, np.where(ends % bs == 0, ends // bs - 1, -1))
+    assert batch.intermediate_targets() == one.intermediate_targets()
+    np.testing.assert_array_equal(batch._intermediate_block_ids, one._intermediate_block_ids)
+    np.testing.assert_array_equal(batch._eos_cache_block_id, one._eos_cache_block_id)
+    if (ends - starts).max() == 1:          # the one-token form needs no candidates
+        ctx_c, _, single = make(bs=bs, chunk=chunk)
+        ctx_c.request_to_kv_block_ids[:] = ctx_a.request_to_kv_block_ids
+        single.compute_and_store_offsets_batch(
+            rows.astype(np.int64), starts, ends - starts, None,
+            np.where(ends % bs == 0, ends // bs - 1, -1))
+        np.testing.assert_array_equal(single._eos_cache_block_id, one._eos_cache_block_id)
+        assert single.intermediate_targets() == one.intermediate_targets()
+
+
 # --- copies -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -113,16 +113,15 @@ def run_step(ctx, plans):
 
 
 def check(ctx):
-    ctx.kv_block_allocator.check_invariants()
-    if ctx.mamba_slot_allocator is not None:
-        ctx.mamba_slot_allocator.check_invariants()
+    ctx.check_invariants()      # the allocators', and the request table's block hashes
 
 
-def serve(ctx, waves):
+def serve(ctx, waves, *, batched=False):
     """Run ``waves`` of ``(request_id, prompt, num_generated)``: a wave's requests prefill in
-    one step, decode together, and are released together. ``prompt`` may be a function of the
-    results so far (multi-turn). Returns per request: generated tokens, the computed sequence,
-    final live states and KV rows."""
+    one step, decode together (``batched``: one ``extend_requests`` call per step, else one
+    ``extend_request`` per request), and are released together. ``prompt`` may be a function
+    of the results so far (multi-turn). Returns per request: generated tokens, the computed
+    sequence, final live states and KV rows."""
     results = {}
     for wave in waves:
         prompts = {rid: (p(results) if callable(p) else list(p)) for rid, p, _ in wave}
@@ -135,8 +134,11 @@ def serve(ctx, waves):
             out = run_step(ctx, plans)
             for rid, tok in out.items():
                 gen[rid].append(tok)
-            plans = [ctx.extend_request(rid, [gen[rid][-1]]) for rid in want
-                     if len(gen[rid]) < want[rid]]
+            more = [rid for rid in want if len(gen[rid]) < want[rid]]
+            if batched and more:
+                plans = list(ctx.extend_requests(more, np.array([gen[r][-1] for r in more])))
+            else:
+                plans = [ctx.extend_request(rid, [gen[rid][-1]]) for rid in more]
             if not plans:
                 break
         for rid in want:
@@ -182,9 +184,9 @@ def assert_exact(results, reference=None):
                 assert a.tobytes() == b.tobytes(), rid
 
 
-def compare(waves, device="cpu", **kw):
+def compare(waves, device="cpu", *, batched=False, **kw):
     on, off = make_ctx(device, **kw), make_ctx(device, caching=False, **kw)
-    cached, uncached = serve(on, waves), serve(off, waves)
+    cached, uncached = serve(on, waves, batched=batched), serve(off, waves)
     assert_exact(uncached)
     assert_exact(cached, uncached)
     return on, off, cached
@@ -196,14 +198,14 @@ SYSTEM = [7, 3, 9, 1, 4, 4, 8, 2, 6, 5, 0, 3]      # 3 blocks
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_overlapping_prompts(device):
+def test_overlapping_prompts(device, batched=False):
     waves = [
         [("a", SYSTEM + [11, 12, 13], 3)],
         [("b", SYSTEM + [21, 22], 2), ("c", SYSTEM + [31, 32, 33, 34, 35, 36], 2)],
         [("d", SYSTEM, 2), ("e", SYSTEM[:6], 1), ("f", SYSTEM + [11, 12, 13, 14, 15], 2)],
         [("g", SYSTEM + [31, 32, 33, 34, 35], 1), ("h", SYSTEM + [31, 32, 33, 34], 1)],
     ]
-    on, off, res = compare(waves, device)
+    on, off, res = compare(waves, device, batched=batched)
     assert on.stats.computed_tokens < off.stats.computed_tokens
     assert off.stats.skipped_tokens == 0 and on.stats.mamba_hits >= 6
     # b and c restore the system prompt's state (block 3 boundary) stored by a's prefill.
@@ -220,19 +222,28 @@ def test_overlapping_prompts(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_multi_turn_continuation(device):
+def test_multi_turn_continuation(device, batched=False):
     turn1 = [5, 6, 7, 8, 9, 1, 2, 3, 4, 10, 11]
     waves = [
         [("t1", turn1, 6)],
         [("t2", lambda r: r["t1"]["sequence"] + [r["t1"]["generated"][-1], 40, 41, 42], 4)],
         [("t3", lambda r: r["t2"]["sequence"] + [r["t2"]["generated"][-1], 43], 2)],
     ]
-    on, off, res = compare(waves, device)
+    on, off, res = compare(waves, device, batched=batched)
     # t1 computed 16 tokens (11 prompt + 5 fed back), so blocks 0..3 are cached with a decode
     # snapshot at 16; t2 restores there.
     assert res["t2"]["stats"].skipped_tokens == 16
     assert res["t3"]["stats"].skipped_tokens >= 20
     assert on.stats.computed_tokens < off.stats.computed_tokens - 30
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_through_extend_requests(device):
+    """The scenarios above with every decode step one extend_requests call."""
+    test_overlapping_prompts(device, batched=True)
+    test_multi_turn_continuation(device, batched=True)
+    for policy in ("lru", "ref_zero"):
+        test_evictions_under_a_small_pool(device, policy, batched=True)
 
 
 def test_same_step_duplicates_and_deferral():
@@ -260,7 +271,7 @@ def test_same_step_duplicates_and_deferral():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy", ["lru", "ref_zero"])
-def test_evictions_under_a_small_pool(device, policy):
+def test_evictions_under_a_small_pool(device, policy, batched=False):
     rng = np.random.default_rng(3)
     prefixes = [SYSTEM, SYSTEM[::-1], [1, 2] * 5]
     waves = []
@@ -276,7 +287,7 @@ def test_evictions_under_a_small_pool(device, policy):
     on.kv_block_allocator.add_blocks_deregistered_observer(
         lambda ids, hashes: deregistered.extend(ids))
     off = make_ctx(device, caching=False, num_blocks=12, slots=3, max_requests=2)
-    cached, uncached = serve(on, waves), serve(off, waves)
+    cached, uncached = serve(on, waves, batched=batched), serve(off, waves)
     assert_exact(uncached)
     assert_exact(cached, uncached)
     assert deregistered, "the pool must have deregistered blocks"
@@ -368,7 +379,8 @@ def test_random_workloads_match_uncached(data):
         waves.append(wave)
     policy = data.draw(st.sampled_from(["lru", "ref_zero"]))
     on, off, _ = compare(waves, num_blocks=14, slots=3, max_requests=3, policy=policy,
-                         chunk=data.draw(st.sampled_from([1, 2, 4])))
+                         chunk=data.draw(st.sampled_from([1, 2, 4])),
+                         batched=data.draw(st.booleans()))
     assert on.stats.computed_tokens <= off.stats.computed_tokens
 
 

@@ -12,15 +12,17 @@ One concept per module; each owner composes its collaborators:
   (slots, free stack, LRU eviction), a ``mamba_hash_map.MambaHashMap``, a
   ``mamba_intermediate.IntermediateStates`` (mid-prefill snapshots) and a
   ``mamba_state_copies.MambaStateCopies`` (cache arrays and every copy into or out of them);
-- ``dynamic_context`` (:class:`DynamicInferenceContext`) owns a ``requests.RequestTable``, a
-  ``live_states.LiveMambaStates`` and a ``step_kv_writer.StepKVWriter``, and applies the
-  policy of ``prefix_match`` (functions of explicit inputs).
+- ``dynamic_context`` (:class:`DynamicInferenceContext`) owns a ``requests.RequestTable`` (per-row
+  tokens, counters and block hashes), a ``step_scheduler.StepScheduler`` (admissions and batched
+  extensions, applying the policy of ``prefix_match``, functions of explicit inputs), a
+  ``live_states.LiveMambaStates`` and a ``step_kv_writer.StepKVWriter``; it answers with the
+  plans of ``step_plans`` (:class:`StepPlan`, :class:`BatchStepPlan`).
 """
 
 from __future__ import annotations
 
 from .block_hashing import compute_block_hashes
-from .dynamic_context import DynamicInferenceContext, PrefixCacheStats, StepPlan
+from .dynamic_context import BatchStepPlan, DynamicInferenceContext, PrefixCacheStats, StepPlan
 from .kv_block_allocator import KVBlockAllocator
 from .mamba_slot_allocator import (
     MAX_INTERMEDIATE_OFFSETS_PER_REQUEST,
@@ -31,4 +33,4 @@ from .paged_kv_pool import PagedKVPool
 
 __all__ = ["compute_block_hashes", "KVBlockAllocator", "PagedKVPool", "MambaSlotAllocator",
            "MambaSlotCapacityError", "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST",
-           "DynamicInferenceContext", "StepPlan", "PrefixCacheStats"]
+           "DynamicInferenceContext", "StepPlan", "BatchStepPlan", "PrefixCacheStats"]

@@ -20,6 +20,7 @@ them in where the forest needs them.
 from __future__ import annotations
 
 import heapq
+from itertools import repeat
 
 import numpy as np
 
@@ -68,7 +69,7 @@ class BlockForest:
     # --- registration -------------------------------------------------------------------
 
     def plan_registration(self, block_ids: np.ndarray, hashes: np.ndarray,
-                          parent_hashes: np.ndarray, ref_counts: np.ndarray) -> dict:
+                          parent_hashes: np.ndarray, ref_counts: np.ndarray):
         """Validate a registration batch and return the blocks it registers.
 
         Parameters
@@ -80,8 +81,8 @@ class BlockForest:
 
         Returns
         -------
-        dict
-            ``block id -> (hash, parent hash)`` of the unregistered blocks, first occurrence
+        (int64 [m], int64 [m], int64 [m])
+            Block ids, hashes and parent hashes of the unregistered blocks, first occurrence
             first; blocks already holding the same hash are left out.
 
         Raises
@@ -104,10 +105,25 @@ class BlockForest:
             raise ValueError(f"block_ids: expected blocks in use, got free block "
                              f"{int(block_ids[free][0])}")
         new = current == -1
+        ids, hs, ps = block_ids[new], hashes[new], parent_hashes[new]
+        ids_list, hs_list = ids.tolist(), hs.tolist()
+        if len(set(ids_list)) < len(ids_list) or len(set(hs_list)) < len(hs_list):
+            return self._plan_repeats(ids_list, hs_list, ps.tolist())
+        # Every block is unregistered, so a hash already in the map is another block's.
+        held = self.hash_to_block.keys() & hs_list
+        if held:
+            h = next(h for h in hs_list if h in held)
+            raise ValueError(f"hashes: expected hash {h} to be free, got it held by block "
+                             f"{self.hash_to_block[h]} while registering block "
+                             f"{ids_list[hs_list.index(h)]}")
+        return ids, hs, ps
+
+    def _plan_repeats(self, ids: list, hashes: list, parents: list):
+        """:meth:`plan_registration` of unregistered blocks some of which, or some of whose
+        hashes, repeat: a repeated pair counts once, any other repeat is an error."""
         pending: dict[int, tuple[int, int]] = {}   # block -> (hash, parent hash), first seen
         claimed: dict[int, int] = {}               # hash -> block
-        for b, h, p in zip(block_ids[new].tolist(), hashes[new].tolist(),
-                           parent_hashes[new].tolist(), strict=True):
+        for b, h, p in zip(ids, hashes, parents, strict=True):
             if pending.setdefault(b, (h, p))[0] != h:
                 raise ValueError(f"hashes: expected one hash for block {b}, "
                                  f"got {pending[b][0]} and {h}")
@@ -115,26 +131,39 @@ class BlockForest:
             if holder != b:
                 raise ValueError(f"hashes: expected hash {h} to be free, got it held by block "
                                  f"{holder} while registering block {b}")
-        return pending
+        return (np.fromiter(pending, np.int64, len(pending)),
+                np.array([h for h, _ in pending.values()], np.int64).reshape(-1),
+                np.array([p for _, p in pending.values()], np.int64).reshape(-1))
 
-    def link(self, pending: dict) -> None:
-        """Register the blocks of a :meth:`plan_registration` result and link each to its
-        parent (a parent hash that is 0 or not registered, before this call or earlier in the
-        batch, means no parent)."""
-        # Parents resolve to blocks registered before this call or earlier in the batch, so
-        # every parent link points backwards in registration order (no cycles).
-        parent_ids = []
-        for b, (h, p) in pending.items():
-            parent_ids.append(self.hash_to_block.get(p, -1) if p > 0 else -1)
-            self.hash_to_block[h] = b
-        new_ids = np.fromiter(pending, dtype=np.int64, count=len(pending))
-        parents = np.asarray(parent_ids, dtype=np.int32)
-        self.hashes[new_ids] = [h for h, _ in pending.values()]
+    def link(self, block_ids: np.ndarray, hashes: np.ndarray, parent_hashes: np.ndarray) -> None:
+        """Register distinct unregistered ``block_ids`` under distinct free ``hashes`` (a
+        :meth:`plan_registration` result) and link each to its parent: the block holding its
+        parent hash before this call or earlier in the batch (0, or any other, means none)."""
+        n = len(block_ids)
+        if n == 0:
+            return
+        hs_list, ps_list = hashes.tolist(), parent_hashes.tolist()
+        parents = np.fromiter(map(self.hash_to_block.get, ps_list, repeat(-1)), np.int64, n)
+        unresolved = np.flatnonzero((parents < 0) & (parent_hashes > 0))
+        if len(unresolved):
+            # A parent earlier in the batch; parents resolve backwards in registration order
+            # only, so the forest stays acyclic.
+            position = dict(zip(hs_list, range(n)))
+            earlier = np.fromiter(map(position.get, [ps_list[i] for i in unresolved.tolist()],
+                                      repeat(n)), np.int64, len(unresolved))
+            back = earlier < unresolved
+            parents[unresolved[back]] = block_ids[earlier[back]]
+        self.hash_to_block.update(zip(hs_list, block_ids.tolist()))
+        self.hashes[block_ids] = hashes
         has_parent = parents >= 0
-        self.parent_ids[new_ids] = parents
-        self.parent_hashes[new_ids] = np.where(has_parent, self.hashes[np.maximum(parents, 0)],
-                                               0)
-        np.add.at(self.child_counts, parents[has_parent], 1)
+        self.parent_ids[block_ids] = parents
+        self.parent_hashes[block_ids] = np.where(has_parent, parent_hashes, 0)
+        linked = np.sort(parents[has_parent])
+        if len(linked) > 1 and (linked[1:] == linked[:-1]).any():   # siblings in the batch
+            linked, counts = np.unique(linked, return_counts=True)
+            self.child_counts[linked] += counts.astype(np.int32)
+        else:
+            self.child_counts[linked] += 1
 
     def unlink(self, block_ids: np.ndarray) -> set:
         """Unregister unique registered ``block_ids``, orphaning their children; returns their

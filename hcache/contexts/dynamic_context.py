@@ -6,7 +6,7 @@ per-request Mamba states, the :class:`MambaSlotAllocator`, request rows and bloc
 prefix match. An engine drives it one step at a time::
 
     plan = ctx.add_request(rid, prompt)        # or ctx.extend_request(rid, new_tokens)
-    ...                                        # schedule more requests
+    plans = ctx.extend_requests(rids, tokens)  # a decode batch: one token each, one call
     targets = ctx.snapshot_targets()           # boundary states the model must emit
     # forward: for each plan compute plan.tokens (positions plan.start..plan.end-1) from the
     # live Mamba state mamba_*_states[:, plan.mamba_slot]; write K/V with ctx.write_kv; write
@@ -15,11 +15,12 @@ prefix match. An engine drives it one step at a time::
     ctx.release_requests([rid])
 
 The context drives its collaborators: the request table
-(:class:`~hcache.contexts.requests.RequestTable`: records, rows, live slots and the host block
-tables), the live Mamba states (:class:`~hcache.contexts.live_states.LiveMambaStates`), the
-step's KV writes (:class:`~hcache.contexts.step_kv_writer.StepKVWriter`) and the
-prefix-match policy, functions of explicit inputs described and implemented in
-:mod:`hcache.contexts.prefix_match`.
+(:class:`~hcache.contexts.requests.RequestTable`: per-row tokens, counters, block hashes, live
+slots and the host block tables, so a step is vectorised over requests), the scheduler of
+admissions and extensions (:class:`~hcache.contexts.step_scheduler.StepScheduler`, which
+applies the prefix-match policy of :mod:`hcache.contexts.prefix_match`), the live Mamba states
+(:class:`~hcache.contexts.live_states.LiveMambaStates`) and the step's KV writes
+(:class:`~hcache.contexts.step_kv_writer.StepKVWriter`).
 """
 
 from __future__ import annotations
@@ -28,25 +29,21 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, int_shape, token_list
+from .._checks import as_int, int_shape
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
-from ..errors import CacheCapacityError
 from .block_hashing import compute_block_hashes
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
 from .paged_kv_pool import PagedKVPool
-from .prefix_match import (
-    finish_pending_steps,
-    match_prefix,
-    pending_blocks_overlap,
-    restore_depth_tokens,
-)
-from .requests import PrefixCacheStats, RequestTable, StepPlan, _Chunk
+from .prefix_match import blocks_to_register, pending_blocks_overlap
+from .requests import RequestTable, batch_tokens, token_array
 from .step_kv_writer import StepKVWriter
+from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan
+from .step_scheduler import StepScheduler
 
-__all__ = ["DynamicInferenceContext", "StepPlan", "PrefixCacheStats"]
+__all__ = ["DynamicInferenceContext", "StepPlan", "BatchStepPlan", "PrefixCacheStats"]
 
 
 class DynamicInferenceContext:
@@ -125,13 +122,16 @@ class DynamicInferenceContext:
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
         self._live = LiveMambaStates(self.device, L, R, conv_shape, ssm_shape, conv_dt, ssm_dt)
-        self._requests = RequestTable(R, self.max_blocks_per_request)
+        self._requests = RequestTable(R, self.max_blocks_per_request, self.block_size_tokens,
+                                      hashing=self.kv_block_allocator.enable_prefix_caching)
         self._kv_writer = StepKVWriter(self.kv_pool, R, self.max_blocks_per_request,
                                        self.max_step_tokens)
         self.mamba_slot_allocator = None
         if L and slots and enable_prefix_caching:
             self.mamba_slot_allocator = MambaSlotAllocator(
                 self, slots, L, conv_shape, ssm_shape, conv_states_dtype, ssm_states_dtype)
+        self._scheduler = StepScheduler(self._requests, self.kv_block_allocator,
+                                        self.mamba_slot_allocator, self._live, L)
         self.stats = PrefixCacheStats()
 
     # --- queries --------------------------------------------------------------------------------
@@ -160,18 +160,18 @@ class DynamicInferenceContext:
 
     def request_stats(self, request_id) -> PrefixCacheStats:
         """Counters of one live request (a copy)."""
-        return PrefixCacheStats(**vars(self._requests.get(request_id).stats))
+        return self._requests.stats(self._requests.row(request_id))
 
     def block_ids(self, request_id) -> np.ndarray:
         """The request's block-table row, ``int32 [num_blocks]`` (a copy)."""
-        return np.asarray(self._requests.get(request_id).blocks, dtype=np.int32)
+        return self._requests.blocks(self._requests.row(request_id))
 
     def num_computed_tokens(self, request_id) -> int:
-        return self._requests.get(request_id).computed
+        return int(self._requests.computed[self._requests.row(request_id)])
 
     def mamba_slot(self, request_id) -> int:
         """The request's live Mamba slot."""
-        return self._requests.get(request_id).live_slot
+        return int(self.request_to_mamba_state_idx[self._requests.row(request_id)])
 
     def snapshot_targets(self) -> list[tuple[object, int, int]]:
         """``(request_id, offset, scratch_index)`` of the boundary states the model must write
@@ -179,8 +179,8 @@ class DynamicInferenceContext:
         to ``mamba_slot_allocator.intermediate_*_out[:, scratch_index]``."""
         if self.mamba_slot_allocator is None:
             return []
-        by_row = {r.row: r.request_id for r in self._requests.records()}
-        return [(by_row[row], off, idx)
+        id_of = self._requests.id_of
+        return [(id_of(row), off, idx)
                 for row, off, idx in self.mamba_slot_allocator.intermediate_targets()]
 
     def shares_pending_blocks(self, tokens) -> bool:
@@ -188,9 +188,9 @@ class DynamicInferenceContext:
         not cached yet: a scheduler can defer such a request one step to hit the cache."""
         if not self.prefix_caching_enabled:
             return False
-        wanted = set(compute_block_hashes(token_list("tokens", tokens), self.block_size_tokens))
+        wanted = set(compute_block_hashes(token_array("tokens", tokens), self.block_size_tokens))
         wanted.difference_update(self.kv_block_allocator.kv_hash_to_block_id)
-        return pending_blocks_overlap(wanted, self._requests.records(), self.block_size_tokens)
+        return pending_blocks_overlap(wanted, self._requests)
 
     # --- commands -------------------------------------------------------------------------------
 
@@ -206,62 +206,31 @@ class DynamicInferenceContext:
         ValueError
             ``request_id`` is already active, ``tokens`` is empty, too long or not 1-D.
         TypeError
-            ``tokens`` are not integers, or ``stream`` is not a stream.
+            ``request_id`` is not hashable, ``tokens`` are not integers, or ``stream`` is not
+            a stream.
         CacheCapacityError
             No free row, or not enough KV blocks even after eviction. Nothing changes.
         """
-        if request_id in self._requests:
+        try:
+            active = request_id in self._requests
+        except TypeError:
+            raise TypeError(f"request_id: expected a hashable id, "
+                            f"got {type(request_id).__name__}") from None
+        if active:
             raise ValueError(f"request_id: expected a new id, got active {request_id!r}")
-        toks = token_list("tokens", tokens)
-        if not len(toks) or len(toks) > self.max_sequence_length:
-            raise ValueError(f"tokens: expected 1..{self.max_sequence_length} tokens, "
-                             f"got {len(toks)}")
-        stream_handle(stream)   # validated before anything changes
-        kv, bs = self.kv_block_allocator, self.block_size_tokens
-        hashes = compute_block_hashes(toks, bs) if self.prefix_caching_enabled else []
-        mamba = self.mamba_slot_allocator
-        matched, depths = match_prefix(hashes, kv.kv_hash_to_block_id,
-                                       None if mamba is None else mamba.hash_to_block_id)
-        skip = restore_depth_tokens(len(toks), matched, depths, bs,
-                                    prefix_caching=self.prefix_caching_enabled,
-                                    has_mamba=self.num_mamba_layers > 0)
-        num_new = -(-len(toks) // bs) - len(matched)
-        if not self._requests.has_free_row:
-            raise CacheCapacityError(f"requests: all {self.max_requests} rows are in use",
-                                     required=1, available=0)
-        # Pinning takes the matched blocks that eviction could reclaim out of the pool; a cached
-        # matched block with an in-use descendant was never reclaimable, so it costs nothing.
-        # (Ancestors of matched blocks are matched blocks, so nothing else becomes pinned.)
-        pinned = kv.get_evictable_block_count(matched)
-        if not kv.is_memory_available(num_new, pinned):
-            available = kv.get_allocatable_count() - pinned
-            raise CacheCapacityError(f"KV blocks: {num_new} required, {available} allocatable",
-                                     required=num_new, available=available)
-        kv.retain_memory_blocks(matched)
-        new = kv.allocate_memory_blocks(num_new)
-        if new is None:  # unreachable: availability was checked with the pins accounted for
-            kv.release_memory_blocks(matched)
-            raise CacheCapacityError("KV blocks: allocation failed after pinning",
-                                     required=num_new, available=kv.get_allocatable_count())
-        r = self._requests.new_record(request_id, toks, list(matched) + new.tolist(), list(hashes))
-        r.kv_cached = len(matched) * bs
-        r.registered = len(matched)
-        r.computed = skip
-        self._requests.install(r)
-        restored = matched[skip // bs - 1] if skip and self.num_mamba_layers else -1
-        if restored >= 0:
-            self.mamba_slot_allocator.restore_to_live(r.row, restored, stream=stream)
-        elif self.num_mamba_layers:
-            self._live.zero(r.live_slot, stream=stream)
-        r.stats = PrefixCacheStats(
-            requests=1, prompt_tokens=len(toks), skipped_tokens=skip,
-            kv_hit_blocks=len(matched), kv_miss_blocks=len(hashes) - len(matched),
-            mamba_hits=int(restored >= 0))
-        self.stats.add(r.stats)
-        return self._schedule(r, len(toks), len(matched), skip, restored)
+        toks = token_array("tokens", tokens)
+        n = len(toks)
+        if not n or n > self.max_sequence_length:
+            raise ValueError(f"tokens: expected 1..{self.max_sequence_length} tokens, got {n}")
+        if stream is not None:
+            stream_handle(stream)   # validated before anything changes
+        plan, stats = self._scheduler.admit(request_id, toks, stream=stream)
+        self.stats.add(stats)
+        return plan
 
     def extend_request(self, request_id, tokens) -> StepPlan:
-        """Append ``tokens`` (a sampled token, or a continuation) and schedule them.
+        """Append ``tokens`` (a sampled token, or a continuation) and schedule them:
+        :meth:`extend_requests` of one request.
 
         Raises
         ------
@@ -273,45 +242,50 @@ class DynamicInferenceContext:
         CacheCapacityError
             Not enough KV blocks even after eviction. Nothing changes.
         """
-        r = self._requests.get(request_id)
-        if r.pending_end >= 0:
-            raise ValueError(f"request_id: expected a request without a scheduled step, "
-                             f"got {request_id!r}")
-        toks = token_list("tokens", tokens)
-        total = len(r.tokens) + len(toks)
-        if not len(toks) or total > self.max_sequence_length:
-            raise ValueError(f"tokens: expected 1..{self.max_sequence_length - len(r.tokens)} "
-                             f"tokens, got {len(toks)}")
-        kv = self.kv_block_allocator
-        num_new = -(-total // self.block_size_tokens) - len(r.blocks)
-        if not kv.is_memory_available(num_new):
-            raise CacheCapacityError(f"KV blocks: {num_new} required, "
-                                     f"{kv.get_allocatable_count()} allocatable",
-                                     required=num_new, available=kv.get_allocatable_count())
-        if num_new:
-            r.blocks += kv.allocate_memory_blocks(num_new).tolist()
-        r.tokens = r.tokens + toks
-        self._requests.install(r)
-        return self._schedule(r, total, 0, 0, -1)
+        row = self._requests.row(request_id)
+        toks = token_array("tokens", tokens)
+        counts = None if len(toks) == 1 else np.array([len(toks)])   # None: one token each
+        plan = self._scheduler.extend([request_id], np.array([row]), toks, counts, single=True)
+        self.stats.computed_tokens += len(toks)
+        return plan[0]
 
-    def _schedule(self, r, end, matched, skip, restored) -> StepPlan:
-        """Schedule positions ``[r.computed, end)`` of ``r``: count them, ask the Mamba slot
-        allocator for the step's snapshot boundaries, and return the plan."""
-        start = r.computed
-        r.pending_end = end
-        r.stats.computed_tokens += end - start
-        self.stats.computed_tokens += end - start
-        if self.mamba_slot_allocator is not None:
-            # Beyond the reference's three candidates, also keep the boundary one block before
-            # the last one: the back-off point of an exact repeat of this block-aligned prefix.
-            last = end // self.block_size_tokens * self.block_size_tokens
-            self.mamba_slot_allocator.compute_and_store_offsets(
-                _Chunk(end, start - skip), r.row, skip, end - start + skip, matched,
-                r.blocks[:matched], -(-end // self.block_size_tokens),
-                extra_boundaries=(last - self.block_size_tokens,))
-        return StepPlan(r.request_id, r.row, r.live_slot, start, end,
-                        np.asarray(r.tokens[start:end], dtype=np.int64),
-                        np.asarray(r.blocks, dtype=np.int32), skip, matched, restored)
+    def extend_requests(self, request_ids, tokens) -> BatchStepPlan:
+        """Append new tokens to every request of ``request_ids`` and schedule them, in one
+        vectorised call: per request, the same as :meth:`extend_request`.
+
+        All arguments, rows and KV capacity are checked before anything changes. New blocks
+        come from the free stack in the order of ``request_ids``; when eviction is needed they
+        are allocated request by request, exactly as a loop of :meth:`extend_request` would.
+
+        Parameters
+        ----------
+        request_ids : sequence of hashable [n]
+            Distinct active requests without a scheduled step.
+        tokens : int array [n] or [n, k], sequence of n ints, or sequence of n int sequences
+            One token per request (a decode step), ``k`` per request, or a sequence each.
+
+        Returns
+        -------
+        BatchStepPlan
+            The batch's positions, tokens and blocks as arrays; ``plan[i]`` is request ``i``'s
+            :class:`StepPlan`.
+
+        Raises
+        ------
+        TypeError
+            An id is not hashable, or ``tokens`` are not integers.
+        ValueError
+            An unknown or repeated id, a request with a step already scheduled, a request with
+            no token, ``tokens`` of the wrong length or shape, or a sequence that would exceed
+            the block table (messages name the entry, as ``request_ids[i]`` / ``tokens[i]``).
+        CacheCapacityError
+            Not enough KV blocks for the batch even after eviction.
+        """
+        rows = self._requests.rows(request_ids)
+        flat, counts = batch_tokens("tokens", tokens, len(rows))
+        plan = self._scheduler.extend(list(request_ids), rows, flat, counts, single=False)
+        self.stats.computed_tokens += len(flat)
+        return plan
 
     def write_kv(self, request_ids, k, v, *, layer=None, stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of ``request_ids`` into the paged pool.
@@ -331,17 +305,17 @@ class DynamicInferenceContext:
         ValueError
             Unknown request, a request without a scheduled step, or too many tokens.
         """
-        reqs = [self._requests.get(rid) for rid in request_ids]
-        if any(r.pending_end < 0 for r in reqs):
+        rows = self._requests.rows(request_ids, distinct=False)
+        if (self._requests.pending_end[rows] < 0).any():
             raise ValueError("request_ids: expected requests with a scheduled step")
-        self._kv_writer.write(reqs, self.request_to_kv_block_ids, k, v, layer=layer,
-                              stream=stream)
+        self._kv_writer.write(self._requests, rows, k, v, layer=layer, stream=stream)
 
     def commit_step(self, *, stream=None) -> dict:
         """Finish the step: mark scheduled tokens computed, register the hashes of blocks they
         completed, keep the step's Mamba boundary states, and advance the LRU clock.
 
-        Call after the forward pass (KV written, live and scratch states final).
+        Call after the forward pass (KV written, live and scratch states final). The cost is
+        flat in the sequence lengths: block hashes were computed as the blocks completed.
 
         Returns
         -------
@@ -353,19 +327,27 @@ class DynamicInferenceContext:
         TypeError, ValueError
             ``stream`` is not a stream (nothing changes).
         """
-        stream_handle(stream)   # validated before anything changes
-        kv = self.kv_block_allocator
-        ids, hashes, parents = finish_pending_steps(
-            self._requests.in_row_order(), kv.kv_hash_to_block_id, self.block_size_tokens,
-            prefix_caching=self.prefix_caching_enabled)
-        if ids:
-            kv.register_kv_block_hashes(ids, hashes, parents)
+        if stream is not None:
+            stream_handle(stream)   # validated before anything changes
+        requests, kv = self._requests, self.kv_block_allocator
+        rows = np.flatnonzero(requests.pending_end >= 0)
+        registered = 0
+        if len(rows):
+            ends = requests.pending_end[rows]
+            requests.computed[rows] = ends
+            requests.pending_end[rows] = -1
+            if self.prefix_caching_enabled:
+                ids, hashes, parents = blocks_to_register(requests, rows, ends,
+                                                          kv.kv_hash_to_block_id)
+                if len(ids):
+                    kv.register_kv_block_hashes(ids, hashes, parents)
+                registered = len(ids)
         stored = 0
         if self.mamba_slot_allocator is not None:
             stored = self.mamba_slot_allocator.commit_intermediate_states(stream=stream)
             self.stats.stored_states += stored
         self.step()
-        return {"registered_blocks": len(ids), "stored_states": stored}
+        return {"registered_blocks": registered, "stored_states": stored}
 
     def step(self) -> int:
         """Advance the LRU clock by one step; returns the new clock."""
@@ -377,14 +359,15 @@ class DynamicInferenceContext:
 
         Raises ``ValueError`` (nothing changes) when an id is not active.
         """
-        reqs = [self._requests.get(rid) for rid in dict.fromkeys(request_ids)]
-        if not reqs:
+        requests = self._requests
+        rows = list(dict.fromkeys(requests.row(rid) for rid in request_ids))
+        if not rows:
             return
         self.kv_block_allocator.release_memory_blocks(
-            np.concatenate([np.asarray(r.blocks, np.int64) for r in reqs]))
+            np.concatenate([requests.blocks(row) for row in rows]))
         if self.mamba_slot_allocator is not None:
-            self.mamba_slot_allocator._clear_intermediate_state([r.row for r in reqs])
-        self._requests.release(reqs)
+            self.mamba_slot_allocator._clear_intermediate_state(rows)
+        requests.release(rows)
 
     def reset(self) -> None:
         """Drop every request, cached block and cached state; zero the counters."""
@@ -395,3 +378,23 @@ class DynamicInferenceContext:
             self.mamba_slot_allocator.reset()
         self._requests.reset()
         self.stats = PrefixCacheStats()
+
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` listing every broken invariant of the request table, the KV
+        allocator and the Mamba slot allocator (and of their agreement: each active request
+        holds one reference on each of its blocks). For tests: it rehashes every request."""
+        problems = self._requests.broken_invariants()
+        held = np.zeros(self.kv_block_allocator.num_blocks, np.int64)
+        for rid in self._requests.ids:
+            np.add.at(held, self.block_ids(rid), 1)
+        if (held > self.kv_block_allocator.block_ref_counts).any():
+            problems.append("a request holds a block without a reference")
+        for owner in (self.kv_block_allocator, self.mamba_slot_allocator):
+            try:
+                if owner is not None:
+                    owner.check_invariants()
+            except RuntimeError as exc:
+                problems.append(str(exc))
+        if problems:
+            raise RuntimeError("DynamicInferenceContext invariants broken: "
+                               + "; ".join(problems))

@@ -288,9 +288,8 @@ class KVBlockAllocator:
         ps = (np.zeros_like(hs) if parent_hashes is None
               else hash_array("parent_hashes", parent_hashes, ids.shape[0]))
         pending = self._forest.plan_registration(ids, hs, ps, self.block_ref_counts)
-        if not self.enable_prefix_caching or not pending:
-            return
-        self._forest.link(pending)
+        if self.enable_prefix_caching:
+            self._forest.link(*pending)
 
     def evict_lru_blocks(self, n: int) -> bool:
         """Deregister and free ``n`` cached blocks, peeling leaves oldest first (ties by id).

@@ -1,12 +1,12 @@
 """The Mamba hash map: which cached Mamba states a prefix match can reach (docs/design.md §6).
 
-``hash_to_block_id`` maps a KV block hash to the block whose Mamba state is cached under it,
-mirrored per block by ``block_hash`` (-1 = not in the map). Invariants (checked by
-:meth:`MambaHashMap.broken_invariants`):
+``hash_to_block_id`` maps a KV block hash to the block whose Mamba state is cached under it.
+Invariants (checked by :meth:`MambaHashMap.broken_invariants`):
 
 - the map is a subset of the KV allocator's ``kv_hash_to_block_id`` (same hash, same block), and
   every block in it owns a cache slot;
-- ``block_hash`` and ``hash_to_block_id`` are inverse on the blocks in the map.
+- so a block is in the map under its KV hash, ``kv_block_hashes[block]``, or not at all: the KV
+  allocator's arrays are the map's per-block index, and no second one is kept.
 
 :class:`~hcache.contexts.MambaSlotAllocator` owns one and keeps it a subset of its slots: a block
 that loses its slot (eviction, invalidation, KV deregistration) is dropped from the map at once,
@@ -15,25 +15,32 @@ so a recycled block id never carries a stale state.
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 
 __all__ = ["MambaHashMap"]
 
 
 class MambaHashMap:
-    """KV hash -> block id of the cached Mamba states, for ``num_blocks`` KV blocks.
+    """KV hash -> block id of the cached Mamba states.
+
+    Parameters
+    ----------
+    kv_hash_to_block_id : dict[int, int]
+        The KV allocator's hash map (the same object for the allocator's lifetime).
+    slot_owners : set of int
+        The slot pool's blocks owning a slot (the same object for the pool's lifetime).
 
     Attributes
     ----------
     hash_to_block_id : dict[int, int]
         KV block hash -> block id whose state is cached under it.
-    block_hash : int64 [num_blocks]
-        The hash each block is in the map under; -1 = not in the map.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, kv_hash_to_block_id: dict, slot_owners: set):
         self.hash_to_block_id: dict[int, int] = {}
-        self.block_hash = np.full(num_blocks, -1, dtype=np.int64)
+        self._kv_map, self._owners = kv_hash_to_block_id, slot_owners
 
     def __len__(self) -> int:
         return len(self.hash_to_block_id)
@@ -41,38 +48,62 @@ class MambaHashMap:
     def reset(self) -> None:
         """Empty the map."""
         self.hash_to_block_id.clear()
-        self.block_hash.fill(-1)
 
-    def drop_blocks(self, block_ids: np.ndarray) -> None:
-        """Remove the entries of ``block_ids`` (checked ids; blocks not in the map are
-        skipped)."""
-        hashes = self.block_hash[block_ids]
-        for h in hashes[hashes > 0].tolist():
-            self.hash_to_block_id.pop(h, None)
-        self.block_hash[block_ids] = -1
+    def block_hashes(self, num_blocks: int) -> np.ndarray:
+        """``int64 [num_blocks]``: the hash each block is in the map under, -1 = none."""
+        out = np.full(num_blocks, -1, dtype=np.int64)
+        out[list(self.hash_to_block_id.values())] = list(self.hash_to_block_id)
+        return out
+
+    def drop_blocks(self, block_ids: np.ndarray, kv_block_hashes: np.ndarray) -> None:
+        """Remove the entries of checked ``block_ids`` (blocks not in the map are skipped),
+        found under their ``kv_block_hashes``."""
+        m = self.hash_to_block_id
+        for b, h in zip(block_ids.tolist(), kv_block_hashes[block_ids].tolist(), strict=True):
+            if m.get(h) == b:
+                del m[h]
 
     def drop_hashes(self, hashes) -> None:
         """Remove the entries under ``hashes`` (hashes not in the map are skipped)."""
         for h in hashes or ():
-            block = self.hash_to_block_id.pop(int(h), None)
-            if block is not None:
-                self.block_hash[block] = -1
+            self.hash_to_block_id.pop(int(h), None)
 
-    def register(self, block_ids: np.ndarray, hashes, block_to_slot: np.ndarray,
-                 kv_hash_to_block_id: dict) -> None:
+    def cached(self, block_ids: np.ndarray, hashes: np.ndarray) -> np.ndarray:
+        """``bool [n]``: whether each block is in the map under the paired hash."""
+        listed = hashes.tolist()
+        if self.hash_to_block_id.keys().isdisjoint(listed):
+            return np.zeros(len(listed), bool)
+        got = map(self.hash_to_block_id.get, listed, repeat(-1))
+        return np.fromiter(got, np.int64, len(listed)) == block_ids
+
+    def register_lists(self, block_ids, hashes) -> bool:
+        """Register ``block_ids`` under ``hashes`` when both are lists of Python ints whose
+        every pair is registrable (positive hash held by that block in the KV map, a block
+        owning a slot); True if done, False (nothing changed) to leave any other call to
+        :meth:`register`. A lean path: dict and set lookups only, for short host lists."""
+        if type(block_ids) is not list or type(hashes) is not list \
+                or len(block_ids) != len(hashes):
+            return False
+        kv_map, owners, update = self._kv_map, self._owners, {}
+        try:
+            for b, h in zip(block_ids, hashes):
+                if kv_map[h] != b or b not in owners or type(b) is not int \
+                        or type(h) is not int:
+                    return False
+                update[h] = b
+        except (KeyError, TypeError):       # no KV block holds h, or h is not hashable
+            return False
+        self.hash_to_block_id.update(update)    # the map's invariants imply no clash
+        return True
+
+    def register(self, block_ids: np.ndarray, hashes: np.ndarray) -> None:
         """Put ``block_ids`` in the map under their KV ``hashes``, all or nothing.
 
         Parameters
         ----------
-        block_ids : int64 [n]
-            Checked block ids.
-        hashes : sequence of int [n]
-            Entries with ``hash <= 0`` (an unregistered KV block) are skipped; re-registering
-            the same pair is a no-op.
-        block_to_slot : int32 [num_blocks]
-            The allocator's slot of each block (-1 = none).
-        kv_hash_to_block_id : dict[int, int]
-            The KV allocator's hash map.
+        block_ids, hashes : int64 [n]
+            Checked block ids and int64 hashes. Entries with ``hash <= 0`` (an unregistered
+            KV block) are skipped; re-registering the same pair is a no-op.
 
         Raises
         ------
@@ -80,33 +111,34 @@ class MambaHashMap:
             Lengths differ, a block owns no slot, or a hash is not the KV hash of that block
             (or is already in the map under another block). Nothing changes.
         """
-        hs = np.asarray(list(hashes), dtype=np.int64).reshape(-1)
+        hs = hashes
         if hs.shape != block_ids.shape:
             raise ValueError(f"hashes: expected {len(block_ids)} hashes, got {len(hs)}")
         keep = hs > 0
         ids, hs = block_ids[keep], hs[keep]
-        no_slot = ids[block_to_slot[ids] < 0]
-        if len(no_slot):
-            raise ValueError(f"block_ids: expected blocks owning a slot, got {int(no_slot[0])}")
-        for b, h in zip(ids.tolist(), hs.tolist(), strict=True):
-            if kv_hash_to_block_id.get(h) != b or self.hash_to_block_id.get(h, b) != b \
-                    or self.block_hash[b] not in (-1, h):
-                raise ValueError(f"hashes: expected the KV hash of block {b}, got {h}")
-        for b, h in zip(ids.tolist(), hs.tolist(), strict=True):
-            self.hash_to_block_id[h] = b
-        self.block_hash[ids] = hs
+        ids_list, hs_list = ids.tolist(), hs.tolist()
+        owned = np.fromiter(map(self._owners.__contains__, ids_list), bool, len(ids_list))
+        if not owned.all():
+            raise ValueError(f"block_ids: expected blocks owning a slot, "
+                             f"got {ids_list[int(np.argmin(owned))]}")
+        holders = np.fromiter(map(self._kv_map.get, hs_list, repeat(-1)), np.int64, len(hs))
+        mamba = np.fromiter(map(self.hash_to_block_id.get, hs_list, ids_list), np.int64,
+                            len(hs))
+        bad = (holders != ids) | (mamba != ids)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"hashes: expected the KV hash of block {ids_list[i]}, "
+                             f"got {hs_list[i]}")
+        self.hash_to_block_id.update(zip(hs_list, ids_list))
 
-    def broken_invariants(self, block_to_slot: np.ndarray,
-                          kv_hash_to_block_id: dict) -> list[str]:
+    def broken_invariants(self, block_to_slot: np.ndarray) -> list[str]:
         """Every broken invariant (see the module docstring); empty when all hold."""
         problems = []
         for h, b in self.hash_to_block_id.items():
-            if kv_hash_to_block_id.get(h) != b:
+            if self._kv_map.get(h) != b:
                 problems.append(f"Mamba hash {h} -> block {b} is not in the KV map")
             if block_to_slot[b] < 0:
                 problems.append(f"Mamba hash {h} -> block {b}, which owns no slot")
-            if self.block_hash[b] != h:
-                problems.append(f"block {b} records Mamba hash {self.block_hash[b]}, not {h}")
-        if int((self.block_hash > 0).sum()) != len(self.hash_to_block_id):
-            problems.append("per-block Mamba hashes disagree with the Mamba map")
+        if len(set(self.hash_to_block_id.values())) != len(self.hash_to_block_id):
+            problems.append("a block is in the Mamba map under two hashes")
         return problems

@@ -170,6 +170,70 @@ class IntermediateStates:
         if n or eos >= 0:
             self.pending = True
 
+    def plan_batch(self, rows, chunk_starts, seq_lens, boundaries, eos_columns, *,
+                   block_table, block_size, chunk_size) -> None:
+        """Vectorised :meth:`plan` of distinct request ``rows`` whose candidates are given.
+
+        Parameters
+        ----------
+        rows : int64 [n]
+            Distinct checked rows.
+        chunk_starts, seq_lens : int64 [n]
+            First computed position and computed tokens of each row's chunk.
+        boundaries : int64 [n, m] or None
+            Candidate absolute block boundaries of each row, in :meth:`plan`'s order (kept
+            when ``0 < position - chunk_start < seq_len`` and chunk-aligned, first
+            ``MAX_INTERMEDIATE_OFFSETS_PER_REQUEST`` distinct ones, then sorted); None when
+            no row computes more than one token (no boundary can fall inside).
+        eos_columns : int64 [n]
+            Block-table column of each row's EOS entry, or -1.
+        block_table : int32 [max_requests, max_blocks_per_request]
+            Request row -> KV block ids (-1 = none), host or device.
+        block_size, chunk_size : int
+
+        Raises
+        ------
+        ValueError
+            A kept boundary or EOS entry has no block. Nothing changes.
+        """
+        block_table = to_host(block_table)
+        if boundaries is None:
+            counts = None
+        else:
+            off = boundaries - chunk_starts[:, None]
+            valid = (off > 0) & (off < seq_lens[:, None]) & (off % chunk_size == 0)
+            for j in range(1, off.shape[1]):       # a repeated candidate counts once
+                for i in range(j):
+                    valid[:, j] &= ~(valid[:, i] & (off[:, i] == off[:, j]))
+            valid &= np.cumsum(valid, axis=1) <= _K
+            keyed = np.sort(np.where(valid, off, np.iinfo(np.int64).max), axis=1)
+            keyed = np.pad(keyed, ((0, 0), (0, max(0, _K - keyed.shape[1]))))[:, :_K]
+            counts = valid.sum(axis=1).astype(np.int32)
+            used = np.arange(_K)[None, :] < counts[:, None]
+            offsets = np.where(used, keyed, 0)
+            cols = np.where(used, (chunk_starts[:, None] + offsets) // block_size - 1, 0)
+            blocks = np.where(used, block_table[rows[:, None], cols], -1)
+            if (blocks[used] < 0).any():
+                raise ValueError("request_to_kv_block_ids: expected a block at every "
+                                 "snapshot boundary")
+        has_eos = np.flatnonzero(eos_columns >= 0)
+        eos = block_table[rows[has_eos], eos_columns[has_eos]]
+        if (eos < 0).any():
+            raise ValueError("request_to_kv_block_ids: expected a block at every EOS entry")
+        if self.pending:     # rows may hold entries of an uncommitted step: replace them
+            self.offsets[rows] = 0
+            self.block_ids[rows] = -1
+            self.counts[rows] = 0
+            self.eos_block_ids[rows] = -1
+        if counts is not None and counts.any():
+            self.offsets[rows] = offsets
+            self.block_ids[rows] = blocks
+            self.counts[rows] = counts
+            self.pending = True
+        if len(eos):
+            self.eos_block_ids[rows[has_eos]] = eos
+            self.pending = True
+
     def targets(self) -> list[tuple[int, int, int]]:
         """``(request_row, offset, scratch_index)`` of every pending boundary state, packed
         densely in ascending row order, then offset order."""
@@ -223,6 +287,8 @@ class IntermediateStates:
 
         Raises ``IndexError`` (nothing changes) when a row is out of range.
         """
+        if rows is None and not self.pending:
+            return      # nothing pending: every row is clear already
         sel = slice(None) if rows is None else index_array("rows", rows, self.max_requests)
         self.offsets[sel] = 0
         self.block_ids[sel] = -1

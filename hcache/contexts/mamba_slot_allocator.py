@@ -27,13 +27,13 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, check_index, index_array, int_shape
+from .._checks import as_int, check_index, host_ints, index_array, int_shape
 from ..device import Device, array_module_of
 from ..dtypes import resolve_dtype, storage_dtype
 from .mamba_hash_map import MambaHashMap
 from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, IntermediateStates
 from .mamba_slot_pool import MambaSlotCapacityError, MambaSlotPool
-from .mamba_state_copies import MambaStateCopies
+from .mamba_state_copies import MambaStateCopies, check_live_states
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotCapacityError",
            "MambaSlotAllocator"]
@@ -89,10 +89,11 @@ class MambaSlotAllocator:
         xp = array_module_of(live_conv)
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
-        self.max_requests = self._check_live("context.mamba_conv_states", live_conv, xp,
-                                             self.conv_states_shape, conv_dt, None)
-        self._check_live("context.mamba_ssm_states", live_ssm, xp, self.ssm_states_shape,
-                         ssm_dt, self.max_requests)
+        L = self.num_mamba_layers
+        self.max_requests = check_live_states("context.mamba_conv_states", live_conv, xp, L,
+                                              self.conv_states_shape, conv_dt, None)
+        check_live_states("context.mamba_ssm_states", live_ssm, xp, L, self.ssm_states_shape,
+                          ssm_dt, self.max_requests)
         self.xp = xp
         self.device = Device("cuda", live_conv.device.id) if xp is not np else Device("cpu")
         self._intermediate = IntermediateStates(
@@ -100,25 +101,12 @@ class MambaSlotAllocator:
             self.ssm_states_shape, conv_dt, ssm_dt)
         self.max_intermediate_count = self._intermediate.max_count
         self._pool = MambaSlotPool(self.num_blocks, self.max_slots)
-        self._hashes = MambaHashMap(self.num_blocks)
+        # Bound to the KV allocator for its lifetime, as the observer subscribed below is.
+        self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owners)
         self._copies = MambaStateCopies(context, self._pool, self.device,
                                         self._intermediate.conv_out, self._intermediate.ssm_out,
                                         conv_dt, ssm_dt)
         kv.add_blocks_deregistered_observer(self.on_kv_blocks_deregistered)
-
-    def _check_live(self, name, live, xp, shape, dtype, rows):
-        want = (self.num_mamba_layers, rows, *shape)
-        if array_module_of(live) is not xp:
-            raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(live).__name__}")
-        if live.ndim != len(want) or live.shape[0] != want[0] or live.shape[2:] != want[2:] \
-                or (rows is not None and live.shape[1] != rows) or live.shape[1] < 1:
-            raise ValueError(f"{name}: expected shape [{want[0]}, max_requests, "
-                             f"{', '.join(map(str, shape))}], got {tuple(live.shape)}")
-        if live.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype}, got {live.dtype}")
-        if not live.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous array")
-        return int(live.shape[1])
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -129,11 +117,15 @@ class MambaSlotAllocator:
     slot_to_block = property(attrgetter("_pool.slot_to_block"))
     free_slots = property(attrgetter("_pool.free_slots"))
     hash_to_block_id = property(attrgetter("_hashes.hash_to_block_id"))
-    _block_hash = property(attrgetter("_hashes.block_hash"))
     intermediate_conv_out = property(attrgetter("_intermediate.conv_out"))
     intermediate_ssm_out = property(attrgetter("_intermediate.ssm_out"))
     _intermediate_block_ids = property(attrgetter("_intermediate.block_ids"))
     _eos_cache_block_id = property(attrgetter("_intermediate.eos_block_ids"))
+
+    @property
+    def _block_hash(self) -> np.ndarray:
+        """``int64 [num_blocks]``: the Mamba-map hash of each block, -1 = none (derived)."""
+        return self._hashes.block_hashes(self.num_blocks)
 
     @property
     def free_count(self) -> int:
@@ -203,8 +195,8 @@ class MambaSlotAllocator:
         """
         ids = index_array("block_ids", block_ids, self.num_blocks)
         slots, victims = self._pool.allocate(ids, self._kv.block_ref_counts, self._timestamps())
-        self._hashes.drop_blocks(victims)
-        return slots
+        self._hashes.drop_blocks(victims, self._kv.block_hashes)
+        return slots.tolist()
 
     def _evict_lru_slots_batch(self, num_needed, *, exclude=None) -> list[int]:
         """Take the slots of the ``num_needed`` least recently used evictable blocks (KV ref
@@ -217,17 +209,15 @@ class MambaSlotAllocator:
             return []
         slots, victims = self._pool.evict(n, self._kv.block_ref_counts, self._timestamps(),
                                           exclude=exclude)
-        self._hashes.drop_blocks(victims)
+        self._hashes.drop_blocks(victims, self._kv.block_hashes)
         return slots.tolist()
 
     def _timestamps(self):
         return getattr(self._kv, "block_timestamps", None)
 
     def invalidate_block(self, block_id) -> None:
-        """Free the slot of ``block_id`` (if any) and drop its hash from the Mamba map.
-
-        Raises ``IndexError`` when ``block_id`` is out of range.
-        """
+        """Free the slot of ``block_id`` (if any) and drop its hash from the Mamba map; raises
+        ``IndexError`` when ``block_id`` is out of range."""
         self._invalidate_blocks_batch([check_index("block_id", block_id, self.num_blocks)])
 
     def _invalidate_blocks_batch(self, block_ids_list) -> None:
@@ -235,8 +225,8 @@ class MambaSlotAllocator:
         ids = np.unique(index_array("block_ids_list", block_ids_list, self.num_blocks))
         if not len(ids):
             return
+        self._hashes.drop_blocks(ids, self._kv.block_hashes)
         self._pool.release(ids)
-        self._hashes.drop_blocks(ids)
 
     def on_kv_blocks_deregistered(self, block_ids_list, hashes_to_delete) -> None:
         """Observer of the KV allocator: deregistered blocks ``block_ids_list`` (whose ids may
@@ -249,16 +239,23 @@ class MambaSlotAllocator:
         """Make the states of ``block_ids`` reachable under their KV ``hashes`` (entries with
         ``hash <= 0`` are skipped; see :meth:`MambaHashMap.register`).
 
+        Lists of Python ints whose every pair is registrable take a lean path of dict and set
+        lookups (:meth:`MambaHashMap.register_lists`); anything else, errors included, the
+        vectorised checks.
+
         Raises
         ------
         IndexError
             A block id is out of range.
+        TypeError
+            An id or hash is not an integer.
         ValueError
             Lengths differ, a block owns no slot, or a hash is not the KV allocator's hash of
             that block (the Mamba map must stay a subset of the KV map). Nothing changes.
         """
-        ids = index_array("block_ids", block_ids, self.num_blocks)
-        self._hashes.register(ids, hashes, self.block_to_slot, self._kv.kv_hash_to_block_id)
+        if not self._hashes.register_lists(block_ids, hashes):
+            ids = index_array("block_ids", host_ints("block_ids", block_ids), self.num_blocks)
+            self._hashes.register(ids, host_ints("hashes", hashes))
 
     # --- state copies ---------------------------------------------------------------------------
 
@@ -275,10 +272,8 @@ class MambaSlotAllocator:
 
     def store_from_live_batch(self, slots, request_indices, *, stream=None) -> None:
         """Copy every layer's live state of each request into the paired cache slot (one launch).
-
         Raises ``IndexError`` (slot or row out of range) or ``ValueError`` (lengths differ, a
-        slot repeats or is free, a request has no live slot); nothing is copied then.
-        """
+        slot repeats or is free, a request has no live slot); nothing is copied then."""
         self._copies.store_from_live(slots, request_indices, stream=stream)
 
     def restore_to_live(self, request_idx, block_id, *, stream=None) -> bool:
@@ -312,6 +307,17 @@ class MambaSlotAllocator:
             block_size=int(ctx.block_size_tokens), chunk_size=int(ctx.mamba_chunk_size),
             extra_boundaries=extra_boundaries)
 
+    def compute_and_store_offsets_batch(self, rows, chunk_starts, seq_lens, boundaries,
+                                        eos_columns) -> None:
+        """:meth:`compute_and_store_offsets` of distinct request ``rows`` at once, with their
+        candidate boundaries given; see :meth:`IntermediateStates.plan_batch` (the block table,
+        block size and chunk size are the context's)."""
+        ctx = self.context
+        self._intermediate.plan_batch(
+            rows, chunk_starts, seq_lens, boundaries, eos_columns,
+            block_table=ctx.request_to_kv_block_ids, block_size=int(ctx.block_size_tokens),
+            chunk_size=int(ctx.mamba_chunk_size))
+
     def intermediate_targets(self) -> list[tuple[int, int, int]]:
         """``(request_row, offset, scratch_index)`` of every pending intermediate state: the
         model writes the state after ``chunk_start + offset`` tokens of that row into
@@ -325,8 +331,8 @@ class MambaSlotAllocator:
         return self._intermediate.device_data(prefill_start, prefill_count, stream=stream)
 
     def _collect_commit_data(self):
-        """``(intermediate_bids, src_offsets, eos_bids, eos_ctx_indices, all_hashes)`` as int64
-        arrays, or None when nothing is pending (see :meth:`IntermediateStates.collect`)."""
+        """``(intermediate_bids, src_offsets, eos_bids, eos_ctx_indices, all_hashes)``, int64,
+        or None when nothing is pending (see :meth:`IntermediateStates.collect`)."""
         return self._intermediate.collect(self._kv.block_hashes)
 
     def commit_intermediate_states(self, *, stream=None) -> int:
@@ -343,20 +349,25 @@ class MambaSlotAllocator:
             return 0
         inter, src, eos, eos_rows, hashes = data
         bids = np.concatenate([inter, eos])
-        keep = (hashes > 0) & (self._hashes.block_hash[bids] != hashes)
-        idx = np.nonzero(keep)[0]
-        _, first = np.unique(bids[idx], return_index=True)
-        idx = np.sort(idx[first])
-        new, available = self._pool.demand(bids[idx], self._kv.block_ref_counts)
+        idx = np.flatnonzero((hashes > 0) & ~self._hashes.cached(bids, hashes))
+        if len(idx) > 1:       # a repeated block keeps its first entry
+            idx = idx[self._pool.first_occurrences(bids[idx])]
+        refs = self._kv.block_ref_counts
+        new, available = self._pool.demand(bids[idx], refs, distinct=True)
         if len(new) > available:
             allowed = new[:available]
             idx = idx[(self.block_to_slot[bids[idx]] >= 0) | np.isin(bids[idx], allowed)]
-        slots = np.asarray(self.allocate_slots_batch(bids[idx]), dtype=np.int64)
+        ids = bids[idx]
+        slots, victims = self._pool.allocate(ids, refs, self._timestamps(), distinct=True)
+        self._hashes.drop_blocks(victims, self._kv.block_hashes)
         is_inter = idx < len(inter)
-        self._copy_intermediate_to_cache(src[idx[is_inter]], slots[is_inter], stream=stream)
-        self.store_from_live_batch(slots[~is_inter], eos_rows[idx[~is_inter] - len(inter)],
-                                   stream=stream)
-        self.register_block_hashes_batch(bids[idx], hashes[idx])
+        if is_inter.any():
+            self._copies.scratch_to_cache(src[idx[is_inter]], slots[is_inter], stream=stream)
+        if not is_inter.all():      # checked by construction: owned distinct slots, live rows
+            self._copies.store_live_unchecked(slots[~is_inter],
+                                              eos_rows[idx[~is_inter] - len(inter)], stream)
+        # Registered unchecked: the hashes are these blocks' own KV hashes, just read.
+        self.hash_to_block_id.update(zip(hashes[idx].tolist(), ids.tolist()))
         self._clear_intermediate_state()
         return int(len(idx))
 
@@ -382,8 +393,7 @@ class MambaSlotAllocator:
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` listing every broken invariant (see the module docstring)."""
         problems = self._pool.broken_invariants()
-        problems += self._hashes.broken_invariants(self.block_to_slot,
-                                                   self._kv.kv_hash_to_block_id)
+        problems += self._hashes.broken_invariants(self.block_to_slot)
         problems += self._intermediate.broken_invariants()
         if problems:
             raise RuntimeError("MambaSlotAllocator invariants broken: " + "; ".join(problems))

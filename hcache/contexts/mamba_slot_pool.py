@@ -8,7 +8,9 @@ Slots ``0..max_slots-1`` of the durable Mamba state cache are owned by KV blocks
 - every slot is either on the free stack (``free_slots[:free_count]``, top last) or owned by
   exactly one block;
 - a slot is evictable only while its KV block's ref count is 0, so pinning a matched block
-  (retain) before allocating also protects its Mamba state.
+  (retain) before allocating also protects its Mamba state;
+- ``owners`` is the set of blocks owning a slot (a mirror of ``block_to_slot >= 0`` for
+  per-block lookups in pure Python).
 
 KV ref counts and timestamps belong to the KV allocator; they are passed in where needed.
 """
@@ -50,6 +52,8 @@ class MambaSlotPool:
         Block owning each slot; -1 = free.
     free_slots : int32 [max_slots], free_count : int
         The free stack: ``free_slots[:free_count]``, its top last.
+    owners : set of int
+        Blocks owning a slot.
     """
 
     def __init__(self, num_blocks: int, max_slots: int):
@@ -57,6 +61,8 @@ class MambaSlotPool:
         self.block_to_slot = np.full(num_blocks, -1, dtype=np.int32)
         self.slot_to_block = np.full(max_slots, -1, dtype=np.int32)
         self.free_slots = np.empty(max_slots, dtype=np.int32)
+        self.owners: set[int] = set()
+        self._seen = np.zeros(num_blocks, dtype=np.int64)   # scratch of first_occurrences
         self.reset()
 
     def reset(self) -> None:
@@ -65,6 +71,7 @@ class MambaSlotPool:
         self.slot_to_block.fill(-1)
         self.free_slots[:] = np.arange(self.max_slots - 1, -1, -1, dtype=np.int32)
         self.free_count = self.max_slots
+        self.owners.clear()
 
     def evictable_blocks(self, ref_counts, exclude=None) -> np.ndarray:
         """Blocks owning a slot whose KV ``ref_counts`` are 0, other than those of
@@ -75,25 +82,33 @@ class MambaSlotPool:
             candidates = candidates[~np.isin(candidates, exclude)]
         return candidates
 
-    def demand(self, block_ids: np.ndarray, ref_counts):
-        """Blocks of ``block_ids`` needing a new slot (first-seen order) and the slots
-        available to them: free ones plus evictable ones not in ``block_ids`` (whose slots are
-        being returned)."""
-        missing = block_ids[self.block_to_slot[block_ids] < 0]
-        uniq, first = np.unique(missing, return_index=True)
-        new = uniq[np.argsort(first)]
+    def demand(self, block_ids: np.ndarray, ref_counts, *, distinct: bool = False):
+        """Blocks of ``block_ids`` (``distinct``: known to hold no repeat) needing a new slot
+        (first-seen order) and the slots available to them: free ones plus evictable ones not
+        in ``block_ids`` (whose slots are being returned)."""
+        new = block_ids[self.block_to_slot[block_ids] < 0]
+        if not distinct:
+            uniq, first = np.unique(new, return_index=True)
+            new = uniq[np.argsort(first)]
         available = self.free_count
         if len(new) > self.free_count:
             available += len(self.evictable_blocks(ref_counts, exclude=block_ids))
         return new, available
 
-    def allocate(self, block_ids: np.ndarray, ref_counts, timestamps):
+    def first_occurrences(self, block_ids: np.ndarray) -> np.ndarray:
+        """``bool [n]``: whether each entry of checked ``block_ids`` is its block's first."""
+        order = np.arange(len(block_ids))
+        self._seen[block_ids[::-1]] = order[::-1]
+        return self._seen[block_ids] == order
+
+    def allocate(self, block_ids: np.ndarray, ref_counts, timestamps, *,
+                 distinct: bool = False):
         """Give every block of ``block_ids`` a slot (one per distinct block; owners keep
         theirs), free slots first, then by :meth:`evict`, all or nothing.
 
         Returns
         -------
-        (list of int, numpy.ndarray of int64)
+        (numpy.ndarray of int64, numpy.ndarray of int64)
             The slot of each entry of ``block_ids``, and the blocks that lost their slot.
 
         Raises
@@ -101,7 +116,7 @@ class MambaSlotPool:
         MambaSlotCapacityError
             Free plus evictable slots (other than those of ``block_ids``) are too few.
         """
-        new, available = self.demand(block_ids, ref_counts)
+        new, available = self.demand(block_ids, ref_counts, distinct=distinct)
         if len(new) > available:
             raise MambaSlotCapacityError(len(new), available)
         victims = np.zeros(0, dtype=np.int64)
@@ -115,7 +130,8 @@ class MambaSlotPool:
                 slots = np.concatenate([slots, evicted])
             self.block_to_slot[new] = slots
             self.slot_to_block[slots] = new
-        return self.block_to_slot[block_ids].tolist(), victims
+            self.owners.update(new.tolist())
+        return self.block_to_slot[block_ids].astype(np.int64), victims
 
     def evict(self, n: int, ref_counts, timestamps, *, exclude=None):
         """Take the slots of the ``n`` least recently used evictable blocks: oldest
@@ -141,6 +157,7 @@ class MambaSlotPool:
         slots = self.block_to_slot[victims].copy()
         self.block_to_slot[victims] = -1
         self.slot_to_block[slots] = -1
+        self.owners.difference_update(victims.tolist())
         return slots, victims
 
     def release(self, block_ids: np.ndarray) -> None:
@@ -151,6 +168,7 @@ class MambaSlotPool:
         blocks, slots = block_ids[owned], slots[owned]
         self.block_to_slot[blocks] = -1
         self.slot_to_block[slots] = -1
+        self.owners.difference_update(blocks.tolist())
         self.free_slots[self.free_count:self.free_count + len(slots)] = slots
         self.free_count += len(slots)
 
@@ -172,4 +190,6 @@ class MambaSlotPool:
             problems.append("a slot is owned by two blocks")
         if len(blocks) != len(owned_slots) or (self.slot_to_block[slots] != blocks).any():
             problems.append("block_to_slot and slot_to_block are not inverse")
+        if self.owners != set(blocks.tolist()):
+            problems.append("owners disagree with block_to_slot")
         return problems

@@ -16,10 +16,35 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, index_array
-from ..device import launch_scope, to_host, upload_ints
+from ..device import array_module_of, launch_scope, to_host, upload_ints
 from ..ops.tables import SlotSet
 
-__all__ = ["MambaStateCopies"]
+__all__ = ["MambaStateCopies", "check_live_states"]
+
+
+def check_live_states(name, live, xp, num_mamba_layers, shape, dtype, rows) -> int:
+    """Check a live state array ``[num_mamba_layers, rows, *shape]`` of module ``xp`` and
+    ``dtype``, C-contiguous (``rows`` None: any >= 1); returns its row count.
+
+    Raises
+    ------
+    TypeError
+        Another array module.
+    ValueError
+        Another shape or dtype, or not C-contiguous.
+    """
+    want = (num_mamba_layers, rows, *shape)
+    if array_module_of(live) is not xp:
+        raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(live).__name__}")
+    if live.ndim != len(want) or live.shape[0] != want[0] or live.shape[2:] != want[2:] \
+            or (rows is not None and live.shape[1] != rows) or live.shape[1] < 1:
+        raise ValueError(f"{name}: expected shape [{want[0]}, max_requests, "
+                         f"{', '.join(map(str, shape))}], got {tuple(live.shape)}")
+    if live.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {live.dtype}")
+    if not live.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array")
+    return int(live.shape[1])
 
 
 class MambaStateCopies:
@@ -140,6 +165,12 @@ class MambaStateCopies:
             raise ValueError(f"slots: expected slots owned by a block, got free slot "
                              f"{int(free[0])}")
         self._copy(self._live_to_cache, self._live_slots(rows), dst, 0, stream)
+
+    def store_live_unchecked(self, slots: np.ndarray, rows: np.ndarray, stream) -> None:
+        """:meth:`store_from_live` of arguments the caller built valid (distinct owned slots,
+        rows with a live slot)."""
+        live = to_host(self.context.request_to_mamba_state_idx)[rows]
+        self._copy(self._live_to_cache, live, slots, 0, stream)
 
     def restore_to_live(self, request_indices, block_ids, *, stream=None) -> list[bool]:
         """``live[:, live slot of request_indices[i]] = cache[:, slot of block_ids[i]]`` for

@@ -23,9 +23,11 @@ The policy (the references' lessons applied):
 
 from __future__ import annotations
 
-from .block_hashing import compute_block_hashes
+import numpy as np
 
-__all__ = ["match_prefix", "restore_depth_tokens", "finish_pending_steps",
+from .requests import ragged_columns
+
+__all__ = ["match_prefix", "restore_depth_tokens", "blocks_to_register",
            "pending_blocks_overlap"]
 
 
@@ -70,56 +72,66 @@ def restore_depth_tokens(num_tokens: int, matched: list, depths: list, block_siz
     return max(usable) * block_size
 
 
-def finish_pending_steps(records, kv_hash_to_block_id: dict, block_size: int, *,
-                         prefix_caching: bool):
-    """Mark every scheduled step of ``records`` computed and collect the blocks it completed
-    that are to be registered.
+def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
+    """The blocks that the steps of ``rows`` completed, to register at commit.
 
     Parameters
     ----------
-    records : sequence of request records, in row order
-        Updated in place: ``computed``, ``pending_end``, ``hashes`` and ``registered``.
+    requests : RequestTable
+        Read: ``registered``, the hashes and the block table; ``registered`` of ``rows`` is
+        advanced to their complete blocks.
+    rows, ends : int64 [n]
+        Rows whose step was just computed, ascending, and their computed tokens.
     kv_hash_to_block_id : dict[int, int]
         The KV hash map (read only).
 
     Returns
     -------
-    (list, list, list)
-        ``block_ids``, ``hashes`` and ``parent_hashes`` to register, in row order. A hash
-        already in the KV map, or claimed by an earlier row of this commit, is left to the
-        block holding it (that block serves matches), so concurrent duplicates stay private.
+    (int64 [m], int64 [m], int64 [m])
+        ``block_ids``, ``hashes`` and ``parent_hashes`` (0 = none) to register, in row order
+        then block order. A hash already in the KV map, or claimed by an earlier entry of this
+        commit, is left to the block holding it (that block serves matches), so concurrent
+        duplicates stay private.
     """
-    bs = block_size
-    ids, hashes, parents = [], [], []
-    claimed = set()
-    for r in records:
-        if r.pending_end < 0:
-            continue
-        r.computed, r.pending_end = r.pending_end, -1
-        complete = r.computed // bs
-        if not prefix_caching or complete <= r.registered:
-            continue
-        if len(r.hashes) < complete:
-            r.hashes = compute_block_hashes(r.tokens[:complete * bs], bs)
-        for j in range(r.registered, complete):
-            if r.hashes[j] not in kv_hash_to_block_id and r.hashes[j] not in claimed:
-                claimed.add(r.hashes[j])
-                ids.append(r.blocks[j])
-                hashes.append(r.hashes[j])
-                parents.append(r.hashes[j - 1] if j else 0)
-        r.registered = complete
-    return ids, hashes, parents
+    bs = requests.block_size
+    complete = ends // bs
+    done = requests.registered[rows]
+    grew = complete > done
+    if not grew.any():
+        return (np.zeros(0, np.int64),) * 3
+    rows, done, complete = rows[grew], done[grew], complete[grew]
+    requests.registered[rows] = complete
+    if (complete - done).max() == 1:      # a decode step: one block each
+        owners, cols = rows, done
+    else:
+        which, cols = ragged_columns(done, complete - done)
+        owners = rows[which]
+    hashes = requests.hashes[owners, cols]
+    parents = requests.hashes[owners, cols - 1]
+    parents[cols == 0] = 0
+    block_ids = requests.request_to_kv_block_ids[owners, cols].astype(np.int64)
+    listed = hashes.tolist()
+    if kv_hash_to_block_id.keys().isdisjoint(listed):
+        keep = np.ones(len(listed), bool)
+    else:
+        keep = np.fromiter(map(kv_hash_to_block_id.__contains__, listed), bool, len(listed))
+        np.logical_not(keep, out=keep)
+    if len(set(listed)) != len(listed):      # first occurrence wins
+        first = np.zeros(len(listed), bool)
+        first[np.unique(hashes, return_index=True)[1]] = True
+        keep &= first
+    return block_ids[keep], hashes[keep], parents[keep]
 
 
-def pending_blocks_overlap(wanted: set, records, block_size: int) -> bool:
+def pending_blocks_overlap(wanted: set, requests) -> bool:
     """Whether a hash of ``wanted`` belongs to a complete block that a scheduled step of
-    ``records`` is computing and that is not registered yet (records' ``hashes`` are extended
-    in place as needed)."""
-    for r in records:
-        if r.pending_end >= 0 and wanted:
-            complete = r.pending_end // block_size
-            if len(r.hashes) < complete:
-                r.hashes = compute_block_hashes(r.tokens[:complete * block_size], block_size)
-            if wanted.intersection(r.hashes[r.registered:complete]):
-                return True
+    ``requests`` (a RequestTable) is computing and that is not registered yet."""
+    if not wanted:
+        return False
+    rows = np.flatnonzero(requests.pending_end >= 0)
+    bs = requests.block_size
+    for row, done, end in zip(rows.tolist(), requests.registered[rows].tolist(),
+                              requests.pending_end[rows].tolist(), strict=True):
+        if wanted.intersection(requests.hashes[row, done:end // bs].tolist()):
+            return True
     return False

@@ -1,110 +1,117 @@
-"""Per-request records of :class:`~hcache.contexts.DynamicInferenceContext` (docs/design.md §6).
+"""The request table of :class:`~hcache.contexts.DynamicInferenceContext` (docs/design.md §6).
 
-- :class:`PrefixCacheStats`: prefix-cache counters, per request and in total;
-- :class:`StepPlan`: what the engine computes for one request in the current step;
-- ``_Request``: the context's private record of an active request (row, live Mamba slot,
-  tokens, blocks, hashes and progress counters), and ``_Chunk``, the request view that
-  :meth:`MambaSlotAllocator.compute_and_store_offsets` reads;
-- :class:`RequestTable`: the request-id -> record table, the free rows and live Mamba slots,
-  and the host tables ``request_to_kv_block_ids`` / ``request_to_mamba_state_idx``;
-- :func:`token_list`: the check of the token arguments of the context.
+A request lives in one row of host arrays indexed by row, so a step over many requests is a few
+NumPy operations rather than a Python loop: its tokens (a preallocated
+``[max_requests, max_sequence_length]`` table that grows without copying), its progress
+counters, its block-table row, and the chained hashes of its complete blocks, each computed
+once, when the block completes (:func:`~hcache.contexts.block_hashing.chain_block_hashes`,
+continuing from the row's last digest).
+
+Invariants (checked by :meth:`RequestTable.broken_invariants`), for an active row ``r``:
+
+- ``computed <= lengths``; ``pending_end`` is -1 (then ``computed == lengths``) or
+  ``lengths`` (a step is scheduled over ``[computed, lengths)``);
+- ``num_blocks == ceil(lengths / block_size)`` and ``request_to_kv_block_ids[r]`` holds that
+  many block ids, then -1; ``registered <= lengths // block_size``;
+- with hashing on, ``hashes[r, :lengths // block_size]`` are the chained hashes of the row's
+  tokens and ``digests[r]`` is the digest of its last complete block (zeros when none);
+- rows and live slots of no request are on the free lists, and their table entries are -1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-__all__ = ["PrefixCacheStats", "StepPlan", "RequestTable"]
+from .block_hashing import DIGEST_BYTES, chain_block_hashes, compute_block_hashes
+from .step_plans import PrefixCacheStats
+
+__all__ = ["RequestTable", "token_array", "batch_tokens"]
+
+_BOOLS = frozenset((bool, np.bool_))
 
 
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters, per request or in total."""
+def token_array(name: str, tokens) -> np.ndarray:
+    """``tokens`` (a 1-D integer sequence or array) as a 1-D int64 array.
 
-    requests: int = 0
-    prompt_tokens: int = 0
-    computed_tokens: int = 0      # tokens scheduled for computation (prefill and extensions)
-    skipped_tokens: int = 0       # prompt tokens restored instead of computed
-    kv_hit_blocks: int = 0        # complete prompt blocks found in the KV map
-    kv_miss_blocks: int = 0       # complete prompt blocks not found
-    mamba_hits: int = 0           # requests that restored a cached Mamba state
-    stored_states: int = 0        # Mamba states committed to the cache (totals only)
-
-    def add(self, other: PrefixCacheStats) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What the engine computes for one request in the current step.
-
-    Attributes
-    ----------
-    request_id : hashable
-    row : int
-        Request row (index of ``request_to_kv_block_ids`` and the intermediate tracking).
-    mamba_slot : int
-        Live Mamba slot: the state before ``start`` is ``mamba_*_states[:, mamba_slot]``.
-    start, end : int
-        Positions ``[start, end)`` to compute; ``tokens`` are the request's tokens there.
-    tokens : numpy.ndarray of int64 [end - start]
-    block_ids : numpy.ndarray of int32 [ceil(end / block_size)]
-        The request's blocks (position ``p`` lives in ``block_ids[p // block_size]``).
-    skip_tokens : int
-        Prompt tokens restored from the cache (first step only).
-    num_matched_blocks : int
-        Complete prompt blocks shared from the KV cache (first step only).
-    restored_block : int
-        KV block whose Mamba state was restored, or -1 (zeroed, or continued).
+    Raises
+    ------
+    TypeError
+        Not integers (floats, bools, a scalar), or a uint64 value int64 cannot hold.
+    ValueError
+        Not 1-D.
     """
-
-    request_id: object
-    row: int
-    mamba_slot: int
-    start: int
-    end: int
-    tokens: np.ndarray
-    block_ids: np.ndarray
-    skip_tokens: int = 0
-    num_matched_blocks: int = 0
-    restored_block: int = -1
-
-
-@dataclass
-class _Request:
-    """The context's record of an active request (see :class:`RequestTable`)."""
-
-    request_id: object
-    row: int
-    live_slot: int
-    tokens: list
-    blocks: list
-    hashes: list                  # hashes of the complete blocks of `tokens` computed so far
-    computed: int = 0             # tokens whose KV and Mamba state are final
-    kv_cached: int = 0            # positions below this live in shared (matched) blocks
-    registered: int = 0           # leading blocks whose hashes are registered
-    pending_end: int = -1         # end of the scheduled step, or -1
-    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    if isinstance(tokens, (list, tuple)) and not _BOOLS.isdisjoint(map(type, tokens)):
+        # np.asarray([1, True]) is an int array: a bool entry would pass as 0 or 1.
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got a bool entry")
+    try:
+        arr = np.asarray(tokens)
+    except (OverflowError, ValueError) as exc:     # a ragged or out-of-range sequence
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {exc}") from None
+    if arr.size == 0 and arr.ndim == 1:
+        return np.zeros(0, np.int64)
+    if arr.ndim == 0 or arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} "
+                        f"{arr.shape}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.dtype == np.uint64 and (arr > np.iinfo(np.int64).max).any():
+        raise TypeError(f"{name}: expected int64 token ids, got a uint64 above 2**63 - 1")
+    return arr.astype(np.int64, copy=False)
 
 
-@dataclass(frozen=True)
-class _Chunk:
-    """The request view :meth:`MambaSlotAllocator.compute_and_store_offsets` reads."""
+def batch_tokens(name: str, tokens, n: int):
+    """The new tokens of ``n`` requests, flattened: ``(flat int64 [total], counts)``.
 
-    prompt_length: int
-    finished_chunk_token_count: int
+    ``tokens`` is one token per request (a 1-D integer array or a sequence of ints; ``counts``
+    is then None), ``k`` per request (a 2-D integer array ``[n, k]``) or a sequence of ``n``
+    1-D integer sequences; ``counts`` is an int64 array ``[n]`` in the last two cases.
+
+    Raises
+    ------
+    TypeError
+        Not integers.
+    ValueError
+        Not ``n`` entries, a bad shape, or a request with no token.
+    """
+    if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
+        if tokens.shape[0] != n or tokens.shape[1] == 0:
+            raise ValueError(f"{name}: expected shape [{n}, >= 1], got {tokens.shape}")
+        flat = token_array(name, tokens.reshape(-1))
+        return flat, np.full(n, tokens.shape[1], np.int64)
+    if isinstance(tokens, (list, tuple)) and len(tokens) \
+            and isinstance(tokens[0], (list, tuple, np.ndarray)):
+        parts = [token_array(f"{name}[{i}]", t) for i, t in enumerate(tokens)]
+        if len(parts) != n:
+            raise ValueError(f"{name}: expected {n} token sequences, got {len(parts)}")
+        counts = np.fromiter(map(len, parts), np.int64, n)
+        if not counts.all():
+            i = int(np.argmin(counts))
+            raise ValueError(f"{name}[{i}]: expected at least 1 token, got 0")
+        return np.concatenate(parts), counts
+    flat = token_array(name, tokens)
+    if len(flat) != n:
+        raise ValueError(f"{name}: expected {n} tokens (one per request), got {len(flat)}")
+    return flat, None
+
+
+def ragged_columns(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(which, column)`` of every cell of ``counts[i]`` consecutive columns from
+    ``starts[i]``, entry after entry: ``which`` indexes the entries."""
+    total = int(counts.sum())
+    which = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts
+    return which, np.arange(total) - first[which] + starts[which]
 
 
 class RequestTable:
-    """The active requests of a context: id -> record, their rows and live Mamba slots, and the
-    host tables the allocators read.
+    """The active requests of a context, one row each, and the host tables the allocators
+    read.
 
     Parameters
     ----------
-    max_requests, max_blocks_per_request : int
+    max_requests, max_blocks_per_request, block_size : int
+    hashing : bool
+        Whether complete blocks are hashed (prefix caching on).
 
     Attributes
     ----------
@@ -112,54 +119,76 @@ class RequestTable:
         Block table: row -> the request's block ids; -1 = none.
     request_to_mamba_state_idx : int32 [max_requests]
         Row -> live Mamba slot; -1 = none.
-
-    Notes
-    -----
-    Invariant: every active record owns one row and one live slot, written into the two tables;
-    rows and live slots of no record are on the free lists, and their table entries are -1.
+    tokens : int64 [max_requests, max_sequence_length]
+        Row -> tokens (``lengths`` of them are valid). Allocated zeroed, so on most systems its
+        pages are only committed as rows grow.
+    lengths, num_blocks, computed, pending_end, kv_cached, registered : int64 [max_requests]
+        Per row: tokens held, blocks held, tokens computed (KV and Mamba state final), the end
+        of the scheduled step (-1 = none), positions below which the blocks are shared
+        (matched) ones, leading blocks already offered for registration.
+    hashes : int64 [max_requests, max_blocks_per_request]
+        Chained hashes of each row's complete blocks.
+    digests : uint8 [max_requests, 32]
+        Digest of each row's last complete block.
     """
 
-    def __init__(self, max_requests: int, max_blocks_per_request: int):
-        self.max_requests = max_requests
-        self.request_to_kv_block_ids = np.full((max_requests, max_blocks_per_request), -1,
-                                               dtype=np.int32)
-        self.request_to_mamba_state_idx = np.full(max_requests, -1, dtype=np.int32)
-        self._records: dict[object, _Request] = {}
+    def __init__(self, max_requests: int, max_blocks_per_request: int, block_size: int, *,
+                 hashing: bool):
+        R, B = max_requests, max_blocks_per_request
+        self.max_requests, self.block_size, self.hashing = R, block_size, hashing
+        self.max_sequence_length = B * block_size
+        self.request_to_kv_block_ids = np.full((R, B), -1, dtype=np.int32)
+        self.request_to_mamba_state_idx = np.full(R, -1, dtype=np.int32)
+        self.tokens = np.zeros((R, self.max_sequence_length), dtype="<i8")
+        self.hashes = np.zeros((R, B), dtype=np.int64)
+        self.digests = np.zeros((R, DIGEST_BYTES), dtype=np.uint8)
+        for name in ("lengths", "num_blocks", "computed", "pending_end", "kv_cached",
+                     "registered"):
+            setattr(self, name, np.zeros(R, dtype=np.int64))
+        self._row_of: dict = {}                 # request id -> row, in admission order
+        self._id_of: list = [None] * R
+        self._stats: list = [None] * R          # admission counters
+        self._seen = np.zeros(R, dtype=np.int64)   # scratch of the duplicate check
+        # The last distinct batch of ids looked up, valid while no request came or went.
+        self._version, self._last_version, self._last_ids, self._last_rows = 0, -1, None, None
         self.reset()
 
     def reset(self) -> None:
-        """Forget every record; every row and live slot is free."""
-        self._records.clear()
+        """Forget every request; every row and live slot is free."""
+        self._version += 1
+        self._row_of.clear()
+        self._id_of[:] = [None] * self.max_requests
         self.request_to_kv_block_ids.fill(-1)
         self.request_to_mamba_state_idx.fill(-1)
+        self.pending_end.fill(-1)
+        for a in (self.lengths, self.num_blocks, self.computed, self.kv_cached,
+                  self.registered):
+            a.fill(0)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))   # pop(): lowest row first
         self._free_live_slots = list(range(self.max_requests))         # pop(): highest first
 
+    # --- lookups --------------------------------------------------------------------------------
+
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._row_of)
 
     def __contains__(self, request_id) -> bool:
-        return request_id in self._records
+        return request_id in self._row_of
 
     @property
     def ids(self) -> list:
         """Active request ids in admission order."""
-        return list(self._records)
+        return list(self._row_of)
 
     @property
     def has_free_row(self) -> bool:
         return bool(self._free_rows)
 
-    def records(self):
-        """The active records in admission order."""
-        return self._records.values()
+    def id_of(self, row: int):
+        return self._id_of[row]
 
-    def in_row_order(self) -> list:
-        """The active records sorted by row."""
-        return sorted(self._records.values(), key=lambda r: r.row)
-
-    def get(self, request_id) -> _Request:
-        """The record of an active request.
+    def row(self, request_id, name: str = "request_id") -> int:
+        """The row of an active request.
 
         Raises
         ------
@@ -169,33 +198,193 @@ class RequestTable:
             No active request has this id.
         """
         try:
-            return self._records[request_id]
+            return self._row_of[request_id]
         except TypeError:
-            raise TypeError(f"request_id: expected a hashable id, "
+            raise TypeError(f"{name}: expected a hashable id, "
                             f"got {type(request_id).__name__}") from None
         except KeyError:
-            raise ValueError(f"request_id: expected an active request, got {request_id!r}") \
+            raise ValueError(f"{name}: expected an active request, got {request_id!r}") \
                 from None
 
-    def new_record(self, request_id, tokens: list, blocks: list, hashes: list) -> _Request:
-        """A record for a new request on the lowest free row and a free live slot (the caller
-        checked :attr:`has_free_row`); :meth:`install` makes it active."""
-        return _Request(request_id, self._free_rows.pop(), self._free_live_slots.pop(), tokens,
-                        blocks, hashes)
+    def rows(self, request_ids, name: str = "request_ids", *, distinct: bool = True):
+        """The rows of active requests, ``int64 [n]``, in the order given.
 
-    def install(self, r: _Request) -> None:
-        """Make ``r`` active and write its row of both tables (again after its blocks grew)."""
-        self.request_to_kv_block_ids[r.row] = -1
-        self.request_to_kv_block_ids[r.row, :len(r.blocks)] = r.blocks
-        self.request_to_mamba_state_idx[r.row] = r.live_slot
-        self._records[r.request_id] = r
+        Raises
+        ------
+        TypeError
+            ``request_ids`` is not a sequence, or an id is not hashable.
+        ValueError
+            An id is not active, or (``distinct``) appears twice.
+        """
+        if type(request_ids) is list and distinct and request_ids == self._last_ids \
+                and self._last_version == self._version:
+            return self._last_rows.copy()   # the previous batch again, no admission between
+        if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__len__"):
+            raise TypeError(f"{name}: expected a sequence of request ids, "
+                            f"got {type(request_ids).__name__}")
+        try:
+            rows = np.fromiter(map(self._row_of.__getitem__, request_ids), np.int64,
+                               len(request_ids))
+        except (KeyError, TypeError):
+            for i, rid in enumerate(request_ids):
+                self.row(rid, f"{name}[{i}]")
+            raise
+        if distinct and len(rows) > 1:
+            order = np.arange(len(rows))
+            self._seen[rows] = order
+            repeated = np.flatnonzero(self._seen[rows] != order)
+            if len(repeated):
+                rid = request_ids[int(repeated[0])]
+                raise ValueError(f"{name}: expected distinct request ids, got {rid!r} twice")
+        if type(request_ids) is list and distinct:
+            self._last_ids, self._last_rows = list(request_ids), rows.copy()
+            self._last_version = self._version
+        return rows
 
-    def release(self, records) -> None:
-        """Forget active ``records``: clear their table rows, free their rows and live slots."""
-        rows = [r.row for r in records]
+    def stats(self, row: int) -> PrefixCacheStats:
+        """The counters of the request in ``row`` (a copy)."""
+        out = PrefixCacheStats(**vars(self._stats[row]))
+        # Every step schedules [computed, lengths): all but the skipped prompt tokens.
+        out.computed_tokens = int(self.lengths[row]) - out.skipped_tokens
+        return out
+
+    def blocks(self, row: int) -> np.ndarray:
+        """The row's block ids, ``int32 [num_blocks]`` (a copy)."""
+        return self.request_to_kv_block_ids[row, :self.num_blocks[row]].copy()
+
+    # --- commands -------------------------------------------------------------------------------
+
+    def admit(self, request_id, tokens: np.ndarray, blocks, hashes: np.ndarray,
+              digest: np.ndarray, *, kv_cached: int, registered: int, computed: int,
+              stats: PrefixCacheStats) -> int:
+        """Take the lowest free row and a free live slot for a new request (the caller checked
+        :attr:`has_free_row`) and fill them; returns the row.
+
+        ``hashes`` / ``digest`` are the hashes of the complete blocks of ``tokens`` and the
+        last one's digest (ignored without hashing).
+        """
+        row, slot = self._free_rows.pop(), self._free_live_slots.pop()
+        self._version += 1
+        n, nb = len(tokens), len(blocks)
+        self.tokens[row, :n] = tokens
+        self.lengths[row], self.num_blocks[row], self.computed[row] = n, nb, computed
+        self.pending_end[row] = -1
+        self.kv_cached[row], self.registered[row] = kv_cached, registered
+        self.request_to_kv_block_ids[row, :nb] = blocks
+        self.request_to_mamba_state_idx[row] = slot
+        if self.hashing:
+            self.hashes[row, :len(hashes)] = hashes
+            self.digests[row] = digest
+        self._row_of[request_id] = row
+        self._id_of[row] = request_id
+        self._stats[row] = stats
+        return row
+
+    def add_blocks(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
+        """Append ``counts[i]`` blocks of ``block_ids`` (in order) to the table row of
+        ``rows[i]`` (``counts`` may be a 0/1 mask of any integer type)."""
+        if counts.dtype == np.int8:
+            rows = rows[counts.view(bool)]
+            self.request_to_kv_block_ids[rows, self.num_blocks[rows]] = block_ids
+            self.num_blocks[rows] += 1
+            return
+        which, cols = ragged_columns(self.num_blocks[rows], counts)
+        self.request_to_kv_block_ids[rows[which], cols] = block_ids
+        self.num_blocks[rows] += counts
+
+    def append(self, rows: np.ndarray, flat: np.ndarray, counts, starts: np.ndarray,
+               ends: np.ndarray, closing=None) -> None:
+        """Append tokens to distinct ``rows`` holding ``starts`` tokens, ``ends - starts``
+        each, from ``flat`` (one each when ``counts`` is None), and hash the blocks they
+        complete; ``closing`` (one token each only) says which rows complete a block (False:
+        none). The caller checked the room."""
+        if counts is None:
+            self.tokens[rows, starts] = flat
+        else:
+            which, cols = ragged_columns(starts, counts)
+            self.tokens[rows[which], cols] = flat
+        self.lengths[rows] = ends
+        if not self.hashing:
+            return
+        bs = self.block_size
+        if closing is not None:           # one token each; False: no row completes a block
+            if closing is not False:
+                self._hash_new_blocks(rows[closing], ends[closing] // bs - 1, None)
+            return
+        done, complete = starts // bs, ends // bs
+        grew = complete > done
+        if grew.any():
+            self._hash_new_blocks(rows[grew], done[grew], (complete - done)[grew])
+
+    def _hash_new_blocks(self, rows, first, counts) -> None:
+        """Hash blocks ``[first[i], first[i] + counts[i])`` (one each when ``counts`` is
+        None) of distinct ``rows``, chained from each row's last digest."""
+        bs = self.block_size
+        if counts is None:
+            owners, cols = rows, first
+        else:
+            which, cols = ragged_columns(first, counts)
+            owners = rows[which]
+        starts = owners * self.max_sequence_length + cols * bs
+        blocks = self.tokens.reshape(-1).take(starts[:, None] + np.arange(bs))
+        chains = None if counts is None or len(cols) == len(rows) else counts
+        hashes, digests = chain_block_hashes(self.digests[rows], blocks, chains)
+        self.hashes[owners, cols] = hashes
+        self.digests[rows] = digests if chains is None else digests[np.cumsum(counts) - 1]
+
+    def schedule(self, rows, ends) -> None:
+        """Schedule ``[computed, ends)`` of ``rows``, ``ends`` being their lengths."""
+        self.pending_end[rows] = ends
+
+    def release(self, rows) -> None:
+        """Forget the requests of ``rows``: clear their table rows, free rows and live slots."""
+        self._version += 1
+        for row in rows:
+            self._free_rows.append(row)
+            self._free_live_slots.append(int(self.request_to_mamba_state_idx[row]))
+            del self._row_of[self._id_of[row]]
+            self._id_of[row] = self._stats[row] = None
         self.request_to_kv_block_ids[rows] = -1
         self.request_to_mamba_state_idx[rows] = -1
-        for r in records:
-            self._free_rows.append(r.row)
-            self._free_live_slots.append(r.live_slot)
-            del self._records[r.request_id]
+        self.pending_end[rows] = -1
+        for a in (self.lengths, self.num_blocks, self.computed, self.kv_cached,
+                  self.registered):
+            a[rows] = 0
+
+    # --- checks ---------------------------------------------------------------------------------
+
+    def broken_invariants(self) -> list[str]:
+        """Every broken invariant (see the module docstring); empty when all hold. Rehashes
+        every row's tokens: a check for tests, not for steps."""
+        problems = []
+        bs = self.block_size
+        active = sorted(self._row_of.values())
+        if sorted(active + self._free_rows) != list(range(self.max_requests)):
+            problems.append("active and free rows do not partition the rows")
+        slots = sorted(self.request_to_mamba_state_idx[active].tolist() + self._free_live_slots)
+        if slots != list(range(self.max_requests)):
+            problems.append("live slots of active requests and free slots do not partition")
+        for row in active:
+            n, nb = int(self.lengths[row]), int(self.num_blocks[row])
+            table = self.request_to_kv_block_ids[row]
+            if not 0 <= self.computed[row] <= n or self.pending_end[row] not in (-1, n) \
+                    or (self.pending_end[row] < 0 and self.computed[row] != n):
+                problems.append(f"row {row}: computed {self.computed[row]}, pending "
+                                f"{self.pending_end[row]}, length {n}")
+            if nb != -(-n // bs) or (table[:nb] < 0).any() or (table[nb:] != -1).any():
+                problems.append(f"row {row}: {nb} blocks for {n} tokens, table {table}")
+            if not self.registered[row] <= n // bs:
+                problems.append(f"row {row}: {self.registered[row]} blocks registered")
+            if self.hashing and n >= bs:
+                _, digests = chain_block_hashes(np.zeros((1, DIGEST_BYTES), np.uint8),
+                                                self.tokens[row, :n // bs * bs].reshape(-1, bs),
+                                                np.array([n // bs]))
+                if self.hashes[row, :n // bs].tolist() \
+                        != compute_block_hashes(self.tokens[row, :n], bs) \
+                        or (self.digests[row] != digests[-1]).any():
+                    problems.append(f"row {row}: block hashes disagree with its tokens")
+        free = [r for r in range(self.max_requests) if r not in set(active)]
+        if (self.request_to_kv_block_ids[free] != -1).any() \
+                or (self.request_to_mamba_state_idx[free] != -1).any():
+            problems.append("free rows with table entries")
+        return problems

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import launch_scope, upload_ints
+from .requests import ragged_columns
 
 __all__ = ["StepKVWriter"]
 
@@ -37,15 +38,16 @@ class StepKVWriter:
             self._offsets_dev = xp.zeros(max_requests + 1, dtype=np.int32)
             self._positions_dev = xp.zeros(max_step_tokens, dtype=np.int32)
 
-    def write(self, records, block_table: np.ndarray, k, v, *, layer=None, stream=None) -> None:
-        """Write the K/V rows of the scheduled tokens of ``records`` (concatenated in order).
+    def write(self, requests, rows: np.ndarray, k, v, *, layer=None, stream=None) -> None:
+        """Write the K/V rows of the scheduled tokens of request ``rows`` (concatenated in
+        order).
 
         Parameters
         ----------
-        records : sequence of request records with a scheduled step
-            Their ``row``, ``computed``, ``pending_end`` and ``kv_cached``.
-        block_table : int32 [max_requests, max_blocks_per_request]
-            Host block table (row -> block ids).
+        requests : RequestTable
+            Its ``computed``, ``pending_end``, ``kv_cached`` and block table.
+        rows : int64 [b]
+            Rows with a scheduled step.
         k, v, layer, stream
             As in :meth:`PagedKVPool.write`.
 
@@ -54,19 +56,17 @@ class StepKVWriter:
         ValueError
             More than ``max_step_tokens`` tokens; else as :meth:`PagedKVPool.write`.
         """
-        lengths = [r.pending_end - r.computed for r in records]
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        starts = requests.computed[rows]
+        lengths = requests.pending_end[rows] - starts
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
         if offsets[-1] > self.max_step_tokens:
             raise ValueError(f"request_ids: expected at most {self.max_step_tokens} tokens, "
                              f"got {int(offsets[-1])}")
-        positions = np.concatenate([np.arange(r.computed, r.pending_end) for r in records]
-                                   + [np.zeros(0, np.int64)]).astype(np.int32)
-        cached = np.concatenate([np.full(n, r.kv_cached)
-                                 for r, n in zip(records, lengths, strict=True)]
-                                + [np.zeros(0, np.int64)])
-        positions[positions < cached] = -1
-        table = block_table[[r.row for r in records]]
-        n, b = len(positions), len(records)
+        which, positions = ragged_columns(starts, lengths)
+        positions[positions < requests.kv_cached[rows][which]] = -1
+        table = requests.request_to_kv_block_ids[rows]
+        n, b = len(positions), len(rows)
         with launch_scope(self.kv_pool.device, stream):
             upload_ints(self._positions_dev, positions)
             upload_ints(self._offsets_dev, offsets)

@@ -1,0 +1,192 @@
+"""Admission and extension of the requests of a
+:class:`~hcache.contexts.DynamicInferenceContext` (docs/design.md §6).
+
+:class:`StepScheduler` schedules one step of work per request over the context's
+:class:`~hcache.contexts.requests.RequestTable`: for a new request, the prefix match (the
+policy of :mod:`hcache.contexts.prefix_match`), pinning and allocation of KV blocks, the
+Mamba restore or zeroing and the snapshot plan; for a batch of extended requests, the same
+checks and updates vectorised over the batch. Every method checks all it needs (arguments,
+rows, capacity) before its first change, so a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CacheCapacityError
+from .block_hashing import DIGEST_BYTES, chain_block_hashes
+from .prefix_match import match_prefix, restore_depth_tokens
+from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan, _Chunk
+
+__all__ = ["StepScheduler"]
+
+
+class StepScheduler:
+    """Schedules steps of the requests of ``requests``.
+
+    Parameters
+    ----------
+    requests : RequestTable
+    kv_block_allocator : KVBlockAllocator
+    mamba_slot_allocator : MambaSlotAllocator or None
+    live_states : LiveMambaStates
+    num_mamba_layers : int
+    """
+
+    def __init__(self, requests, kv_block_allocator, mamba_slot_allocator, live_states,
+                 num_mamba_layers: int):
+        self.requests, self.kv = requests, kv_block_allocator
+        self.mamba, self.live, self.num_mamba_layers = (mamba_slot_allocator, live_states,
+                                                        num_mamba_layers)
+        self.block_size = requests.block_size
+        self.max_sequence_length = requests.max_sequence_length
+
+    def admit(self, request_id, tokens: np.ndarray, *, stream=None):
+        """Admit a new request with checked ``tokens`` (1-D int64, 1..max_sequence_length of
+        them) and schedule its prompt minus the restored prefix.
+
+        Returns
+        -------
+        (StepPlan, PrefixCacheStats)
+            The plan and the request's counters (its computed tokens included).
+
+        Raises
+        ------
+        CacheCapacityError
+            No free row, or not enough KV blocks even after eviction. Nothing changes.
+        """
+        requests, kv, bs, mamba = self.requests, self.kv, self.block_size, self.mamba
+        n = len(tokens)
+        full = n // bs if requests.hashing else 0
+        hashes, digests = chain_block_hashes(np.zeros((1, DIGEST_BYTES), np.uint8),
+                                             tokens[:full * bs].reshape(full, bs),
+                                             np.array([full]))
+        matched, depths = match_prefix(hashes.tolist(), kv.kv_hash_to_block_id,
+                                       None if mamba is None else mamba.hash_to_block_id)
+        skip = restore_depth_tokens(n, matched, depths, bs, prefix_caching=requests.hashing,
+                                    has_mamba=self.num_mamba_layers > 0)
+        num_new = -(-n // bs) - len(matched)
+        if not requests.has_free_row:
+            raise CacheCapacityError(f"requests: all {requests.max_requests} rows are in use",
+                                     required=1, available=0)
+        # Pinning takes the matched blocks that eviction could reclaim out of the pool; a cached
+        # matched block with an in-use descendant was never reclaimable, so it costs nothing.
+        # (Ancestors of matched blocks are matched blocks, so nothing else becomes pinned.)
+        pinned = kv.get_evictable_block_count(matched) if matched else 0
+        if not kv.is_memory_available(num_new, pinned):
+            available = kv.get_allocatable_count() - pinned
+            raise CacheCapacityError(f"KV blocks: {num_new} required, {available} allocatable",
+                                     required=num_new, available=available)
+        if matched:
+            kv.retain_memory_blocks(matched)
+        new = kv.allocate_memory_blocks(num_new)
+        if new is None:  # unreachable: availability was checked with the pins accounted for
+            kv.release_memory_blocks(matched)
+            raise CacheCapacityError("KV blocks: allocation failed after pinning",
+                                     required=num_new, available=kv.get_allocatable_count())
+        restored = matched[skip // bs - 1] if skip and self.num_mamba_layers else -1
+        stats = PrefixCacheStats(
+            requests=1, prompt_tokens=n, skipped_tokens=skip, kv_hit_blocks=len(matched),
+            kv_miss_blocks=len(hashes) - len(matched), mamba_hits=int(restored >= 0))
+        row = requests.admit(request_id, tokens, matched + new.tolist(), hashes,
+                             digests[-1] if full else 0, kv_cached=len(matched) * bs,
+                             registered=len(matched), computed=skip, stats=stats)
+        slot = int(requests.request_to_mamba_state_idx[row])
+        if restored >= 0:
+            mamba.restore_to_live(row, restored, stream=stream)
+        elif self.num_mamba_layers:
+            self.live.zero(slot, stream=stream)
+        requests.schedule(row, n)
+        if mamba is not None:
+            # Beyond the reference's three candidates, also keep the boundary one block before
+            # the last one: the back-off point of an exact repeat of this block-aligned prefix.
+            mamba.compute_and_store_offsets(
+                _Chunk(n, 0), row, skip, n, len(matched), matched, -(-n // bs),
+                extra_boundaries=(n // bs * bs - bs,))
+        plan = StepPlan(request_id, row, slot, skip, n, tokens[skip:].copy(),
+                        requests.blocks(row), skip, len(matched), restored)
+        return plan, requests.stats(row)
+
+    def extend(self, ids: list, rows: np.ndarray, flat: np.ndarray, counts, *,
+               single: bool) -> BatchStepPlan:
+        """Append ``counts[i]`` tokens of ``flat`` (one each when ``counts`` is None) to the
+        distinct active ``rows`` of requests ``ids`` and schedule them.
+
+        ``single`` names the arguments as ``extend_request`` does (``request_id``,
+        ``tokens``), else by entry (``request_ids[i]``, ``tokens[i]``).
+
+        Raises
+        ------
+        ValueError
+            A request has a step scheduled, or gets no token or too many.
+        CacheCapacityError
+            Not enough KV blocks even after eviction. Nothing changes.
+        """
+        requests, kv, bs = self.requests, self.kv, self.block_size
+        scheduled = requests.pending_end[rows]
+        if len(rows) and scheduled.max() >= 0:
+            i = int(np.argmax(scheduled >= 0))
+            raise ValueError(f"{'request_id' if single else f'request_ids[{i}]'}: expected a "
+                             f"request without a scheduled step, got {ids[i]!r}")
+        # No step is scheduled, so computed == lengths and num_blocks == ceil(lengths / bs).
+        starts = requests.lengths[rows]
+        ends = starts + (1 if counts is None else counts)
+        if len(rows) and (ends.max() > self.max_sequence_length
+                          or (counts is not None and counts.min() < 1)):
+            i = int(np.argmax((ends > self.max_sequence_length) | (ends == starts)))
+            raise ValueError(f"{'tokens' if single else f'tokens[{i}]'}: expected "
+                             f"1..{self.max_sequence_length - starts[i]} tokens, "
+                             f"got {ends[i] - starts[i]}")
+        if counts is None:
+            need = (starts % bs == 0).view(np.int8)     # the token opens a block
+        else:
+            need = -(-ends // bs) - requests.num_blocks[rows]
+        total = int(np.count_nonzero(need)) if counts is None else int(need.sum())
+        if total and not kv.is_memory_available(total):
+            available = kv.get_allocatable_count()
+            raise CacheCapacityError(f"KV blocks: {total} required, {available} allocatable",
+                                     required=total, available=available)
+        if total:
+            if kv.num_free_blocks >= total:
+                new = kv.allocate_memory_blocks(total)
+            else:   # eviction: one allocation per request, in order, as extend_request does
+                new = np.concatenate([kv.allocate_memory_blocks(k)
+                                      for k in need[need > 0].tolist()])
+            requests.add_blocks(rows, need, new)
+        closing = None
+        if counts is None:
+            closing = ends % bs == 0      # the token closes a block
+            if not closing.any():
+                closing = False           # (no row does)
+        requests.append(rows, flat, counts, starts, ends, closing)
+        requests.schedule(rows, ends)
+        if self.mamba is not None:
+            self._plan_snapshots(rows, starts, ends, counts, closing)
+        if counts is None:
+            offsets = np.arange(len(rows) + 1)
+        else:
+            offsets = np.zeros(len(rows) + 1, np.int64)
+            np.cumsum(counts, out=offsets[1:])
+        return BatchStepPlan(ids, rows, requests.request_to_mamba_state_idx[rows], starts, ends,
+                             offsets, flat.copy(),
+                             requests.request_to_kv_block_ids.take(rows, axis=0))
+
+    def _plan_snapshots(self, rows, starts, ends, counts, closing) -> None:
+        """Ask the Mamba slot allocator for the boundary states of the extension chunks
+        ``[starts, ends)`` of ``rows``: the candidates of an admission with nothing matched
+        (``ceil(start / bs)``, the last block boundary, the start of the last block, the one
+        before the last boundary) and the EOS entry of a chunk that ends on a boundary."""
+        bs = self.block_size
+        if closing is False:
+            return      # one token each, none on a boundary: no snapshot (rows are clear)
+        eos = ends % bs == 0 if closing is None else closing
+        single = counts is None or counts.max() == 1
+        if single and not eos.any():
+            return
+        bounds = None
+        if not single:
+            last = ends // bs * bs
+            bounds = np.stack([-(-starts // bs) * bs, last, (-(-ends // bs) - 1) * bs,
+                               last - bs], axis=1)
+        self.mamba.compute_and_store_offsets_batch(rows, starts, ends - starts, bounds,
+                                                   np.where(eos, ends // bs - 1, -1))
