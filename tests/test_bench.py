@@ -75,3 +75,19 @@ def test_info_reports_every_kernel_family(capsys):
     for family in KERNEL_FAMILIES:
         assert family in out
     assert "bfloat16" in out and "device      cpu" in out
+
+
+def test_host_bench_on_cpu_reports_every_case(tmp_path, capsys):
+    """``bench --host``: one row per host-overhead case, each a per-step table's median, mean and
+    worst step (so median and mean never pass the worst), written as JSON that loads."""
+    assert main(["bench", "--host", "--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    rows = json.loads(path.read_text())["rows"]
+    cases = [r["case"] for r in rows]
+    assert {"hybrid commit(1) 52 layers", "continuous fetch+step", "context add_request",
+            "cpu kv_write decode b64"} <= set(cases)
+    assert sum(c.startswith("context decode") for c in cases) == 5
+    for r in rows:
+        assert r["family"] == "host" and 0 < r["us"] <= r["worst_us"]
+        assert min(r["us"], r["mean_us"]) <= r["worst_us"]
+    assert "median us" in capsys.readouterr().out
