@@ -23,17 +23,35 @@ from ._launch import (
 __all__ = ["kv_write"]
 
 
-def _check_rows(name, a, group, layer, num_tokens, xp):
+def _check_rows(kind, j, a, group, layer, num_tokens, xp):
     heads = group.num_kv_heads[layer]
-    want = (num_tokens, heads, group.head_dim)
-    if array_module_of(a) is not xp:
+    name = f"{kind}[{j}]"
+    if type(a) is not xp.ndarray and array_module_of(a) is not xp:
         raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
-    if tuple(a.shape) != want:
+    if a.shape != (num_tokens, heads, group.head_dim):
+        want = (num_tokens, heads, group.head_dim)
         raise ValueError(f"{name}: expected shape {want}, got {tuple(a.shape)}")
     if a.dtype != group.dtype:
         raise ValueError(f"{name}: expected dtype {group.dtype}, got {a.dtype}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array")
+
+
+def _check_index_arrays(xp, batch, num_tokens, seq_offsets, cache_lengths, positions,
+                        row_to_slot, block_table, status):
+    """The index arrays of a write (each optional): int32, C-contiguous, long enough."""
+    if seq_offsets is not None:
+        int32_array("seq_offsets", seq_offsets, xp, min_len=batch + 1)
+    if cache_lengths is not None:
+        int32_array("cache_lengths", cache_lengths, xp, min_len=batch)
+    if positions is not None:
+        int32_array("positions", positions, xp, min_len=num_tokens)
+    if row_to_slot is not None:
+        int32_array("row_to_slot", row_to_slot, xp, min_len=batch)
+    if block_table is not None:
+        int32_array("block_table", block_table, xp, min_len=batch, ndim=2)
+    if status is not None:
+        check_status(status, xp)
 
 
 def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, batch=None,
@@ -94,8 +112,8 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
         ks, vs = [k], [v]
     num_tokens = int(ks[0].shape[0]) if ks[0].ndim else 0
     for j, li in enumerate(positions_in_group):
-        _check_rows(f"k[{j}]", ks[j], group, li, num_tokens, xp)
-        _check_rows(f"v[{j}]", vs[j], group, li, num_tokens, xp)
+        _check_rows("k", j, ks[j], group, li, num_tokens, xp)
+        _check_rows("v", j, vs[j], group, li, num_tokens, xp)
     uniform_tokens = check_int("uniform_tokens", uniform_tokens)
     int32_array("seq_offsets", seq_offsets, xp)
     if batch is None:
@@ -107,18 +125,14 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
     if seq_offsets is None and uniform_tokens <= 0:
         raise ValueError("seq_offsets: expected seq_offsets or uniform_tokens > 0 (rows of the "
                          f"tokens), got neither (uniform_tokens={uniform_tokens})")
-    int32_array("seq_offsets", seq_offsets, xp, min_len=batch + 1)
-    int32_array("cache_lengths", cache_lengths, xp, min_len=batch)
-    int32_array("positions", positions, xp, min_len=num_tokens)
-    int32_array("row_to_slot", row_to_slot, xp, min_len=batch)
-    int32_array("block_table", block_table, xp, min_len=batch, ndim=2)
-    check_status(status, xp)
+    _check_index_arrays(xp, batch, num_tokens, seq_offsets, cache_lengths, positions,
+                        row_to_slot, block_table, status)
     run = launcher(xp, backend, stream)
-    kwargs = dict(seq_offsets=seq_offsets, uniform_tokens=uniform_tokens, batch=batch,
-                  cache_lengths=cache_lengths, positions=positions, row_to_slot=row_to_slot,
-                  block_table=block_table, status=status)
     if run is None:
-        return ref.kv_write(group, k, v, layers=layers, **kwargs)
+        return ref.kv_write(group, k, v, layers=layers, seq_offsets=seq_offsets,
+                            uniform_tokens=uniform_tokens, batch=batch,
+                            cache_lengths=cache_lengths, positions=positions,
+                            row_to_slot=row_to_slot, block_table=block_table, status=status)
     if num_tokens == 0:
         return
     if layers is None:
