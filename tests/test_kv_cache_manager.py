@@ -132,7 +132,8 @@ def test_memory_report_by_hand():
     report = m.memory_report()
     assert report["layers"] == tuple(want)
     assert report["kv_cache"] == sum(want)
-    assert report["layer_infos"] == 2 * 16 * len(HETERO)   # infos + scratch tables
+    # per layer: a 16-byte KVLayerInfo, a 16-byte pointer-scratch row and a 4-byte label
+    assert report["layer_infos"] == (2 * 16 + 4) * len(HETERO)
     assert report["total"] == sum(want) + report["layer_infos"]
 
 

@@ -4,7 +4,8 @@ Oracles: the NumPy reference (:mod:`hcache.ops.reference`) must give the kernel'
 status count; both must match a naive token-by-token model of ``kernels/kv_write.cu`` (ragged
 rows, explicit positions, paged block tables, NHD views). The kernel runs on the host emulation
 of the real ``.cu`` (``emu``, ``emu-reverse``) and on CuPy (``gpu`` tier); every array sits
-between canary bytes, which must survive.
+between canary bytes, which must survive. The quantizing write ``kv_write_fp8`` of the same
+family is tested in ``tests/test_op_kv_write_fp8.py`` (on these cases and models).
 """
 
 from __future__ import annotations
@@ -112,19 +113,25 @@ def write_cases(draw, modes=("ragged", "positions", "paged", "nhd", "decode")):
                 misalign=draw(misaligns), seed=draw(st.integers(0, 2**32 - 1)))
 
 
-def _write_state(arena, c):
+def _write_state(arena, c, *, labels=None, rows_of=None):
+    """The caches (``keep``: the buffers to compare), K/V rows, keyword arguments and status of
+    case ``c``; ``labels`` are the group's layer_indices, ``rows_of(arena, shape)`` makes a
+    K/V row array (default: random bytes of the cache dtype)."""
     dt, d, s = c["dtype"], c["head_dim"], c["seq"]
     mis = c["misalign"] * dt.itemsize
     if c["layout"] == "NHD":
         buf = arena.array((c["slots"], 2, len(c["heads"]), s, c["heads"][0], d), dt,
                           misalign=mis)
         layers = [buf[:, :, i] for i in range(len(c["heads"]))]
-        group, keep = KVGroup(layers, layout="NHD"), [buf]
+        group, keep = KVGroup(layers, layout="NHD", layer_indices=labels), [buf]
     else:
         layers = [arena.array((c["slots"], 2, h, s, d), dt, misalign=mis) for h in c["heads"]]
-        group, keep = KVGroup(layers), layers
-    k = [arena.array((c["tokens"], h, d), dt) for h in c["heads"]]
-    v = [arena.array((c["tokens"], h, d), dt) for h in c["heads"]]
+        group, keep = KVGroup(layers, layer_indices=labels), layers
+    if rows_of is None:
+        def rows_of(arena, shape):
+            return arena.array(shape, dt)
+    k = [rows_of(arena, (c["tokens"], h, d)) for h in c["heads"]]
+    v = [rows_of(arena, (c["tokens"], h, d)) for h in c["heads"]]
     offsets = arena.int32(np.concatenate([[0], np.cumsum(c["counts"])]).astype(np.int32))
     kwargs = dict(batch=c["batch"], cache_lengths=arena.int32(c["lengths"]))
     if c["mode"] == "decode":

@@ -1,5 +1,6 @@
 """NumPy reference of the ``kv_write`` family (``kernels/kv_write.cu``): where each new token's
-K/V row lands, and the write itself. Re-exported by :mod:`hcache.ops.reference`.
+K/V row lands, the write itself (``kv_write``) and the quantizing write (``kv_write_fp8``,
+``quantize_fp8``). Re-exported by :mod:`hcache.ops.reference`.
 
 The per-token mapping (row, position, slot, status count) follows the kernel step for step. It is
 computed once per call, vectorized, and the rows of every launched layer move with one NumPy
@@ -12,9 +13,14 @@ block tables) takes the general path, which gives the same bytes and counts.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-__all__ = ["kv_write", "kv_write_targets", "write_rows"]
+__all__ = ["kv_write", "kv_write_fp8", "kv_write_targets", "write_rows", "quantize_fp8",
+           "FP8_DTYPES", "SRC_DTYPES"]
+
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2))
+SRC_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 _iota_cache = np.arange(256, dtype=np.intp)
 
@@ -209,5 +215,65 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
             layer = group.layers[li]
             write_rows(layer, group.layout, 0, kk, target)
             write_rows(layer, group.layout, 1, vv, target)
+    if status is not None and reported:
+        status[0] += reported
+
+
+# --- kv_write_fp8 ---------------------------------------------------------------------------
+
+def quantize_fp8(x, scale, fp8_dtype):
+    """``fp8(clip(float32(x) / float32(scale), -max, max))``: the kernel's quantization.
+
+    Parameters
+    ----------
+    x : float32, float16 or bfloat16 array
+    scale : float or float32 array broadcastable against ``x``
+    fp8_dtype : ``float8_e4m3fn`` or ``float8_e5m2`` (an ml_dtypes dtype)
+
+    Returns
+    -------
+    array of ``fp8_dtype``, the shape of ``x``
+        Round to nearest even; finite values past ``max`` and +-Inf saturate to +-max; NaN stays
+        NaN with its sign (a NaN quotient keeps the input's NaN on the host).
+    """
+    fmax = np.float32(ml_dtypes.finfo(fp8_dtype).max)
+    q = x.astype(np.float32) / np.asarray(scale, dtype=np.float32)
+    np.clip(q, -fmax, fmax, out=q)
+    return q.astype(fp8_dtype)
+
+
+def _layer_scale(scale, row: int, heads: int):
+    """The scale of one layer: a float32 scalar, or ``[1, heads, 1]`` per head."""
+    if not isinstance(scale, np.ndarray):
+        return np.float32(scale)
+    if scale.ndim == 1:
+        return scale[row]
+    return scale[row, :heads].reshape(1, heads, 1)
+
+
+def kv_write_fp8(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, batch=None,
+                 cache_lengths=None, positions=None, row_to_slot=None, block_table=None,
+                 k_scale=1.0, v_scale=1.0, fp8_dtype=None, src_dtype=None, status=None):
+    """Quantize new K/V rows to FP8 and write them (semantics in ``kernels/kv_write.cu``): the
+    rows of ``kv_write``, each element ``quantize_fp8(x, scale)`` with the scale of the layer's
+    row ``group.layer_indices[p]`` (and head) of ``k_scale`` / ``v_scale``."""
+    fp8 = np.dtype(fp8_dtype) if fp8_dtype is not None else group.dtype
+    if layers is None:
+        idx, ks, vs = range(group.num_layers), k, v
+    else:
+        idx, ks, vs = (int(layers),), (k,), (v,)
+    num_tokens = int(ks[0].shape[0])
+    targets, reported = kv_write_targets(
+        group, idx, num_tokens, seq_offsets=seq_offsets, uniform_tokens=uniform_tokens,
+        batch=batch, cache_lengths=cache_lengths, positions=positions, row_to_slot=row_to_slot,
+        block_table=block_table)
+    if targets is not None:
+        for li, kk, vv, target in zip(idx, ks, vs, targets):
+            layer, row, heads = group.layers[li], group.layer_indices[li], group.num_kv_heads[li]
+            for kv, rows, scale in ((0, kk, k_scale), (1, vv, v_scale)):
+                if src_dtype is not None and rows.dtype != src_dtype:
+                    rows = rows.view(src_dtype)    # bfloat16 held as uint16
+                q = quantize_fp8(rows, _layer_scale(scale, row, heads), fp8)
+                write_rows(layer, group.layout, kv, q.view(group.dtype), target)
     if status is not None and reported:
         status[0] += reported

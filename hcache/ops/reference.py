@@ -7,19 +7,21 @@ and works on the Python-level arrays of a :class:`~hcache.ops.tables.KVGroup` /
 :class:`~hcache.ops.tables.SlotSet`. The wrappers check their arguments before calling it.
 
 Families (``kernels/<family>.cu``, ``hcache/ops/<family>.py``): ``compact`` (compaction_plan,
-kv_compact, slots_compact), ``kv_write``, ``slot_copy``, ``kv_capture`` (kv_capture, kv_restore,
-kv_prefix_copy) and ``lengths`` (lengths_add).
+kv_compact, slots_compact), ``kv_write`` (kv_write, kv_write_fp8; ``quantize_fp8`` is the
+quantization alone), ``slot_copy``, ``kv_capture`` (kv_capture, kv_restore, kv_prefix_copy) and
+``lengths`` (lengths_add).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._ref_kv_write import kv_write
+from ._ref_kv_write import kv_write, kv_write_fp8, quantize_fp8
 from .tables import CLEAR, PLAN_HEADER, TMP, plan_max_batch, plan_schedule
 
-__all__ = ["compaction_plan", "kv_compact", "slots_compact", "kv_write", "slot_copy",
-           "kv_capture", "kv_restore", "kv_prefix_copy", "lengths_add"]
+__all__ = ["compaction_plan", "kv_compact", "slots_compact", "kv_write", "kv_write_fp8",
+           "quantize_fp8", "slot_copy", "kv_capture", "kv_restore", "kv_prefix_copy",
+           "lengths_add"]
 
 
 def _bump(status, n: int = 1):

@@ -94,8 +94,7 @@ class KVCacheManager:
         """Device bytes: ``kv_cache`` (all layers), ``layer_infos`` (group descriptors),
         ``total`` and ``layers`` (per layer)."""
         layers = tuple(int(c.nbytes) for c in self._caches)
-        infos = sum(int(g.device_layer_infos.nbytes + g.scratch_infos.nbytes)
-                    for g in self._groups)
+        infos = sum(g.nbytes for g in self._groups)
         return {"kv_cache": sum(layers), "layer_infos": infos, "total": sum(layers) + infos,
                 "layers": layers}
 

@@ -101,8 +101,7 @@ class LinearKVCache(BatchAPI):
         descriptors) and ``total``."""
         mamba = self._mamba.memory_report() if self._mamba is not None else \
             {"recurrent": 0, "conv": 0}
-        metadata = self.batch_state_nbytes + sum(
-            int(g.device_layer_infos.nbytes + g.scratch_infos.nbytes) for g in self._groups)
+        metadata = self.batch_state_nbytes + sum(g.nbytes for g in self._groups)
         if self._mamba is not None:
             metadata += self._mamba.metadata_nbytes
         report = {"kv_cache": int(self._buffer.nbytes), "recurrent": mamba["recurrent"],
