@@ -237,9 +237,10 @@ def quantize_fp8(x, scale, fp8_dtype):
         NaN with its sign (a NaN quotient keeps the input's NaN on the host).
     """
     fmax = np.float32(ml_dtypes.finfo(fp8_dtype).max)
-    q = x.astype(np.float32) / np.asarray(scale, dtype=np.float32)
-    np.clip(q, -fmax, fmax, out=q)
-    return q.astype(fp8_dtype)
+    with np.errstate(all="ignore"):   # NaN and Inf are data here, not errors
+        q = x.astype(np.float32) / np.asarray(scale, dtype=np.float32)
+        np.clip(q, -fmax, fmax, out=q)
+        return q.astype(fp8_dtype)
 
 
 def _layer_scale(scale, row: int, heads: int):
