@@ -203,7 +203,8 @@ def test_fp8_write_quantizes_with_per_head_scales(backend, fp8, src):
 
 def test_fp8_scales_default_to_the_recorded_ones(backend):
     """No scale: the recorded tables (1.0 at construction, then set_kv_scales, then the
-    last float given), one float recorded for the written layer only."""
+    last float given); a float or a table given to a one-layer write is recorded for that
+    layer only."""
     m = linear("float8_e4m3fn")
     m.reset_for_new_sequences([0, 0, 0])
     x = np.full((3, 1, 2, 16), 6.0, np.float32)
@@ -217,6 +218,9 @@ def test_fp8_scales_default_to_the_recorded_ones(backend):
     c1 = m.get_combined_kv_cache_for_decoder_layer(1).view(np.uint8)
     assert (c0[:, 0, :, 0] == 0x4C).all() and (c0[:, 1, :, 0] == 0x4C).all()
     assert (c1[:, 0, :, 0] == 0x44).all() and (c1[:, 1, :, 0] == 0x4C).all()
+    # a table given for a one-layer write is recorded for that layer only
+    m.write_kv(1, x, x, v_scale=np.array([5.0, 6.0], np.float32), positions=np.ones((3, 1), int))
+    assert m.get_kv_scales()[1].tolist() == [[1.0, 1.0], [6.0, 6.0]]
 
 
 def test_capture_returns_fp8_bytes_and_scales_restore_takes_them(backend):
