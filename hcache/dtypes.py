@@ -9,7 +9,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-__all__ = ["DTYPE_NAMES", "resolve_dtype", "dtype_name", "storage_dtype"]
+__all__ = ["DTYPE_NAMES", "resolve_dtype", "dtype_name", "storage_dtype", "is_fp8", "fp8_max",
+           "fp8_scales"]
 
 _BY_NAME: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -84,3 +85,72 @@ def storage_dtype(dtype, xp) -> np.dtype:
         return dt
     except (TypeError, ValueError, NotImplementedError):  # an unsupported dtype; a device
         return _UINT_OF_SIZE[dt.itemsize]                # error (no GPU) propagates
+
+
+_FP8 = (_BY_NAME["float8_e4m3fn"], _BY_NAME["float8_e5m2"])
+
+
+def is_fp8(dtype) -> bool:
+    """True for ``float8_e4m3fn`` and ``float8_e5m2`` (by name or dtype)."""
+    return resolve_dtype(dtype) in _FP8
+
+
+def fp8_max(dtype="float8_e4m3fn") -> float:
+    """The largest finite value of an FP8 format: 448.0 (e4m3fn) or 57344.0 (e5m2).
+
+    Raises
+    ------
+    ValueError
+        ``dtype`` is not an FP8 dtype.
+    """
+    dt = resolve_dtype(dtype)
+    if dt not in _FP8:
+        raise ValueError(f"dtype: expected float8_e4m3fn or float8_e5m2, got {dt}")
+    return float(ml_dtypes.finfo(dt).max)
+
+
+def fp8_scales(amax, dtype="float8_e4m3fn"):
+    """Quantization scales from observed absolute maxima: ``amax / fp8_max(dtype)``.
+
+    With this scale the largest observed magnitude maps to the format's largest finite value
+    (docs/design.md §3.7): pass it as ``k_scale`` / ``v_scale`` of a quantizing ``write_kv``
+    (and dequantize as ``q * scale``).
+
+    Parameters
+    ----------
+    amax : float, or a float array of any shape (NumPy or CuPy)
+        Absolute maxima of K or V, e.g. per layer ``[L]`` or per layer and head ``[L, H]``.
+    dtype : str or dtype
+        The FP8 format.
+
+    Returns
+    -------
+    float, or float32 array of ``amax``'s shape and array module
+        A **new** array for array input. An ``amax`` of 0 gives the scale 1.0 (any scale
+        represents zeros exactly), so the result is always > 0 for finite ``amax >= 0``.
+
+    Raises
+    ------
+    ValueError
+        ``dtype`` is not FP8, or a host ``amax`` is negative or not finite (device arrays are
+        not read back: their values are the caller's to check).
+    """
+    fmax = fp8_max(dtype)
+    if isinstance(amax, (int, float, np.integer, np.floating)) and not isinstance(amax, bool):
+        value = float(amax)
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"amax: expected a finite value >= 0, got {amax}")
+        return value / fmax if value > 0 else 1.0
+    if isinstance(amax, np.ndarray):
+        a = np.asarray(amax, dtype=np.float32)
+        if not (np.isfinite(a).all() and (a >= 0).all()):
+            raise ValueError("amax: expected finite values >= 0, got a negative or non-finite "
+                             "one")
+        return np.where(a > 0, a / np.float32(fmax), np.float32(1)).astype(np.float32)
+    xp = type(amax).__module__.split(".")[0]
+    if xp != "cupy":
+        raise TypeError(f"amax: expected a float or a float array, got {type(amax).__name__}")
+    import cupy
+
+    a = amax.astype(cupy.float32)
+    return cupy.where(a > 0, a / cupy.float32(fmax), cupy.float32(1)).astype(cupy.float32)

@@ -2,9 +2,10 @@
 // kernels on the CPU, one block and one thread at a time (tests only).
 //
 // Supported: __global__/__device__ functions, threadIdx/blockIdx/blockDim/gridDim, uint4/uint2,
-// atomicAdd on int, __ldg. Not supported, and refused at compile time: __syncthreads, warp
-// shuffles, __shared__ memory (the hcache kernels use none: every thread only depends on its own
-// chunks, which is what makes serial execution faithful).
+// atomicAdd on int, __ldg, __float_as_uint / __uint_as_float, __fdiv_rn, #pragma unroll
+// (ignored: emu.py passes -Wno-unknown-pragmas). Not supported, and refused at compile time:
+// __syncthreads, warp shuffles, __shared__ memory (the hcache kernels use none: every thread
+// only depends on its own chunks, which is what makes serial execution faithful).
 #pragma once
 #include <atomic>
 #include <cstddef>
@@ -32,6 +33,20 @@ inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 template <typename T> inline T __ldg(const T* p) { return *p; }
+
+// Bit casts and the IEEE round-to-nearest division (SSE on x86-64, like the GPU's div.rn.f32;
+// the flags keep g++ from contracting or reassociating it).
+inline unsigned int __float_as_uint(float x) {
+    unsigned int u;
+    std::memcpy(&u, &x, sizeof u);
+    return u;
+}
+inline float __uint_as_float(unsigned int u) {
+    float x;
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
+inline float __fdiv_rn(float a, float b) { return a / b; }
 
 namespace cuda_emu {
 

@@ -20,11 +20,11 @@ from hcache.ops._loader import FAMILIES, kernel_dir
 HEADER = Path(__file__).resolve().parent / "cuda_emu.h"
 # Misaligned vector accesses and the undefined behaviour that a GPU compiler may exploit
 # differently from g++ (signed overflow, division by zero) abort the test run.
-FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-Wall", "-Werror",
+FLAGS = ("-std=c++20", "-O2", "-shared", "-fPIC", "-Wall", "-Werror", "-Wno-unknown-pragmas",
          "-fsanitize=alignment,signed-integer-overflow,integer-divide-by-zero,shift",
          "-fno-sanitize-recover=all")
 _CTYPE = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
-          np.dtype(np.uint64): ctypes.c_uint64}
+          np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float}
 
 
 def have_compiler() -> bool:
@@ -69,7 +69,8 @@ class EmuLauncher:
         holders = []
         for a in args:
             if not isinstance(a, np.generic) or a.dtype not in _CTYPE:
-                raise TypeError(f"kernel argument {a!r}: expected int32/int64/uint64 scalar")
+                raise TypeError(f"kernel argument {a!r}: expected an int32/int64/uint64/float32 "
+                                "scalar")
             holders.append(_CTYPE[a.dtype](a.item()))
         argv = (ctypes.c_void_p * len(holders))(
             *[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])

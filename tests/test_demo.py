@@ -1,8 +1,9 @@
 """``python -m hcache demo``: it runs clean, and its exactness check can fail.
 
 The demo compares every generated token (and its logits, bit for bit) with an uncached
-reference run. The corruption tests break one cache operation at a time (a restore, the KV
-moves of a compaction, a continuous-batching write, a prefix-cache restore) and require the
+reference run. The corruption tests break one cache operation at a time (a hybrid-manager
+``write_kv``, a restore, the KV moves of a compaction, a continuous-batching write, a
+prefix-cache restore) and require the
 demo to report the mismatch in the right part and return 1.
 """
 
@@ -52,7 +53,19 @@ def _drop_layer1_write(original):
     return write
 
 
+def _drop_first_attention_write(original):
+    def write_kv(self, layer, k, v, **kw):
+        first = next(i for i in range(self.num_layers) if self.get_layer_type(i).has_attention)
+        if layer != first:
+            original(self, layer, k, v, **kw)
+    return write_kv
+
+
 CORRUPTIONS = [
+    # the hybrid manager's write_kv (how the demo writes K/V) loses the first attention layer
+    pytest.param("part 1", lambda mp: mp.setattr(
+        HybridCacheManager, "write_kv",
+        _drop_first_attention_write(HybridCacheManager.write_kv)), id="hybrid-write"),
     # slots 1..3 start from stale/zero Mamba states instead of the system prompt's
     pytest.param("part 1", lambda mp: mp.setattr(HybridCacheManager, "restore_mamba_states",
                                                  lambda self, *a, **k: None), id="restore"),

@@ -68,6 +68,8 @@ def hybrid_setup(machine, m):
                             + [(lambda i=i: m.get_conv_state(i), len(mamba) + j)
                                for j, i in enumerate(mamba)])
     machine.n_mamba = len(mamba)
+    # write_kv(layer): the decoder layers that own a cache, with their model index
+    machine.write_layers = [(layer, j) for j, layer in enumerate(owners)]
     machine.capture_kv = m.capture_kv_cache
     machine.restore_kv = m.restore_kv_cache
     machine.capture_mamba = lambda b: (m.capture_recurrent_states(b), m.capture_conv_states(b))
@@ -90,6 +92,7 @@ def linear_setup(machine, m):
                             + [(lambda i=i: m.get_conv_state_for_layer(i), n + i)
                                for i in range(n)])
     machine.n_mamba = n
+    machine.write_layers = [(i, i) for i in range(cfg.num_attention_layers)]
     machine.capture_kv = machine.restore_kv = None
     machine.capture_mamba = lambda b: (m.capture_ssm_states(b), m.capture_conv_states(b))
     machine.restore_mamba = m.restore_mamba_states
@@ -156,6 +159,80 @@ class ManagerMachine(RuleBasedStateMachine):
         raw = random_bytes(seed, u8[slot, :, :, start:stop].shape)
         u8[slot, :, :, start:stop] = raw
         self.kv[j][slot, :, :, start:stop] = raw
+
+    def _batched(self, data, seed, *, overflow=False):
+        """A write_kv call for the active batch: ``(layer, ks, vs, kwargs, placed)`` with
+        ``placed`` the (model index, slot, position, token) of every written row; with
+        ``overflow`` one row gets one token more than its room (a rejected call)."""
+        n = self.active
+        layer = data.draw(st.sampled_from([None] + self.write_layers))
+        members = self.write_layers if layer is None else [layer]
+        ragged = data.draw(st.booleans())
+        explicit = not overflow and data.draw(st.integers(0, 3)) == 0
+        room = self.S - self.lengths[:n]
+        if ragged:
+            counts = [data.draw(st.integers(0, min(int(r), 3))) for r in room]
+        else:
+            counts = [data.draw(st.integers(0, min(int(room.min()) if n else 3, 3)))] * n
+        if overflow:
+            b = data.draw(st.integers(0, n - 1))
+            counts = [int(room[b]) + 1] * n if not ragged else \
+                [c if i != b else int(room[b]) + 1 for i, c in enumerate(counts)]
+        lead = (sum(counts),) if ragged else (n, counts[0] if n else 0)
+        kwargs = {"seq_lengths": counts} if ragged else {}
+        positions = []
+        for b, c in enumerate(counts):
+            if explicit:
+                pos = data.draw(st.lists(st.integers(-1, self.S - 1), min_size=c, max_size=c,
+                                         unique_by=lambda p: p if p >= 0 else object()))
+            else:
+                pos = [int(self.lengths[b]) + t for t in range(c)]
+            positions.append(pos)
+        if explicit:
+            flat = [p for pos in positions for p in pos]
+            kwargs["positions"] = np.array(flat, np.int64).reshape(lead)
+        ks, vs, placed = [], [], []
+        for i, (_, j) in enumerate(members):
+            cache = self.kv_views[j]
+            shape = lead + (cache.shape[2], cache.shape[4])
+            k = random_bytes(seed + 2 * i, shape + (cache.itemsize,)).view(cache.dtype)
+            v = random_bytes(seed + 2 * i + 1, shape + (cache.itemsize,)).view(cache.dtype)
+            ks.append(k.reshape(shape))
+            vs.append(v.reshape(shape))
+            t = 0
+            for b, pos in enumerate(positions):
+                for p in pos:
+                    if p >= 0:
+                        placed.append((j, b, p, t, i))
+                    t += 1
+        if layer is not None:
+            ks, vs = ks[0], vs[0]
+        return (None if layer is None else layer[0]), ks, vs, kwargs, placed
+
+    @rule(data=st.data(), seed=SEEDS)
+    def batched_write_kv(self, data, seed):
+        """write_kv of the active batch (uniform or ragged, one layer or all, at the committed
+        lengths or at explicit positions): the model gets the rows at their slots."""
+        if not self.write_layers:
+            return
+        layer, ks, vs, kwargs, placed = self._batched(data, seed)
+        self.m.write_kv(layer, ks, vs, **kwargs)
+        for j, b, p, t, i in placed:
+            k = ks[i] if layer is None else ks
+            v = vs[i] if layer is None else vs
+            rows_k = k.reshape(-1, *k.shape[-2:]).view(np.uint8)
+            rows_v = v.reshape(-1, *v.shape[-2:]).view(np.uint8)
+            self.kv[j][b, 0, :, p] = rows_k[t]
+            self.kv[j][b, 1, :, p] = rows_v[t]
+
+    @precondition(lambda self: self.active)
+    @rule(data=st.data(), seed=SEEDS)
+    def batched_write_kv_rejected(self, data, seed):
+        """A row that would pass max_sequence_length: ValueError, nothing changes."""
+        if not self.write_layers:
+            return
+        layer, ks, vs, kwargs, _ = self._batched(data, seed, overflow=True)
+        self.rejected(ValueError, lambda: self.m.write_kv(layer, ks, vs, **kwargs))
 
     @precondition(lambda self: self.state_routes)
     @rule(data=st.data(), seed=SEEDS)

@@ -4,7 +4,8 @@ Oracles: the NumPy reference (:mod:`hcache.ops.reference`) must give the kernel'
 status count; both must match a naive token-by-token model of ``kernels/kv_write.cu`` (ragged
 rows, explicit positions, paged block tables, NHD views). The kernel runs on the host emulation
 of the real ``.cu`` (``emu``, ``emu-reverse``) and on CuPy (``gpu`` tier); every array sits
-between canary bytes, which must survive.
+between canary bytes, which must survive. The quantizing write ``kv_write_fp8`` of the same
+family is tested in ``tests/test_op_kv_write_fp8.py`` (on these cases and models).
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ INT32_MAX = 2**31 - 1
 
 
 @st.composite
-def write_cases(draw):
-    mode = draw(st.sampled_from(["ragged", "positions", "paged", "nhd"]))
+def write_cases(draw, modes=("ragged", "positions", "paged", "nhd", "decode")):
+    mode = draw(st.sampled_from(modes))
+    layout = "NHD" if mode == "nhd" else "HND"
+    if mode == "decode":
+        layout = draw(st.sampled_from(["HND", "NHD"]))
     dtype = draw(dtypes)
     head_dim = draw(st.sampled_from(HEAD_DIMS))
     seq = draw(st.integers(1, 6))
@@ -50,16 +54,22 @@ def write_cases(draw):
     counts = draw(st.lists(st.integers(0, 4), min_size=batch, max_size=batch))
     pad = draw(st.integers(0, 3))
     heads = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
-    if mode == "nhd":
+    if layout == "NHD":
         heads = [heads[0]] * len(heads)
+    if mode == "nhd":
         counts = [draw(st.integers(0, 3))] * batch
         pad = 0
+    if mode == "decode":   # one token per row (the reference's fast paths), then padding
+        counts = [1] * batch
     tokens = sum(counts) + pad
     lengths = draw(st.lists(st.integers(0, seq + 1), min_size=batch, max_size=batch))
+    if draw(st.booleans()):   # one length for every row: the strided fast path
+        lengths = [draw(st.integers(0, seq + 1))] * batch
     rows = list(draw(st.permutations(list(range(slots)) + [-1] * batch))[:batch])
     hostile = draw(st.integers(0, 3)) == 0
     if hostile and batch:  # out-of-range slots / positions must be skipped and counted
         rows[draw(st.integers(0, batch - 1))] = draw(st.sampled_from([slots, slots + 7, -5]))
+        lengths[draw(st.integers(0, batch - 1))] = draw(st.sampled_from([-1, -3, seq, 2**31 - 1]))
     positions = draw(st.lists(st.integers(-1, seq - 1), min_size=tokens, max_size=tokens))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int)
     for b in range(batch):  # one token per (row, position): duplicates would race on a GPU
@@ -75,29 +85,62 @@ def write_cases(draw):
                  [:batch * width])
     if hostile and table:
         table[draw(st.integers(0, len(table) - 1))] = draw(st.sampled_from([slots, -4]))
+    # decode: mostly in range (the reference's fast paths), rows to slots by identity and/or
+    # no cache_lengths (position 0) sometimes
+    identity = no_lengths = False
+    if mode == "decode":
+        if draw(st.integers(0, 3)):
+            batch = min(batch, slots)
+            counts = [1] * batch
+            tokens = batch + pad
+            rows = list(draw(st.permutations(range(slots)))[:batch])
+            lengths = [draw(st.integers(0, seq - 1))] * batch
+            if draw(st.booleans()):
+                lengths = draw(st.lists(st.integers(0, seq - 1), min_size=batch,
+                                        max_size=batch))
+            positions = [0] * tokens
+        identity = draw(st.booleans())
+        if identity:
+            rows = list(range(batch))
+        no_lengths = draw(st.integers(0, 3)) == 0
+        if no_lengths:
+            lengths = [0] * batch
     return dict(mode=mode, dtype=dtype, head_dim=head_dim, seq=seq, slots=slots, batch=batch,
+                identity=identity, no_lengths=no_lengths, layout=layout,
                 counts=counts, tokens=tokens, heads=heads, lengths=lengths, rows=rows,
                 positions=positions, width=width, table=table,
                 single=draw(st.booleans()), layer=draw(st.integers(0, len(heads) - 1)),
                 misalign=draw(misaligns), seed=draw(st.integers(0, 2**32 - 1)))
 
 
-def _write_state(arena, c):
+def _write_state(arena, c, *, labels=None, rows_of=None):
+    """The caches (``keep``: the buffers to compare), K/V rows, keyword arguments and status of
+    case ``c``; ``labels`` are the group's layer_indices, ``rows_of(arena, shape)`` makes a
+    K/V row array (default: random bytes of the cache dtype)."""
     dt, d, s = c["dtype"], c["head_dim"], c["seq"]
     mis = c["misalign"] * dt.itemsize
-    if c["mode"] == "nhd":
+    if c["layout"] == "NHD":
         buf = arena.array((c["slots"], 2, len(c["heads"]), s, c["heads"][0], d), dt,
                           misalign=mis)
         layers = [buf[:, :, i] for i in range(len(c["heads"]))]
-        group, keep = KVGroup(layers, layout="NHD"), [buf]
+        group, keep = KVGroup(layers, layout="NHD", layer_indices=labels), [buf]
     else:
         layers = [arena.array((c["slots"], 2, h, s, d), dt, misalign=mis) for h in c["heads"]]
-        group, keep = KVGroup(layers), layers
-    k = [arena.array((c["tokens"], h, d), dt) for h in c["heads"]]
-    v = [arena.array((c["tokens"], h, d), dt) for h in c["heads"]]
+        group, keep = KVGroup(layers, layer_indices=labels), layers
+    if rows_of is None:
+        def rows_of(arena, shape):
+            return arena.array(shape, dt)
+    k = [rows_of(arena, (c["tokens"], h, d)) for h in c["heads"]]
+    v = [rows_of(arena, (c["tokens"], h, d)) for h in c["heads"]]
     offsets = arena.int32(np.concatenate([[0], np.cumsum(c["counts"])]).astype(np.int32))
     kwargs = dict(batch=c["batch"], cache_lengths=arena.int32(c["lengths"]))
-    if c["mode"] == "nhd":
+    if c["mode"] == "decode":
+        kwargs["uniform_tokens"] = 1
+        if c["no_lengths"]:
+            del kwargs["cache_lengths"]
+        if not c["identity"]:
+            kwargs["row_to_slot"] = arena.int32(c["rows"])
+    elif c["mode"] == "nhd":
         kwargs.update(uniform_tokens=max(c["counts"][0] if c["counts"] else 1, 1),
                       row_to_slot=arena.int32(c["rows"]))
     else:
@@ -189,6 +232,16 @@ def test_kv_write_matches_reference_and_model(kind, c):
             assert_same_bytes(e, g)
         assert int(rstatus[0]) == reported
     k_arena.check_canaries()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@given(c=write_cases(modes=("decode",)))
+def test_kv_write_decode_matches_reference_and_model(kind, c):
+    """Decode-shaped writes (one token per row at ``cache_lengths``, rows to slots by
+    ``row_to_slot`` or identity, HND and NHD, one length for all rows or not, sometimes out of
+    range): the kernel, the reference (whose fast paths these are) and the token-by-token model
+    agree."""
+    test_kv_write_matches_reference_and_model.hypothesis.inner_test(kind, c)
 
 
 @st.composite
@@ -319,6 +372,50 @@ def test_kv_write_counts_overflow_but_not_padding():
                  cache_lengths=np.array([1], np.int32), status=status)
     assert cache[0, 0, 0, :, 0].tolist() == [0, 1]  # second token would be position 2 >= S
     assert status[0] == 1                          # token 2 is padding: not counted
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("lengths, rows, slots", [
+    ([2, 2, 2], None, 4),         # one position for every row, slots by identity: strided
+    ([2, 2, 2], [3, 0, 1], 4),    # one position, rows to slots: a scatter
+    ([0, 3, 1], None, 4),         # distinct positions
+    (None, [1, 2, 0], 4),         # no cache_lengths: position 0
+    ([2, 4, 1], None, 4),         # position 4 == S: skipped and counted (general path)
+    ([2, 2, 2], [0, 4, -1], 4),   # slot 4 out of range (counted), slot -1 skipped
+    ([1, 1, 1], None, 2),         # identity past the last slot: row 2 counted
+    ([1, 0, 1], None, 2),
+])
+def test_kv_write_decode_against_hand_values(layout, lengths, rows, slots):
+    """Reference decode writes (one token per row, S = 4): every written row and the status
+    count equal the hand-computed ones, and nothing else changes."""
+    shape = (slots, 2, 2, 4, 3) if layout == "HND" else (slots, 2, 4, 2, 3)
+    cache = np.zeros(shape, np.int16)
+    k = np.arange(1, 3 * 2 * 3 + 1, dtype=np.int16).reshape(3, 2, 3)   # 3 tokens, 2 heads
+    v = -k
+    status = np.zeros(1, np.int32)
+    kwargs = {}
+    if lengths is not None:
+        kwargs["cache_lengths"] = np.array(lengths, np.int32)
+    if rows is not None:
+        kwargs["row_to_slot"] = np.array(rows, np.int32)
+    ops.kv_write(KVGroup([cache], layout=layout), k, v, layers=0, uniform_tokens=1, batch=3,
+                 status=status, **kwargs)
+    want = np.zeros_like(cache)
+    counted = 0
+    for t in range(3):
+        slot = t if rows is None else rows[t]
+        pos = 0 if lengths is None else lengths[t]
+        if slot == -1:
+            continue
+        if not (0 <= slot < slots and 0 <= pos < 4):
+            counted += 1
+            continue
+        if layout == "HND":
+            want[slot, 0, :, pos], want[slot, 1, :, pos] = k[t], v[t]
+        else:
+            want[slot, 0, pos], want[slot, 1, pos] = k[t], v[t]
+    np.testing.assert_array_equal(cache, want)
+    assert int(status[0]) == counted
 
 
 # --- edge cases and argument checks every path handles alike (reference and kernel) ----------

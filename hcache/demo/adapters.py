@@ -5,14 +5,13 @@ Each class implements the cache-adapter protocol of
 :class:`hcache.demo.model.PlainCache`) over one of the package's managers: the model's math runs
 on the host, so the adapter copies states and K/V rows between host and the cache's device
 arrays, while every bulk move (KV writes, compaction, capture, restore, snapshots) is done by
-hcache.
+hcache: K/V rows go in through each manager's public write (``HybridCacheManager.write_kv``,
+the continuous-batching collection's ``write``, ``DynamicInferenceContext.write_kv``).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from .. import ops
 
 __all__ = ["host", "SlotCache", "BlockCache", "PagedCache"]
 
@@ -47,15 +46,13 @@ class SlotCache(_Adapter):
         self.mgr.get_recurrent_state(i)[:self.n] = self.xp.asarray(ssm)
 
     def write_kv(self, a, ks, vs):
-        """One launch per layer: ragged rows, row ``s`` at slot ``s``'s committed length."""
-        group = next(g for g in self.mgr.kv_cache_manager.groups if a in g.layer_indices)
-        offsets = np.concatenate([[0], np.cumsum([len(k) for k in ks])]).astype(np.int32)
+        """``HybridCacheManager.write_kv`` of decoder layer ``attention_layers[a]`` (one
+        launch): ragged rows, row ``s`` at slot ``s``'s committed length."""
         with self.mgr.device.scope():
-            ops.kv_write(group, self.xp.asarray(np.concatenate(ks)),
-                         self.xp.asarray(np.concatenate(vs)),
-                         layers=list(group.layer_indices).index(a),
-                         seq_offsets=self.xp.asarray(offsets), batch=self.n,
-                         cache_lengths=self.mgr.get_kv_cache_lengths())
+            self.mgr.write_kv(self.model.attention_layers[a],
+                              self.xp.asarray(np.concatenate(ks)),
+                              self.xp.asarray(np.concatenate(vs)),
+                              seq_lengths=[len(k) for k in ks])
 
     def read_kv(self, a, s, n):
         kv = host(self.mgr.get_combined_kv_cache(self.model.attention_layers[a])[s, :, :, :n])

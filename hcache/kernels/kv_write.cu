@@ -15,6 +15,17 @@
 // Cache addressing, in bytes: slot * slot_stride + kv * kv_stride + head * head_stride +
 // p * tok_stride. slot_stride == 0 means the layout [num_slots, 2, H_l, S_l, D] of the layer's
 // KVLayerInfo (strides derived per layer, so heads may differ within a group).
+//
+// hc_kv_write copies rows of bytes. hc_kv_write_fp8 writes float32 / float16 / bfloat16 rows into
+// a float8_e4m3fn or float8_e5m2 cache, quantizing each element on the way (docs/design.md §3.7):
+// q = fp8(x / scale), the division in IEEE float32 (round to nearest), then round to nearest even
+// into the format, saturating: finite values beyond the format's largest finite value and +-Inf
+// become +-max (448 for e4m3fn, 57344 for e5m2), NaN stays NaN with the input's sign (e4m3fn
+// 0x7f, e5m2 0x7e), -0 stays -0, values below half the smallest subnormal become +-0. The
+// conversion is bit manipulation (no cuda_fp8.h), so g++ compiles it too; it equals ml_dtypes'
+// cast of clip(x / scale, -max, max), which the NumPy reference computes. A scale should be
+// finite and > 0; other scales give the IEEE quotients (x / 0 = +-Inf, which saturates), and a
+// NaN quotient that the input did not carry has an unspecified sign.
 
 #include "common.cuh"
 
@@ -52,6 +63,40 @@ struct HcWriteArgs {
     int row_bytes;
 };
 
+// Where token t lands in one layer: returns 0 and sets *dst (byte offset from info.data) to
+// write it, 1 to skip it silently (padding), 2 to skip it and count it.
+__device__ __forceinline__ int hc_token_target(const HcWriteArgs& a, const KVLayerInfo& info,
+                                               int t, int kv, int head, hc_i64 slot_stride,
+                                               hc_i64 kv_stride, hc_i64 head_stride,
+                                               hc_i64 tok_stride, hc_i64* dst) {
+    int start = 0;
+    const int b = hc_token_row(a.seq_offsets, a.uniform_tokens, a.batch, t, &start);
+    if (b < 0) return 1;
+    // 64-bit: cache_lengths[b] + (t - start) may pass INT_MAX.
+    const hc_i64 pos = a.positions != nullptr
+                           ? (hc_i64)a.positions[t]
+                           : (hc_i64)(a.cache_lengths != nullptr ? a.cache_lengths[b] : 0) +
+                                 (t - start);
+    if (pos == -1) return 1;
+    if (pos < 0) return 2;
+    int slot;
+    hc_i64 p;
+    if (a.block_table != nullptr) {
+        const int S = info.max_seq_len;  // 32-bit division unless pos needs 64 bits
+        const hc_i64 col = pos <= 0x7fffffff ? (hc_i64)((int)pos / S) : pos / S;
+        if (col >= a.max_blocks_per_seq) return 2;
+        slot = a.block_table[(hc_i64)b * a.max_blocks_per_seq + col];
+        p = pos - col * S;
+    } else {
+        slot = a.row_to_slot != nullptr ? a.row_to_slot[b] : b;
+        p = pos;
+    }
+    if (slot == -1) return 1;
+    if (slot < 0 || slot >= a.num_slots || p >= info.max_seq_len) return 2;
+    *dst = slot * slot_stride + kv * kv_stride + head * head_stride + p * tok_stride;
+    return 0;
+}
+
 // I: the flat index type (32-bit when it fits, see hc_fits_u32).
 template <int W, typename I>
 __device__ void hc_kv_write_impl(const HcWriteArgs& a, const KVLayerInfo& info, const char* k,
@@ -67,46 +112,18 @@ __device__ void hc_kv_write_impl(const HcWriteArgs& a, const KVLayerInfo& info, 
         const I r = g / chunks;
         const int kvh = (int)(r % heads2);
         const int t = (int)(r / heads2);
-        const bool reporter = (c == 0 && kvh == 0 && blockIdx.y == 0);
-        int start = 0;
-        const int b = hc_token_row(a.seq_offsets, a.uniform_tokens, a.batch, t, &start);
-        if (b < 0) continue;
-        // 64-bit: cache_lengths[b] + (t - start) may pass INT_MAX.
-        const hc_i64 pos = a.positions != nullptr
-                               ? (hc_i64)a.positions[t]
-                               : (hc_i64)(a.cache_lengths != nullptr ? a.cache_lengths[b] : 0) +
-                                     (t - start);
-        if (pos == -1) continue;
-        if (pos < 0) {
-            if (reporter) hc_report(status);
-            continue;
-        }
-        int slot;
-        hc_i64 p;
-        if (a.block_table != nullptr) {
-            const int S = info.max_seq_len;  // 32-bit division unless pos needs 64 bits
-            const hc_i64 col = pos <= 0x7fffffff ? (hc_i64)((int)pos / S) : pos / S;
-            if (col >= a.max_blocks_per_seq) {
-                if (reporter) hc_report(status);
-                continue;
-            }
-            slot = a.block_table[(hc_i64)b * a.max_blocks_per_seq + col];
-            p = pos - col * S;
-        } else {
-            slot = a.row_to_slot != nullptr ? a.row_to_slot[b] : b;
-            p = pos;
-        }
-        if (slot == -1) continue;
-        if (slot < 0 || slot >= a.num_slots || p >= info.max_seq_len) {
-            if (reporter) hc_report(status);
-            continue;
-        }
         const int kv = kvh / H;
         const int head = kvh - kv * H;
-        char* dst = reinterpret_cast<char*>(info.data) + slot * slot_stride + kv * kv_stride +
-                    head * head_stride + p * tok_stride;
+        hc_i64 dst = 0;
+        const int what = hc_token_target(a, info, t, kv, head, slot_stride, kv_stride,
+                                         head_stride, tok_stride, &dst);
+        if (what != 0) {
+            if (what == 2 && c == 0 && kvh == 0 && blockIdx.y == 0) hc_report(status);
+            continue;
+        }
         const char* src = (kv ? v : k) + ((hc_i64)t * H + head) * a.row_bytes;
-        hc_copy_chunk<W>(dst, src, (hc_i64)c * W, a.row_bytes);
+        hc_copy_chunk<W>(reinterpret_cast<char*>(info.data) + dst, src, (hc_i64)c * W,
+                         a.row_bytes);
     }
 }
 
@@ -156,4 +173,269 @@ extern "C" __global__ void hc_kv_write(const KVLayerInfo* __restrict__ layers, i
                       tok_stride, status);
 }
 
-// Exported: hc_kv_write
+// --- hc_kv_write_fp8: quantize on write ------------------------------------------------------
+
+// Source element kinds (src_dtype): 0 float32, 1 float16, 2 bfloat16. FP8 formats (fp8_format):
+// 0 float8_e4m3fn, 1 float8_e5m2.
+#define HC_SRC_F32 0
+#define HC_SRC_F16 1
+#define HC_SRC_BF16 2
+#define HC_FP8_E4M3FN 0
+#define HC_FP8_E5M2 1
+
+// float16 bits -> float32 bits, exactly (Inf kept, NaN payload kept).
+__device__ __forceinline__ unsigned hc_f16_to_f32_bits(unsigned h) {
+    const unsigned sign = (h & 0x8000u) << 16;
+    const unsigned e = (h >> 10) & 0x1fu;
+    const unsigned m = h & 0x3ffu;
+    if (e == 0x1fu) return sign | 0x7f800000u | (m << 13);
+    if (e != 0) return sign | ((e + 112u) << 23) | (m << 13);
+    // zero or subnormal: m * 2^-24, exact in float32
+    return sign | __float_as_uint((float)m * 5.9604644775390625e-08f);
+}
+
+// An FP8 format's constants (fp8_format 0: float8_e4m3fn, 1: float8_e5m2).
+struct HcFp8 {
+    int mant;           // mantissa bits
+    int bias;           // exponent bias
+    unsigned max_bits;  // the largest finite value, as float32 bits
+    unsigned max_code;
+    unsigned nan_code;
+};
+
+__device__ __forceinline__ HcFp8 hc_fp8_format(int fp8_format) {
+    if (fp8_format == HC_FP8_E4M3FN) return HcFp8{3, 7, 0x43e00000u, 0x7eu, 0x7fu};  // 448
+    return HcFp8{2, 15, 0x47600000u, 0x7bu, 0x7eu};                                   // 57344
+}
+
+// float32 bits -> FP8 byte: saturating (|x| >= max and +-Inf -> +-max), NaN -> sign | NaN code,
+// round to nearest even (subnormals included).
+__device__ __forceinline__ unsigned hc_f32_to_fp8(unsigned u, const HcFp8& f) {
+    const unsigned sign = (u >> 24) & 0x80u;
+    const unsigned a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | f.nan_code;
+    if (a >= f.max_bits) return sign | f.max_code;
+    const int e = (int)(a >> 23);
+    if (e > 127 - f.bias) {  // a normal number of the format: rebias, round off 23 - M bits
+        const unsigned r = a - ((unsigned)(127 - f.bias) << 23);
+        const int sh = 23 - f.mant;
+        return sign | ((r + ((1u << (sh - 1)) - 1u) + ((r >> sh) & 1u)) >> sh);
+    }
+    // A subnormal of the format (or zero): the value is mant * 2^(e - 150), the format's
+    // subnormal step 2^(1 - bias - M), so the code is mant >> (151 - bias - M - e), rounded.
+    const int sh = 151 - f.bias - f.mant - e;  // >= 24 - M
+    if (sh > 24) return sign;                  // below half the smallest subnormal (and zeros)
+    const unsigned mant = (a & 0x7fffffu) | 0x800000u;
+    return sign | ((mant + ((1u << (sh - 1)) - 1u) + ((mant >> sh) & 1u)) >> sh);
+}
+
+// One input element (its bits; src_dtype says which float) -> its FP8 byte.
+__device__ __forceinline__ unsigned hc_quantize(unsigned x, int src_dtype, float scale,
+                                                const HcFp8& f) {
+    const unsigned u = src_dtype == HC_SRC_F32  ? x
+                       : src_dtype == HC_SRC_F16 ? hc_f16_to_f32_bits(x)
+                                                 : x << 16;
+    // NaN first: its sign comes from the input on every device (a GPU's division returns a
+    // canonical NaN, the host's keeps the operand's).
+    if ((u & 0x7fffffffu) > 0x7f800000u) return hc_f32_to_fp8(u, f);
+    return hc_f32_to_fp8(__float_as_uint(__fdiv_rn(__uint_as_float(u), scale)), f);
+}
+
+// CB bytes at p (16-byte aligned when CB >= 16, CB-aligned otherwise) into 32-bit words.
+template <int CB>
+__device__ __forceinline__ void hc_load_words(unsigned* w, const char* p) {
+    if constexpr (CB >= 16) {
+#pragma unroll
+        for (int i = 0; i < CB / 16; ++i) {
+            const uint4 q = reinterpret_cast<const uint4*>(p)[i];
+            w[4 * i] = q.x;
+            w[4 * i + 1] = q.y;
+            w[4 * i + 2] = q.z;
+            w[4 * i + 3] = q.w;
+        }
+    } else if constexpr (CB == 8) {
+        const uint2 q = *reinterpret_cast<const uint2*>(p);
+        w[0] = q.x;
+        w[1] = q.y;
+    } else if constexpr (CB == 4) {
+        w[0] = *reinterpret_cast<const unsigned*>(p);
+    } else {
+        w[0] = *reinterpret_cast<const unsigned short*>(p);
+    }
+}
+
+// One element's bits from a scalar load (the tail of a row).
+template <int SZ>
+__device__ __forceinline__ unsigned hc_load_elem(const char* p) {
+    if constexpr (SZ == 4) return *reinterpret_cast<const unsigned*>(p);
+    else return *reinterpret_cast<const unsigned short*>(p);
+}
+
+// Quantize elements [off, min(off + E, n)) of a row of SZ-byte inputs; off is a multiple of E,
+// off < n.
+template <int E, int SZ>
+__device__ __forceinline__ void hc_quantize_chunk(char* dst, const char* src, hc_i64 off,
+                                                  hc_i64 n, int src_dtype, float scale,
+                                                  const HcFp8& f) {
+    if (off + E <= n) {
+        unsigned w[(E * SZ + 3) / 4];
+        hc_load_words<E * SZ>(w, src + off * SZ);
+        unsigned out[(E + 3) / 4];
+#pragma unroll
+        for (int i = 0; i < (E + 3) / 4; ++i) out[i] = 0;
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+            unsigned x;
+            if constexpr (SZ == 4) x = w[j];
+            else x = (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
+            out[j >> 2] |= hc_quantize(x, src_dtype, scale, f) << ((j & 3) * 8);
+        }
+        char* d = dst + off;
+        if constexpr (E == 16) *reinterpret_cast<uint4*>(d) = uint4{out[0], out[1], out[2], out[3]};
+        else if constexpr (E == 8) *reinterpret_cast<uint2*>(d) = uint2{out[0], out[1]};
+        else if constexpr (E == 4) *reinterpret_cast<unsigned*>(d) = out[0];
+        else if constexpr (E == 2) *reinterpret_cast<unsigned short*>(d) = (unsigned short)out[0];
+        else *reinterpret_cast<unsigned char*>(d) = (unsigned char)out[0];
+    } else {
+        for (hc_i64 i = off; i < n; ++i)
+            dst[i] = (char)hc_quantize(hc_load_elem<SZ>(src + i * SZ), src_dtype, scale, f);
+    }
+}
+
+struct HcScaleArgs {
+    const int* rows;      // the scale row of each group position
+    const float* k;       // null: k_value for every layer and head
+    const float* v;
+    int k_layer_stride, k_head_stride, v_layer_stride, v_head_stride;
+    float k_value, v_value;
+};
+
+struct HcQuantArgs {
+    int row;        // the layer's scale row
+    int src_dtype;
+    HcFp8 fmt;
+};
+
+template <int E, int SZ, typename I>
+__device__ void hc_kv_write_fp8_impl(const HcWriteArgs& a, const KVLayerInfo& info,
+                                     const HcQuantArgs& q, const char* k, const char* v,
+                                     const HcScaleArgs& sc, hc_i64 slot_stride,
+                                     hc_i64 kv_stride, hc_i64 head_stride, hc_i64 tok_stride,
+                                     int* status) {
+    const int row = q.row;
+    const int H = info.num_kv_heads;
+    const int D = a.row_bytes;  // one byte per FP8 element
+    const I chunks = (I)((D + E - 1) / E);
+    const I heads2 = (I)(2 * H);
+    const I total = (I)a.num_tokens * heads2 * chunks;
+    const I step = (I)gridDim.x * blockDim.x;
+    for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
+        const I c = g % chunks;
+        const I r = g / chunks;
+        const int kvh = (int)(r % heads2);
+        const int t = (int)(r / heads2);
+        const int kv = kvh / H;
+        const int head = kvh - kv * H;
+        hc_i64 dst = 0;
+        const int what = hc_token_target(a, info, t, kv, head, slot_stride, kv_stride,
+                                         head_stride, tok_stride, &dst);
+        if (what != 0) {
+            if (what == 2 && c == 0 && kvh == 0 && blockIdx.y == 0) hc_report(status);
+            continue;
+        }
+        const float* table = kv ? sc.v : sc.k;
+        const float scale =
+            table == nullptr ? (kv ? sc.v_value : sc.k_value)
+                             : table[(hc_i64)row * (kv ? sc.v_layer_stride : sc.k_layer_stride) +
+                                     (hc_i64)head * (kv ? sc.v_head_stride : sc.k_head_stride)];
+        const char* src = (kv ? v : k) + ((hc_i64)t * H + head) * D * SZ;
+        hc_quantize_chunk<E, SZ>(reinterpret_cast<char*>(info.data) + dst, src, (hc_i64)c * E,
+                                 D, q.src_dtype, scale, q.fmt);
+    }
+}
+
+template <int E, int SZ>
+__device__ void hc_kv_write_fp8_body(const HcWriteArgs& a, const KVLayerInfo& info,
+                                     const HcQuantArgs& q, const char* k, const char* v,
+                                     const HcScaleArgs& sc, hc_i64 slot_stride,
+                                     hc_i64 kv_stride, hc_i64 head_stride, hc_i64 tok_stride,
+                                     int* status) {
+    const hc_u64 bound = (hc_u64)a.num_tokens * 2 * info.num_kv_heads * a.row_bytes;
+    if (hc_fits_u32(bound))
+        hc_kv_write_fp8_impl<E, SZ, unsigned>(a, info, q, k, v, sc, slot_stride, kv_stride,
+                                              head_stride, tok_stride, status);
+    else
+        hc_kv_write_fp8_impl<E, SZ, hc_u64>(a, info, q, k, v, sc, slot_stride, kv_stride,
+                                            head_stride, tok_stride, status);
+}
+
+template <int SZ>
+__device__ void hc_kv_write_fp8_width(int e, const HcWriteArgs& a, const KVLayerInfo& info,
+                                      const HcQuantArgs& q, const char* k, const char* v,
+                                      const HcScaleArgs& sc, hc_i64 slot_stride,
+                                      hc_i64 kv_stride, hc_i64 head_stride, hc_i64 tok_stride,
+                                      int* status) {
+#define HC_FP8_CASE(E)                                                                   \
+    hc_kv_write_fp8_body<E, SZ>(a, info, q, k, v, sc, slot_stride, kv_stride, head_stride, \
+                                tok_stride, status)
+    switch (e) {
+        case 16: HC_FP8_CASE(16); break;
+        case 8: HC_FP8_CASE(8); break;
+        case 4: HC_FP8_CASE(4); break;
+        case 2: HC_FP8_CASE(2); break;
+        default: HC_FP8_CASE(1); break;
+    }
+#undef HC_FP8_CASE
+}
+
+// As hc_kv_write (same token mapping, status and launch), with float rows of src_dtype in,
+// FP8 bytes of fp8_format out (head_dim elements, one byte each, per (token, head) row).
+// Scales: layer row = scale_rows[layer_offset + blockIdx.y] (null: the group position);
+// k_scales null: k_scale for every layer and head; else k_scales[row * k_layer_stride +
+// head * k_head_stride] (likewise v). Chunks of E elements: E the largest power of two <= 16
+// that keeps every FP8 store E-byte aligned and every input load min(16, E * itemsize)-byte
+// aligned, so aligned rows move with 16-byte vectors on both sides.
+extern "C" __global__ void hc_kv_write_fp8(
+    const KVLayerInfo* __restrict__ layers, int layer_offset, const KVSrcInfo* __restrict__ srcs,
+    hc_u64 k_ptr, hc_u64 v_ptr, const int* __restrict__ seq_offsets, int uniform_tokens,
+    int batch, int num_tokens, const int* __restrict__ cache_lengths,
+    const int* __restrict__ positions, const int* __restrict__ row_to_slot,
+    const int* __restrict__ block_table, int max_blocks_per_seq, int num_slots, int head_dim,
+    int src_dtype, int fp8_format, const int* __restrict__ scale_rows,
+    const float* __restrict__ k_scales, const float* __restrict__ v_scales, int k_layer_stride,
+    int k_head_stride, int v_layer_stride, int v_head_stride, float k_scale, float v_scale,
+    hc_i64 slot_stride, hc_i64 kv_stride, hc_i64 head_stride, hc_i64 tok_stride, int* status) {
+    const int gp = layer_offset + blockIdx.y;
+    const KVLayerInfo info = layers[gp];
+    const hc_u64 k = srcs != nullptr ? srcs[blockIdx.y].k : k_ptr;
+    const hc_u64 v = srcs != nullptr ? srcs[blockIdx.y].v : v_ptr;
+    if (slot_stride == 0) {
+        tok_stride = head_dim;
+        head_stride = (hc_i64)info.max_seq_len * head_dim;
+        kv_stride = info.num_kv_heads * head_stride;
+        slot_stride = 2 * kv_stride;
+    }
+    const HcWriteArgs a = {seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths,
+                           positions, row_to_slot, block_table, max_blocks_per_seq, num_slots,
+                           head_dim};
+    const HcScaleArgs sc = {scale_rows, k_scales, v_scales, k_layer_stride, k_head_stride,
+                            v_layer_stride, v_head_stride, k_scale, v_scale};
+    const HcQuantArgs q = {scale_rows != nullptr ? scale_rows[gp] : gp, src_dtype,
+                           hc_fp8_format(fp8_format)};
+    const int size = src_dtype == HC_SRC_F32 ? 4 : 2;
+    const int w_dst = hc_vec_width(info.data | (hc_u64)head_dim | (hc_u64)slot_stride |
+                                   (hc_u64)kv_stride | (hc_u64)head_stride | (hc_u64)tok_stride);
+    const int w_src = hc_vec_width(k | v | (hc_u64)head_dim * size);
+    int e = w_dst;
+    while (e > 1 && (e * size < 16 ? e * size : 16) > w_src) e >>= 1;
+    const char* kc = reinterpret_cast<const char*>(k);
+    const char* vc = reinterpret_cast<const char*>(v);
+    if (size == 4)
+        hc_kv_write_fp8_width<4>(e, a, info, q, kc, vc, sc, slot_stride, kv_stride, head_stride,
+                                 tok_stride, status);
+    else
+        hc_kv_write_fp8_width<2>(e, a, info, q, kc, vc, sc, slot_stride, kv_stride, head_stride,
+                                 tok_stride, status);
+}
+
+// Exported: hc_kv_write, hc_kv_write_fp8

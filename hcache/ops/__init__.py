@@ -8,7 +8,8 @@ One name per op, from the kernel to the benchmark: kernel ``hc_<op>`` in
 ============  ==================================================  ===============================
 family        ops                                                 what they do
 ============  ==================================================  ===============================
-kv_write      ``kv_write``                                        new tokens' K/V into the caches
+kv_write      ``kv_write``, ``kv_write_fp8``                      new tokens' K/V into the caches
+                                                                  (``kv_write_fp8``: quantized)
 compact       ``compaction_plan``, ``kv_compact``,                in-place batch compaction
               ``slots_compact``
 slot_copy     ``slot_copy``                                       whole slots across tensor pairs
@@ -41,11 +42,11 @@ from __future__ import annotations
 from ._launch import BLOCK, CupyLauncher, host_backend
 from .compact import compaction_plan, kv_compact, slots_compact
 from .kv_capture import kv_capture, kv_prefix_copy, kv_restore
-from .kv_write import kv_write
+from .kv_write import kv_write, kv_write_fp8
 from .lengths import lengths_add
 from .slot_copy import slot_copy
 from .tables import compaction_plan_size
 
 __all__ = ["BLOCK", "compaction_plan_size", "compaction_plan", "kv_compact", "slots_compact",
-           "slot_copy", "kv_write", "kv_capture", "kv_restore", "kv_prefix_copy", "lengths_add",
-           "CupyLauncher", "host_backend"]
+           "slot_copy", "kv_write", "kv_write_fp8", "kv_capture", "kv_restore", "kv_prefix_copy",
+           "lengths_add", "CupyLauncher", "host_backend"]

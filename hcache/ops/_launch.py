@@ -81,6 +81,10 @@ def i64(x) -> np.int64:
     return np.int64(int(x))
 
 
+def f32(x) -> np.float32:
+    return np.float32(x)
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 

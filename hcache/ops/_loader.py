@@ -18,7 +18,7 @@ __all__ = ["FAMILIES", "kernel_dir", "kernel_source", "nvrtc_options", "get_func
 # family -> exported kernel names (each .cu ends with the same list in an "Exported:" comment).
 # Kernel hc_<op> is launched by op <op> of hcache/ops/<family>.py (docs/design.md §9).
 FAMILIES: dict[str, tuple[str, ...]] = {
-    "kv_write": ("hc_kv_write",),
+    "kv_write": ("hc_kv_write", "hc_kv_write_fp8"),
     "compact": ("hc_compaction_plan", "hc_kv_compact", "hc_slots_compact"),
     "slot_copy": ("hc_slot_copy",),
     "kv_capture": ("hc_kv_capture",),

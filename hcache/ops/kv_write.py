@@ -1,17 +1,23 @@
-"""Batched per-layer KV writes (kernels/kv_write.cu, docs/design.md §3.2). Op: :func:`kv_write`
-(``hc_kv_write``)."""
+"""Batched per-layer KV writes (kernels/kv_write.cu, docs/design.md §3.2, §3.7). Ops:
+:func:`kv_write` (``hc_kv_write``: rows of bytes) and :func:`kv_write_fp8` (``hc_kv_write_fp8``:
+float rows quantized into an FP8 cache on the way)."""
 
 from __future__ import annotations
 
+import math
+
+import ml_dtypes
 import numpy as np
 
 from .._checks import check_int, int32_array
 from ..device import array_module_of, data_pointer
+from ..dtypes import resolve_dtype
 from . import reference as ref
 from ._launch import (
     BLOCK,
     ceil_div,
     check_status,
+    f32,
     grid_x,
     i32,
     i64,
@@ -20,20 +26,93 @@ from ._launch import (
     upload_table,
 )
 
-__all__ = ["kv_write"]
+__all__ = ["kv_write", "kv_write_fp8"]
+
+_FP8_CODES = {np.dtype(ml_dtypes.float8_e4m3fn): 0, np.dtype(ml_dtypes.float8_e5m2): 1}
+_SRC_CODES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(ml_dtypes.bfloat16): 2}
+_UINT_OF_SIZE = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32)}
 
 
-def _check_rows(name, a, group, layer, num_tokens, xp):
+def _check_rows(kind, j, a, group, layer, num_tokens, xp, dtypes):
     heads = group.num_kv_heads[layer]
-    want = (num_tokens, heads, group.head_dim)
-    if array_module_of(a) is not xp:
+    name = f"{kind}[{j}]"
+    if type(a) is not xp.ndarray and array_module_of(a) is not xp:
         raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
-    if tuple(a.shape) != want:
+    if a.shape != (num_tokens, heads, group.head_dim):
+        want = (num_tokens, heads, group.head_dim)
         raise ValueError(f"{name}: expected shape {want}, got {tuple(a.shape)}")
-    if a.dtype != group.dtype:
-        raise ValueError(f"{name}: expected dtype {group.dtype}, got {a.dtype}")
+    if a.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, "
+                         f"got {a.dtype}")
     if not a.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array")
+
+
+def _check_index_arrays(xp, batch, num_tokens, seq_offsets, cache_lengths, positions,
+                        row_to_slot, block_table, status):
+    """The index arrays of a write (each optional): int32, C-contiguous, long enough."""
+    if seq_offsets is not None:
+        int32_array("seq_offsets", seq_offsets, xp, min_len=batch + 1)
+    if cache_lengths is not None:
+        int32_array("cache_lengths", cache_lengths, xp, min_len=batch)
+    if positions is not None:
+        int32_array("positions", positions, xp, min_len=num_tokens)
+    if row_to_slot is not None:
+        int32_array("row_to_slot", row_to_slot, xp, min_len=batch)
+    if block_table is not None:
+        int32_array("block_table", block_table, xp, min_len=batch, ndim=2)
+    if status is not None:
+        check_status(status, xp)
+
+
+def _check_write(group, k, v, layers, seq_offsets, uniform_tokens, batch, cache_lengths,
+                 positions, row_to_slot, block_table, status, dtypes):
+    """Every check of a write; returns ``(launched group positions, ks, vs, num_tokens,
+    uniform_tokens, batch)``."""
+    xp = group.xp
+    if layers is None:
+        launched = list(range(group.num_layers))
+        ks, vs = list(k), list(v)
+        if len(ks) != group.num_layers or len(vs) != group.num_layers:
+            raise ValueError(f"k, v: expected {group.num_layers} arrays each, "
+                             f"got {len(ks)} and {len(vs)}")
+    else:
+        if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)):
+            raise TypeError(f"layers: expected an int or None, got {type(layers).__name__}")
+        if not 0 <= int(layers) < group.num_layers:
+            raise IndexError(f"layers: expected a group position in [0, {group.num_layers}), "
+                             f"got {int(layers)}")
+        launched = [int(layers)]
+        ks, vs = [k], [v]
+    num_tokens = int(ks[0].shape[0]) if getattr(ks[0], "ndim", 0) else 0
+    for j, li in enumerate(launched):
+        _check_rows("k", j, ks[j], group, li, num_tokens, xp, dtypes)
+        _check_rows("v", j, vs[j], group, li, num_tokens, xp, dtypes)
+    uniform_tokens = check_int("uniform_tokens", uniform_tokens)
+    int32_array("seq_offsets", seq_offsets, xp)
+    if batch is None:
+        batch = (int(seq_offsets.shape[0]) - 1 if seq_offsets is not None
+                 else (num_tokens // uniform_tokens if uniform_tokens > 0 else 0))
+    batch = check_int("batch", batch)
+    if batch < 0:
+        raise ValueError(f"batch: expected >= 0, got {batch}")
+    if seq_offsets is None and uniform_tokens <= 0:
+        raise ValueError("seq_offsets: expected seq_offsets or uniform_tokens > 0 (rows of the "
+                         f"tokens), got neither (uniform_tokens={uniform_tokens})")
+    _check_index_arrays(xp, batch, num_tokens, seq_offsets, cache_lengths, positions,
+                        row_to_slot, block_table, status)
+    return launched, ks, vs, num_tokens, uniform_tokens, batch
+
+
+def _sources(run, group, layers, ks, vs):
+    """``(srcs, k_ptr, v_ptr, layer_offset)``: the per-layer pointer table (uploaded into the
+    group's scratch) for every layer, the two pointers for one."""
+    if layers is None:
+        table = np.array([[data_pointer(a), data_pointer(b)] for a, b in zip(ks, vs)],
+                         dtype=np.uint64)
+        upload_table(run, group, table)
+        return group.scratch_infos, np.uint64(0), np.uint64(0), 0
+    return None, ptr(ks[0]), ptr(vs[0]), int(layers)
 
 
 def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, batch=None,
@@ -77,65 +156,150 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
     ValueError, TypeError
         A shape, dtype or array module does not match the group.
     """
-    xp = group.xp
-    if layers is None:
-        positions_in_group = list(range(group.num_layers))
-        ks, vs = list(k), list(v)
-        if len(ks) != group.num_layers or len(vs) != group.num_layers:
-            raise ValueError(f"k, v: expected {group.num_layers} arrays each, "
-                             f"got {len(ks)} and {len(vs)}")
-    else:
-        if isinstance(layers, bool) or not isinstance(layers, (int, np.integer)):
-            raise TypeError(f"layers: expected an int or None, got {type(layers).__name__}")
-        if not 0 <= int(layers) < group.num_layers:
-            raise IndexError(f"layers: expected a group position in [0, {group.num_layers}), "
-                             f"got {int(layers)}")
-        positions_in_group = [int(layers)]
-        ks, vs = [k], [v]
-    num_tokens = int(ks[0].shape[0]) if ks[0].ndim else 0
-    for j, li in enumerate(positions_in_group):
-        _check_rows(f"k[{j}]", ks[j], group, li, num_tokens, xp)
-        _check_rows(f"v[{j}]", vs[j], group, li, num_tokens, xp)
-    uniform_tokens = check_int("uniform_tokens", uniform_tokens)
-    int32_array("seq_offsets", seq_offsets, xp)
-    if batch is None:
-        batch = (int(seq_offsets.shape[0]) - 1 if seq_offsets is not None
-                 else (num_tokens // uniform_tokens if uniform_tokens > 0 else 0))
-    batch = check_int("batch", batch)
-    if batch < 0:
-        raise ValueError(f"batch: expected >= 0, got {batch}")
-    if seq_offsets is None and uniform_tokens <= 0:
-        raise ValueError("seq_offsets: expected seq_offsets or uniform_tokens > 0 (rows of the "
-                         f"tokens), got neither (uniform_tokens={uniform_tokens})")
-    int32_array("seq_offsets", seq_offsets, xp, min_len=batch + 1)
-    int32_array("cache_lengths", cache_lengths, xp, min_len=batch)
-    int32_array("positions", positions, xp, min_len=num_tokens)
-    int32_array("row_to_slot", row_to_slot, xp, min_len=batch)
-    int32_array("block_table", block_table, xp, min_len=batch, ndim=2)
-    check_status(status, xp)
-    run = launcher(xp, backend, stream)
-    kwargs = dict(seq_offsets=seq_offsets, uniform_tokens=uniform_tokens, batch=batch,
-                  cache_lengths=cache_lengths, positions=positions, row_to_slot=row_to_slot,
-                  block_table=block_table, status=status)
+    launched, ks, vs, num_tokens, uniform_tokens, batch = _check_write(
+        group, k, v, layers, seq_offsets, uniform_tokens, batch, cache_lengths, positions,
+        row_to_slot, block_table, status, (group.dtype,))
+    run = launcher(group.xp, backend, stream)
     if run is None:
-        return ref.kv_write(group, k, v, layers=layers, **kwargs)
+        return ref.kv_write(group, k, v, layers=layers, seq_offsets=seq_offsets,
+                            uniform_tokens=uniform_tokens, batch=batch,
+                            cache_lengths=cache_lengths, positions=positions,
+                            row_to_slot=row_to_slot, block_table=block_table, status=status)
     if num_tokens == 0:
         return
-    if layers is None:
-        table = np.array([[data_pointer(a), data_pointer(b)] for a, b in zip(ks, vs)],
-                         dtype=np.uint64)
-        upload_table(run, group, table)
-        srcs, k_ptr, v_ptr, offset = group.scratch_infos, np.uint64(0), np.uint64(0), 0
-    else:
-        srcs, k_ptr, v_ptr, offset = None, ptr(ks[0]), ptr(vs[0]), int(layers)
+    srcs, k_ptr, v_ptr, offset = _sources(run, group, layers, ks, vs)
     max_blocks = int(block_table.shape[1]) if block_table is not None else 0
-    heads = max(group.num_kv_heads[i] for i in positions_in_group)
+    heads = max(group.num_kv_heads[i] for i in launched)
     rows = num_tokens * 2 * heads * ceil_div(group.row_bytes, 16)
-    grid = (grid_x(rows), len(positions_in_group), 1)
+    grid = (grid_x(rows), len(launched), 1)
     slot_s, kv_s, head_s, tok_s = group.byte_strides
     run.launch("kv_write", "hc_kv_write", grid, (BLOCK, 1, 1),
                (ptr(group.device_layer_infos), i32(offset), ptr(srcs), k_ptr, v_ptr,
                 ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
                 ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(block_table),
                 i32(max_blocks), i32(group.num_slots), i32(group.row_bytes),
+                i64(slot_s), i64(kv_s), i64(head_s), i64(tok_s), ptr(status)))
+
+
+def _fp8_dtypes(group, fp8_dtype, src_dtype, k):
+    """``(fp8 dtype, source dtype, dtypes the rows may have)`` of a quantizing write."""
+    fp8 = resolve_dtype(fp8_dtype, "fp8_dtype") if fp8_dtype is not None else group.dtype
+    if fp8 not in _FP8_CODES:
+        raise ValueError(f"fp8_dtype: expected float8_e4m3fn or float8_e5m2, got {fp8}")
+    if group.dtype not in (fp8, np.dtype(np.uint8)):
+        raise ValueError(f"group: expected {fp8} caches (or their uint8 storage), "
+                         f"got {group.dtype}")
+    if src_dtype is None:
+        first = k[0] if isinstance(k, (list, tuple)) and k else k
+        src_dtype = getattr(first, "dtype", None)
+        if src_dtype is None:
+            raise TypeError(f"k: expected a {group.xp.__name__} array (or a list of them), "
+                            f"got {type(first).__name__}")
+    src = resolve_dtype(src_dtype, "src_dtype")
+    if src not in _SRC_CODES:
+        raise ValueError(f"src_dtype: expected float32, float16 or bfloat16, got {src}")
+    return fp8, src, (src, _UINT_OF_SIZE[src.itemsize])
+
+
+def _scale_args(name, scale, group, launched):
+    """``(pointer, layer stride, head stride, value)`` of ``k_scale`` / ``v_scale``: a float
+    (every layer and head), a float32 ``[rows]`` (per layer) or ``[rows, heads]`` (per head)
+    array whose row ``group.layer_indices[p]`` serves group position ``p``."""
+    xp = group.xp
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a float or a float32 array, got bool")
+    if isinstance(scale, (int, float, np.integer, np.floating)):
+        value = float(np.float32(scale))
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}: expected a finite scale > 0 (as float32), got {scale}")
+        return np.uint64(0), 0, 0, value
+    if type(scale) is not xp.ndarray and array_module_of(scale) is not xp:
+        raise TypeError(f"{name}: expected a float or a {xp.__name__} float32 array, "
+                        f"got {type(scale).__name__}")
+    if scale.dtype != np.float32 or scale.ndim not in (1, 2) or not scale.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous float32 [rows] or [rows, heads] "
+                         f"array, got {scale.dtype} {tuple(scale.shape)}")
+    rows = max(group.layer_indices[p] for p in launched) + 1
+    heads = max(group.num_kv_heads[p] for p in launched)
+    if scale.shape[0] < rows or (scale.ndim == 2 and scale.shape[1] < heads):
+        want = f"[>= {rows}]" if scale.ndim == 1 else f"[>= {rows}, >= {heads}]"
+        raise ValueError(f"{name}: expected a scale table {want} (rows: the group's "
+                         f"layer_indices), got {tuple(scale.shape)}")
+    strides = (1, 0) if scale.ndim == 1 else (int(scale.shape[1]), 1)
+    return ptr(scale), strides[0], strides[1], 0.0
+
+
+def kv_write_fp8(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, batch=None,
+                 cache_lengths=None, positions=None, row_to_slot=None, block_table=None,
+                 k_scale=1.0, v_scale=1.0, fp8_dtype=None, src_dtype=None, status=None,
+                 stream=None, backend=None):
+    """Quantize new tokens' K and V to FP8 and write them into the caches of ``group`` (one
+    launch; docs/design.md §3.7).
+
+    Tokens land exactly where :func:`kv_write` puts them; each element is stored as
+    ``fp8(x / scale)``: IEEE float32 division, round to nearest even, saturating (finite
+    values past the format's max and +-Inf become +-max), NaN kept as NaN with its sign.
+    The bytes equal :func:`hcache.ops.reference.quantize_fp8` (``ml_dtypes`` cast of
+    ``clip(float32(x) / scale, -max, max)``) bit for bit.
+
+    Parameters
+    ----------
+    group : KVGroup
+        FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``, or ``uint8`` storage with
+        ``fp8_dtype``), HND or NHD, as in :func:`kv_write`.
+    k, v : float32, float16 or bfloat16 arrays ``[num_tokens, H_l, D]``, or lists of them
+        One layer's rows when ``layers`` is an int, else one per layer of the group;
+        C-contiguous. A bfloat16 array that the array module cannot type may be given as
+        ``uint16`` with ``src_dtype="bfloat16"``.
+    layers, seq_offsets, uniform_tokens, batch, cache_lengths, positions, row_to_slot, \
+block_table, status
+        As in :func:`kv_write`.
+    k_scale, v_scale : float, or float32 array ``[rows]`` or ``[rows, heads]``
+        A float (finite, > 0; rounded to float32) for every layer and head; or a table on the
+        group's device: group position ``p`` uses row ``group.layer_indices[p]`` (per layer),
+        and column ``h`` of it for head ``h`` (per head). Table values are device data and are
+        not checked: they should be finite and > 0.
+    fp8_dtype : str or dtype, optional
+        The cache format; default ``group.dtype`` (required for ``uint8`` storage).
+    src_dtype : str or dtype, optional
+        The rows' float type; default ``k``'s dtype.
+
+    Raises
+    ------
+    ValueError, TypeError, IndexError
+        As :func:`kv_write`; a cache that is not FP8, rows that are not float32 / float16 /
+        bfloat16, a scale that is not finite and positive, a scale table of the wrong dtype or
+        too small for the group's layer labels and head counts. Nothing is written.
+    """
+    fp8, src, dtypes = _fp8_dtypes(group, fp8_dtype, src_dtype, k)
+    launched, ks, vs, num_tokens, uniform_tokens, batch = _check_write(
+        group, k, v, layers, seq_offsets, uniform_tokens, batch, cache_lengths, positions,
+        row_to_slot, block_table, status, dtypes)
+    k_args = _scale_args("k_scale", k_scale, group, launched)
+    v_args = _scale_args("v_scale", v_scale, group, launched)
+    run = launcher(group.xp, backend, stream)
+    if run is None:
+        return ref.kv_write_fp8(group, k, v, layers=layers, seq_offsets=seq_offsets,
+                                uniform_tokens=uniform_tokens, batch=batch,
+                                cache_lengths=cache_lengths, positions=positions,
+                                row_to_slot=row_to_slot, block_table=block_table,
+                                k_scale=k_scale if k_args[0] else k_args[3],
+                                v_scale=v_scale if v_args[0] else v_args[3],
+                                fp8_dtype=fp8, src_dtype=src, status=status)
+    if num_tokens == 0:
+        return
+    srcs, k_ptr, v_ptr, offset = _sources(run, group, layers, ks, vs)
+    max_blocks = int(block_table.shape[1]) if block_table is not None else 0
+    heads = max(group.num_kv_heads[i] for i in launched)
+    rows = num_tokens * 2 * heads * ceil_div(group.head_dim, 16)
+    grid = (grid_x(rows), len(launched), 1)
+    slot_s, kv_s, head_s, tok_s = group.byte_strides
+    run.launch("kv_write", "hc_kv_write_fp8", grid, (BLOCK, 1, 1),
+               (ptr(group.device_layer_infos), i32(offset), ptr(srcs), k_ptr, v_ptr,
+                ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
+                ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(block_table),
+                i32(max_blocks), i32(group.num_slots), i32(group.head_dim),
+                i32(_SRC_CODES[src]), i32(_FP8_CODES[fp8]), ptr(group.device_layer_indices),
+                k_args[0], v_args[0], i32(k_args[1]), i32(k_args[2]), i32(v_args[1]),
+                i32(v_args[2]), f32(k_args[3]), f32(v_args[3]),
                 i64(slot_s), i64(kv_s), i64(head_s), i64(tok_s), ptr(status)))

@@ -7,18 +7,21 @@ and works on the Python-level arrays of a :class:`~hcache.ops.tables.KVGroup` /
 :class:`~hcache.ops.tables.SlotSet`. The wrappers check their arguments before calling it.
 
 Families (``kernels/<family>.cu``, ``hcache/ops/<family>.py``): ``compact`` (compaction_plan,
-kv_compact, slots_compact), ``kv_write``, ``slot_copy``, ``kv_capture`` (kv_capture, kv_restore,
-kv_prefix_copy) and ``lengths`` (lengths_add).
+kv_compact, slots_compact), ``kv_write`` (kv_write, kv_write_fp8; ``quantize_fp8`` is the
+quantization alone), ``slot_copy``, ``kv_capture`` (kv_capture, kv_restore, kv_prefix_copy) and
+``lengths`` (lengths_add).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from ._ref_kv_write import kv_write, kv_write_fp8, quantize_fp8
 from .tables import CLEAR, PLAN_HEADER, TMP, plan_max_batch, plan_schedule
 
-__all__ = ["compaction_plan", "kv_compact", "slots_compact", "kv_write", "slot_copy",
-           "kv_capture", "kv_restore", "kv_prefix_copy", "lengths_add"]
+__all__ = ["compaction_plan", "kv_compact", "slots_compact", "kv_write", "kv_write_fp8",
+           "quantize_fp8", "slot_copy", "kv_capture", "kv_restore", "kv_prefix_copy",
+           "lengths_add"]
 
 
 def _bump(status, n: int = 1):
@@ -160,93 +163,7 @@ def slots_compact(slots, plan):
                 t[dst] = t[src]
 
 
-# --- kv_write: kernels/kv_write.cu ----------------------------------------------------------------
-
-def _token_rows(num_tokens, batch, seq_offsets, uniform_tokens):
-    t = np.arange(num_tokens, dtype=np.int64)
-    if seq_offsets is None:
-        if uniform_tokens <= 0:
-            return np.full(num_tokens, -1), np.zeros(num_tokens, dtype=np.int64)
-        b = t // uniform_tokens
-        b[b >= batch] = -1
-        return b, np.maximum(b, 0) * uniform_tokens
-    off = np.asarray(seq_offsets, dtype=np.int64)[:batch + 1]
-    if batch <= 0:
-        return np.full(num_tokens, -1), np.zeros(num_tokens, dtype=np.int64)
-    # The kernel's binary search (largest b with off[b] <= t), step for step, so that offsets
-    # that are not sorted (device data nobody checks) give the kernel's rows too.
-    lo = np.zeros(num_tokens, dtype=np.int64)
-    hi = np.full(num_tokens, batch - 1, dtype=np.int64)
-    while (lo < hi).any():
-        mid = (lo + hi + 1) >> 1
-        le = off[mid] <= t
-        active = lo < hi
-        lo = np.where(active & le, mid, lo)
-        hi = np.where(active & ~le, mid - 1, hi)
-    b = lo
-    b[(t < off[0]) | (t >= off[batch])] = -1
-    return b, off[np.maximum(b, 0)]
-
-
-def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, batch=None,
-             cache_lengths=None, positions=None, row_to_slot=None, block_table=None,
-             status=None):
-    """Write new K/V rows into the group's caches (semantics in ``kernels/kv_write.cu``)."""
-    if layers is None:
-        idx, ks, vs = list(range(group.num_layers)), list(k), list(v)
-    else:
-        idx, ks, vs = [int(layers)], [k], [v]
-    num_tokens = int(ks[0].shape[0])
-    if batch is None:
-        batch = (len(seq_offsets) - 1) if seq_offsets is not None else (
-            num_tokens // uniform_tokens if uniform_tokens > 0 else 0)
-    b, start = _token_rows(num_tokens, batch, seq_offsets, uniform_tokens)
-    live = b >= 0
-    if not live.any():
-        return
-    bb = np.maximum(b, 0)
-    t = np.arange(num_tokens, dtype=np.int64)
-    if positions is not None:
-        pos = np.asarray(positions, dtype=np.int64)[:num_tokens].copy()
-    else:
-        base = np.asarray(cache_lengths, dtype=np.int64)[bb] if cache_lengths is not None else 0
-        pos = base + (t - start)
-    live &= pos != -1
-    bad = live & (pos < 0)
-    live &= pos >= 0
-    pp = np.maximum(pos, 0)
-    reported = None
-    for j, (li, kk, vv) in enumerate(zip(idx, ks, vs)):
-        layer = group.layers[li]
-        cap = group.max_seq_lens[li]
-        if block_table is not None:
-            table = np.asarray(block_table)
-            col = pp // cap
-            wide = live & (col >= table.shape[1])
-            if table.shape[1]:
-                slot = table[bb, np.minimum(col, table.shape[1] - 1)].astype(np.int64)
-            else:
-                slot = np.full(num_tokens, -1, dtype=np.int64)   # every token is `wide`
-            p = pp % cap
-        else:
-            wide = np.zeros(num_tokens, dtype=bool)
-            slot = np.asarray(row_to_slot, dtype=np.int64)[bb] if row_to_slot is not None else bb
-            p = pp
-        cand = live & ~wide & (slot != -1)
-        oob = cand & ((slot < 0) | (slot >= group.num_slots) | (p >= cap))
-        go = cand & ~oob
-        if j == 0:
-            reported = bad | wide | oob
-        if go.any():
-            sl, ps, ts = slot[go], p[go], t[go]
-            if group.layout == "HND":
-                layer[sl, 0, :, ps, :] = kk[ts]
-                layer[sl, 1, :, ps, :] = vv[ts]
-            else:
-                layer[sl, 0, ps, :, :] = kk[ts]
-                layer[sl, 1, ps, :, :] = vv[ts]
-    _bump(status, int(np.count_nonzero(reported)) if reported is not None else 0)
-
+# --- kv_write: kernels/kv_write.cu (hcache/ops/_ref_kv_write.py) -------------------------------
 
 # --- slot_copy: kernels/slot_copy.cu --------------------------------------------------------------
 

@@ -23,6 +23,7 @@ __all__ = ["KVGroup", "SlotSet", "group_layers_by_head_dim", "pack_kv_layer_info
            "plan_schedule"]
 
 _LAYOUTS = ("HND", "NHD")
+_INT32_MAX = 2**31 - 1
 MAX_GRID_Y = 65535  # layers of a group / tensors of a set: one grid.y index each
 
 # --- the compaction plan (kernels/compact.cu: HC_PLAN_HEADER, HC_TMP, HC_CLEAR) ---------------
@@ -87,12 +88,16 @@ class KVGroup:
         For a paged pool, ``S`` is the block size and ``num_slots`` the number of blocks.
     layout : {"HND", "NHD"}
     layer_indices : sequence of int, optional
-        Labels of the layers (e.g. absolute decoder indices); default ``0..n-1``.
+        Labels of the layers (e.g. attention indices), ints in ``[0, 2**31)``; default
+        ``0..n-1``.
 
     Attributes
     ----------
     device_layer_infos : array, uint64 [num_layers, 2]
         The ``KVLayerInfo`` array on the layers' device (built once).
+    device_layer_indices : array, int32 [num_layers]
+        ``layer_indices`` on the device (built once): the row of a per-layer scale table that
+        :func:`hcache.ops.kv_write_fp8` reads for each group position.
     """
 
     def __init__(self, layers, *, layout: str = "HND", layer_indices=None):
@@ -142,8 +147,16 @@ class KVGroup:
         self.max_seq_lens = tuple(seqs)
         self.layer_indices = tuple(range(len(layers)) if layer_indices is None
                                    else (int(i) for i in layer_indices))
+        if len(self.layer_indices) != len(self.layers):
+            raise ValueError(f"layer_indices: expected {len(self.layers)} labels, "
+                             f"got {len(self.layer_indices)}")
+        if any(not 0 <= i <= _INT32_MAX for i in self.layer_indices):
+            raise ValueError(f"layer_indices: expected labels in [0, {_INT32_MAX}], "
+                             f"got {self.layer_indices}")
         host = pack_kv_layer_infos([data_pointer(a) for a in self.layers], heads, seqs)
         self.device_layer_infos = _to_device(host, self.xp)
+        # The labels on the device: the scale row of each group position (kv_write_fp8).
+        self.device_layer_indices = _to_device(np.asarray(self.layer_indices, np.int32), self.xp)
         # Per-call pointer tables (write sources, capture/restore tensors) are uploaded here,
         # so no call allocates device memory.
         self.scratch_infos = self.xp.zeros((len(self.layers), 2), dtype=np.uint64)
@@ -156,6 +169,12 @@ class KVGroup:
     @property
     def max_kv_heads(self) -> int:
         return max(self.num_kv_heads)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the group's tables (layer infos, labels, pointer scratch)."""
+        return int(self.device_layer_infos.nbytes + self.device_layer_indices.nbytes
+                   + self.scratch_infos.nbytes)
 
     @property
     def row_bytes(self) -> int:

@@ -278,6 +278,54 @@ class BatchAPI:
         self._all_empty = n == 0
         self._headroom_stale = True
 
+    # --- KV writes (slots/kv_writes.py) ------------------------------------------------------
+
+    def write_kv(self, layer, k, v, *, seq_lengths=None, positions=None, k_scale=None,
+                 v_scale=None, stream=None) -> None:
+        """Write the new tokens of the active batch into the KV cache, in place (docs/design.md
+        §4.9): row ``b`` is slot ``b``; its tokens land at its committed length (or at
+        ``positions``). Lengths are not changed: commit them with
+        :meth:`commit_sequence_length`. One launch per head-dim group; no allocation, no sync.
+
+        Parameters
+        ----------
+        layer : int or None
+            ``HybridCacheManager``: the decoder layer (an attention layer that owns its cache);
+            ``LinearKVCache``: the attention index. ``None`` writes every cache-owning
+            attention layer: ``k`` and ``v`` are then lists, one per layer in attention order.
+        k, v : arrays
+            ``[batch, new_tokens, H, D]`` (every row gets ``new_tokens``), or with
+            ``seq_lengths`` ragged ``[total_tokens, H, D]`` (row ``b``'s tokens after those of
+            rows ``< b``); ``batch`` is the active batch. C-contiguous, this device's array
+            module, of the cache dtype (its storage dtype on cuda); for an FP8 cache also
+            float32, float16 or bfloat16, quantized on write (bfloat16 held as uint16 on a
+            CuPy without bfloat16).
+        seq_lengths : host ints [batch], optional
+            New tokens per row of a ragged write (their sum is ``total_tokens``).
+        positions : ints shaped like ``k``'s leading axes, optional
+            Explicit positions per token (-1 skips a token). Host integers are checked (in
+            ``[-1, max_sequence_length)``, distinct within a row) and staged; a device int32
+            array is passed as it is (out-of-range tokens are skipped and counted, see
+            :meth:`skipped_kv_write_count`).
+        k_scale, v_scale : None, float, or float32 device array [L] or [L, >= H]
+            FP8 caches written from float rows only: ``q = fp8(x / scale)`` per layer (and per
+            KV head), ``L`` the cache-owning attention layers. ``None`` uses the manager's
+            recorded scales (:meth:`get_kv_scales`); a given scale is recorded first for the
+            written layers (a device copy, none for a float equal to the last one).
+        stream : optional
+
+        Raises
+        ------
+        TypeError, IndexError, ValueError
+            A bad layer (or a layer without a cache of its own), array, shape, dtype, batch,
+            ``seq_lengths``, position, scale, stream, or a row whose committed length (known
+            on the host) leaves too little room. Nothing is written or recorded.
+        """
+        index = None if layer is None else self._kv_write_index(layer)
+        self._kv_writer.write(index, k, v, batch_state=self, seq_lengths=seq_lengths,
+                              positions=positions, k_scale=k_scale, v_scale=v_scale,
+                              stream=stream)
+
     # --- compaction -------------------------------------------------------------------------
 
     def compact_batch(self, batch_mapping, old_batch, new_batch, stream=None) -> None:

@@ -95,6 +95,7 @@ class HybridCacheManager(BatchAPI):
                                tuple(owners[a] for a in g.layer_indices))
             for g in self._kv.groups)
         states = self._mamba.state_tensors if self._mamba is not None else ()
+        self._kv_writer = self._kv._writer   # write_kv (BatchAPI) through the KV sub-manager
         with launch_scope(device, stream):
             super().__init__(device, config.max_batch_size, config.kv.max_sequence_length,
                              kv_groups=self._kv.groups, slot_tensors=states)
@@ -145,6 +146,15 @@ class HybridCacheManager(BatchAPI):
     def _attention_index(self, layer) -> int:
         return self._route(layer, self._attention_index_of, "an attention")
 
+    def _kv_write_index(self, layer) -> int:
+        """The attention index that ``write_kv(layer)`` writes: an attention layer that owns
+        its cache (a shared layer's cache is its owner's to write)."""
+        index = self._attention_index(layer)
+        if self._owner_layer[index] != layer:
+            raise ValueError(f"layer {layer}: expected a layer that owns its KV cache, got a "
+                             f"layer sharing layer {self._owner_layer[index]}'s (write that one)")
+        return index
+
     def _mamba_index(self, layer) -> int:
         return self._route(layer, self._mamba_index_of, "a Mamba")
 
@@ -177,14 +187,29 @@ class HybridCacheManager(BatchAPI):
         Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer)."""
         return self._mamba.get_conv_state(self._mamba_index(i))
 
+    def get_kv_scales(self):
+        """FP8 scale tables ``(k_scales, v_scales)``, float32 views ``[num_kv_layers,
+        max_kv_heads]`` by attention index; see :meth:`KVCacheManager.get_kv_scales`."""
+        return self._kv.get_kv_scales()
+
+    def set_kv_scales(self, k_scale=None, v_scale=None, stream=None) -> None:
+        """Record FP8 scales for every cache-owning attention layer; see
+        :meth:`KVCacheManager.set_kv_scales`."""
+        self._kv.set_kv_scales(k_scale, v_scale, stream)
+
+    def skipped_kv_write_count(self, stream=None) -> int:
+        """Tokens :meth:`write_kv` skipped as out of range so far (device positions, unknown
+        lengths). **Synchronizes** ``stream``."""
+        return self._kv.skipped_kv_write_count(stream)
+
     def get_kv_head_dim_groups(self) -> list:
         """One :class:`KVHeadDimGroupView` per head dim, in first-seen order."""
         return list(self._group_views)
 
     def memory_report(self) -> dict:
         """Device bytes per component (``kv_cache``, ``recurrent``, ``conv``, ``metadata``:
-        lengths, plan and descriptor tables), ``total``, and ``layers``: per decoder layer, the
-        cache bytes it owns (0 for shared and cache-less layers)."""
+        lengths, plan, descriptor tables and write staging), ``total``, and ``layers``: per
+        decoder layer, the cache bytes it owns (0 for shared and cache-less layers)."""
         kv = self._kv.memory_report()
         mamba = self._mamba.memory_report() if self._mamba is not None else \
             {"recurrent": 0, "conv": 0, "layers": ()}
@@ -198,7 +223,7 @@ class HybridCacheManager(BatchAPI):
             if mamba_index is not None:
                 own += mamba["layers"][mamba_index]
             layers.append(own)
-        metadata = kv["layer_infos"] + self.batch_state_nbytes + (
+        metadata = kv["layer_infos"] + kv["write_state"] + self.batch_state_nbytes + (
             self._mamba.metadata_nbytes if self._mamba is not None else 0)
         report = {"kv_cache": kv["kv_cache"], "recurrent": mamba["recurrent"],
                   "conv": mamba["conv"], "metadata": metadata}
@@ -208,17 +233,18 @@ class HybridCacheManager(BatchAPI):
 
     # --- prompt cache -----------------------------------------------------------------------
 
-    def capture_kv_cache(self, b, sequence_length, stream=None) -> list:
+    def capture_kv_cache(self, b, sequence_length, stream=None, *, with_scales=False):
         """Tokens ``[0, sequence_length)`` of slot ``b``, one **new** ``[2, H_i, n, D_i]`` array
         per cache-owning attention layer (attention-index order, which is decoder-layer order;
-        one launch per head-dim group).
-        See :meth:`KVCacheManager.capture_kv_cache`."""
-        return self._kv.capture_kv_cache(b, sequence_length, stream)
+        one launch per head-dim group); with ``with_scales`` (FP8) also copies of the scale
+        tables. See :meth:`KVCacheManager.capture_kv_cache`."""
+        return self._kv.capture_kv_cache(b, sequence_length, stream, with_scales=with_scales)
 
-    def restore_kv_cache(self, saved, b, stream=None) -> None:
+    def restore_kv_cache(self, saved, b, stream=None, *, scales=None) -> None:
         """Inverse of :meth:`capture_kv_cache` into slot ``b`` (lengths untouched; validates
-        everything first). See :meth:`KVCacheManager.restore_kv_cache`."""
-        self._kv.restore_kv_cache(saved, b, stream)
+        everything first; ``scales`` as captured, FP8). See
+        :meth:`KVCacheManager.restore_kv_cache`."""
+        self._kv.restore_kv_cache(saved, b, stream, scales=scales)
 
     def capture_recurrent_states(self, b, stream=None) -> list:
         """Slot ``b``'s recurrent state per Mamba layer (**new** ``[1, ...]`` arrays; empty

@@ -15,6 +15,7 @@ from ..config.caches import KVCacheConfig, KVLayerConfig
 from ..device import array_module_of, launch_scope, resolve_device
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup, group_layers_by_head_dim
+from .kv_writes import KVWriter
 
 __all__ = ["KVCacheManager"]
 
@@ -50,6 +51,8 @@ class KVCacheManager:
                 KVGroup([self._caches[a] for a in indices], layer_indices=indices)
                 for indices in group_layers_by_head_dim(lc.head_dim
                                                         for lc in config.layer_configs))
+            self._writer = KVWriter(self._device, self._caches, self._groups, config.dtype,
+                                    config.max_sequence_length)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -92,16 +95,69 @@ class KVCacheManager:
 
     def memory_report(self) -> dict:
         """Device bytes: ``kv_cache`` (all layers), ``layer_infos`` (group descriptors),
-        ``total`` and ``layers`` (per layer)."""
+        ``write_state`` (the staging buffers, status word and FP8 scale tables of
+        :meth:`write_kv`), ``total`` and ``layers`` (per layer)."""
         layers = tuple(int(c.nbytes) for c in self._caches)
-        infos = sum(int(g.device_layer_infos.nbytes + g.scratch_infos.nbytes)
-                    for g in self._groups)
-        return {"kv_cache": sum(layers), "layer_infos": infos, "total": sum(layers) + infos,
-                "layers": layers}
+        infos = sum(g.nbytes for g in self._groups)
+        writes = self._writer.nbytes
+        return {"kv_cache": sum(layers), "layer_infos": infos, "write_state": writes,
+                "total": sum(layers) + infos + writes, "layers": layers}
+
+    # --- batched writes (docs/design.md §4.9) -------------------------------------------------
+
+    def write_kv(self, layer, k, v, *, seq_lengths=None, positions=None, k_scale=None,
+                 v_scale=None, stream=None) -> None:
+        """Write new tokens' K/V at explicit positions, in place: row ``b`` is slot ``b``.
+
+        This manager keeps no lengths, so ``positions`` is required; otherwise as
+        :meth:`hcache.slots.batch.BatchAPI.write_kv` (``HybridCacheManager.write_kv``), with
+        ``batch`` the rows of ``k`` (at most ``max_batch``) and ``layer`` an attention index
+        (or ``None``: every layer, one launch per head-dim group).
+
+        Parameters
+        ----------
+        layer : int or None
+        k, v : arrays ``[batch, new_tokens, H_a, D_a]`` or ragged ``[total_tokens, H_a, D_a]``
+        seq_lengths : host ints [batch], optional
+        positions : ints shaped like ``k``'s leading axes
+            Host ints (checked: in ``[-1, max_sequence_length)``, -1 skips a token, distinct
+            within a row) or a device int32 array (unchecked; out-of-range tokens are skipped
+            and counted, see :meth:`skipped_kv_write_count`).
+        k_scale, v_scale : None, float, or float32 device array [num_layers] or
+            [num_layers, >= H]; FP8 caches written from float rows only.
+        stream : optional
+
+        Raises
+        ------
+        TypeError, IndexError, ValueError
+            ``positions`` missing, or anything ``BatchAPI.write_kv`` refuses; nothing changes.
+        """
+        index = None if layer is None else check_index("layer", layer, self.num_layers)
+        self._writer.write(index, k, v, seq_lengths=seq_lengths, positions=positions,
+                           k_scale=k_scale, v_scale=v_scale, stream=stream)
+
+    def get_kv_scales(self):
+        """The FP8 scale tables ``(k_scales, v_scales)``: float32 views ``[num_layers,
+        max_kv_heads]`` (1.0 at construction) holding the scale each layer's latest write
+        divided by; an attention kernel dequantizes head ``h`` of layer ``a`` as ``q *
+        scales[a, h]``. Raises ``ValueError`` unless the cache is FP8."""
+        return self._writer.scales()
+
+    def set_kv_scales(self, k_scale=None, v_scale=None, stream=None) -> None:
+        """Record scales for every layer (a float, or a float32 device array ``[num_layers]``
+        or ``[num_layers, >= max_kv_heads]``; ``None`` keeps one), used by later
+        :meth:`write_kv` calls without a scale. Raises ``ValueError`` / ``TypeError`` (not
+        FP8, a bad scale) before recording anything."""
+        self._writer.set_scales(k_scale, v_scale, stream)
+
+    def skipped_kv_write_count(self, stream=None) -> int:
+        """Tokens that :meth:`write_kv` skipped as out of range (device positions), so far.
+        **Synchronizes** ``stream``."""
+        return self._writer.skipped_count(stream)
 
     # --- prompt-cache capture / restore -----------------------------------------------------
 
-    def capture_kv_cache(self, b, sequence_length, stream=None) -> list:
+    def capture_kv_cache(self, b, sequence_length, stream=None, *, with_scales=False):
         """Copy tokens ``[0, sequence_length)`` of slot ``b`` of every layer (one launch per
         head-dim group).
 
@@ -109,26 +165,33 @@ class KVCacheManager:
         -------
         list of arrays ``[2, H_a, sequence_length, D_a]``
             One **newly allocated** array per layer (attention-index order), K plane then V
-            plane.
+            plane: the cache's bytes (FP8 bytes for an FP8 cache).
+        (list, (k_scales, v_scales))
+            With ``with_scales=True`` (FP8 caches): also **new** copies of the scale tables
+            (:meth:`get_kv_scales`) that dequantize the captured bytes.
 
         Raises
         ------
         IndexError
             ``b`` out of range.
         TypeError, ValueError
-            ``sequence_length`` not an int in ``[0, max_sequence_length]``.
+            ``sequence_length`` not an int in ``[0, max_sequence_length]``; ``with_scales``
+            for a cache that is not FP8.
         """
         b = check_index("slot", b, self._config.max_batch_size)
         n = check_int("sequence_length", sequence_length, 0, self._config.max_sequence_length)
+        tables = self._writer.scales() if with_scales else None
         xp = self._device.xp
         with launch_scope(self._device, stream):
             out = [xp.empty((2, c.shape[2], n, c.shape[4]), dtype=c.dtype) for c in self._caches]
             for group in self._groups:
                 ops.kv_capture(group, b, n, [out[a] for a in group.layer_indices],
                                stream=stream)
+            if tables is not None:
+                return out, (tables[0].copy(), tables[1].copy())
         return out
 
-    def restore_kv_cache(self, saved, b, stream=None) -> None:
+    def restore_kv_cache(self, saved, b, stream=None, *, scales=None) -> None:
         """Write ``saved[i]`` into tokens ``[0, n)`` of slot ``b`` of layer ``i`` (one launch per
         head-dim group, in place; lengths are not touched).
 
@@ -138,20 +201,34 @@ class KVCacheManager:
             One ``n`` for all layers, ``n <= max_sequence_length``; C-contiguous, of this device
             and the cache dtype.
         b : int
+        scales : (k_scales, v_scales), optional
+            FP8 caches: the scale tables of the capture (``with_scales=True``), recorded after
+            the bytes (:meth:`set_kv_scales`). Scales are per layer, not per slot: they apply
+            to every slot, so restore them into a manager whose other slots were written with
+            the same scales (one model's calibrated scales), or re-quantize.
 
         Raises
         ------
         IndexError
             ``b`` out of range.
         TypeError, ValueError
-            A wrong count, array module, shape, length, dtype or layout in any tensor; every
-            tensor is checked before anything is written.
+            A wrong count, array module, shape, length, dtype or layout in any tensor, or
+            ``scales`` that are not a pair of valid scale tables (or a cache that is not FP8);
+            everything is checked before anything is written.
         """
         b = check_index("slot", b, self._config.max_batch_size)
         self._check_saved(saved)
+        if scales is not None:
+            if not isinstance(scales, (tuple, list)) or len(scales) != 2:
+                raise TypeError(f"scales: expected a (k_scales, v_scales) pair, "
+                                f"got {type(scales).__name__}")
+            for name, t in zip(("scales[0]", "scales[1]"), scales):
+                self._writer.check_scale(name, t)
         with launch_scope(self._device, stream):
             for group in self._groups:
                 ops.kv_restore(group, [saved[a] for a in group.layer_indices], b, stream=stream)
+        if scales is not None:
+            self._writer.set_scales(scales[0], scales[1], stream)
 
     def _check_saved(self, saved) -> None:
         if isinstance(saved, (str, bytes)) or not hasattr(saved, "__len__"):

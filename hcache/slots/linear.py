@@ -16,6 +16,7 @@ from ..device import launch_scope, resolve_device
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
 from .batch import BatchAPI
+from .kv_writes import KVWriter
 from .mamba import MambaCacheManager
 
 __all__ = ["LinearKVCache"]
@@ -57,6 +58,8 @@ class LinearKVCache(BatchAPI):
                                     dtype=storage_dtype(c.dtype, xp))
             self._layers = tuple(self._buffer[i] for i in range(c.num_attention_layers))
             self._groups = (KVGroup(list(self._layers)),) if self._layers else ()
+            self._kv_writer = KVWriter(device, self._layers, self._groups, c.dtype,
+                                       c.max_sequence_length)
             states = self._mamba.state_tensors if self._mamba is not None else ()
             super().__init__(device, c.max_batch_size, c.max_sequence_length,
                              kv_groups=self._groups, slot_tensors=states)
@@ -98,17 +101,39 @@ class LinearKVCache(BatchAPI):
 
     def memory_report(self) -> dict:
         """Device bytes: ``kv_cache``, ``recurrent``, ``conv``, ``metadata`` (lengths, plan,
-        descriptors) and ``total``."""
+        descriptors, write staging) and ``total``."""
         mamba = self._mamba.memory_report() if self._mamba is not None else \
             {"recurrent": 0, "conv": 0}
-        metadata = self.batch_state_nbytes + sum(
-            int(g.device_layer_infos.nbytes + g.scratch_infos.nbytes) for g in self._groups)
+        metadata = self.batch_state_nbytes + self._kv_writer.nbytes + sum(
+            g.nbytes for g in self._groups)
         if self._mamba is not None:
             metadata += self._mamba.metadata_nbytes
         report = {"kv_cache": int(self._buffer.nbytes), "recurrent": mamba["recurrent"],
                   "conv": mamba["conv"], "metadata": metadata}
         report["total"] = sum(report.values())
         return report
+
+    # --- KV writes (BatchAPI.write_kv; layers are attention indices) -------------------------
+
+    def _kv_write_index(self, layer) -> int:
+        return check_index("layer", layer, len(self._layers))
+
+    def get_kv_scales(self):
+        """FP8 scale tables ``(k_scales, v_scales)``, float32 views ``[L, H]`` (1.0 at
+        construction): the scale each layer's latest :meth:`write_kv` divided by (an attention
+        kernel dequantizes as ``q * scale``). Raises ``ValueError`` unless the cache is FP8."""
+        return self._kv_writer.scales()
+
+    def set_kv_scales(self, k_scale=None, v_scale=None, stream=None) -> None:
+        """Record scales for every layer (a float, or a float32 device array ``[L]`` or ``[L,
+        >= H]``; ``None`` keeps one), used by later :meth:`write_kv` calls without a scale.
+        Raises ``ValueError`` / ``TypeError`` before recording anything."""
+        self._kv_writer.set_scales(k_scale, v_scale, stream)
+
+    def skipped_kv_write_count(self, stream=None) -> int:
+        """Tokens :meth:`write_kv` skipped as out of range so far (device positions, unknown
+        lengths). **Synchronizes** ``stream``."""
+        return self._kv_writer.skipped_count(stream)
 
     # --- Mamba states -----------------------------------------------------------------------
 

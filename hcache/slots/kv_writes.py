@@ -1,0 +1,366 @@
+"""Batched K/V writes into contiguous-slot caches: the ``write_kv`` of
+:class:`~hcache.slots.kv.KVCacheManager`, :class:`~hcache.slots.hybrid.HybridCacheManager` and
+:class:`~hcache.slots.linear.LinearKVCache` (docs/design.md §4.9).
+
+A :class:`KVWriter` belongs to one set of per-attention-layer caches ``[max_batch, 2, H_a, S,
+D_a]`` and their head-dim groups. It validates a call completely, then stages its index arrays in
+buffers allocated at construction (ragged row offsets, host positions) and launches
+:func:`hcache.ops.kv_write` (rows of the cache dtype) or :func:`hcache.ops.kv_write_fp8` (float
+rows into an FP8 cache) once per head-dim group. Row ``b`` of a batch is slot ``b``; its tokens
+land at explicit positions or at the row's committed length (the ``lengths`` of the batch state
+that calls it).
+
+FP8 caches keep one scale per attention layer and KV head for K and for V (float32 tables
+``[num_layers, max_kv_heads]``, 1.0 at construction): the scale the layer's latest write
+divided by, which an attention kernel multiplies back (``x ~= q * scale``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import ops
+from .._checks import token_counts
+from ..device import array_module_of, launch_scope, stream_handle, upload, upload_ints
+from ..dtypes import is_fp8, resolve_dtype, storage_dtype
+
+__all__ = ["KVWriter"]
+
+_FLOATS = tuple(resolve_dtype(n) for n in ("float32", "float16", "bfloat16"))
+
+
+class KVWriter:
+    """Writes new tokens' K/V into per-attention-layer caches (one launch per head-dim group).
+
+    Parameters
+    ----------
+    device : Device
+    caches : sequence of arrays ``[max_batch, 2, H_a, S, D_a]``
+        One per attention layer (its attention index is its position), C-contiguous.
+    groups : sequence of KVGroup
+        The caches by head dim; ``layer_indices`` are attention indices.
+    dtype : str or dtype
+        The caches' dtype (a float8 dtype makes quantizing writes and scale tables possible).
+    max_sequence_length : int
+
+    Notes
+    -----
+    Allocates on the current device and stream: the manager calls it inside its
+    construction's launch scope.
+    """
+
+    def __init__(self, device, caches, groups, dtype, max_sequence_length: int):
+        xp = device.xp
+        self._device, self._caches, self._groups = device, tuple(caches), tuple(groups)
+        self.dtype = resolve_dtype(dtype)
+        self._storage = storage_dtype(self.dtype, xp)
+        self._max_len = int(max_sequence_length)
+        self._max_batch = int(caches[0].shape[0]) if caches else 0
+        self._where = {a: (g, p) for g, group in enumerate(groups)
+                       for p, a in enumerate(group.layer_indices)}
+        n = 1 if caches else 0   # nothing to stage without an attention layer
+        self._offsets = xp.zeros((self._max_batch + 1) * n, dtype=np.int32)
+        self._positions = xp.zeros(max(self._max_batch, 1) * n, dtype=np.int32)
+        self._status = xp.zeros(n, dtype=np.int32)
+        self._fp8 = is_fp8(self.dtype)
+        heads = max((int(c.shape[2]) for c in caches), default=0)
+        if self._fp8:
+            self._scales = (xp.ones((len(caches), heads), dtype=np.float32),
+                            xp.ones((len(caches), heads), dtype=np.float32))
+            self._recorded = [[1.0] * len(caches), [1.0] * len(caches)]  # host floats, or None
+        else:
+            self._scales = None
+        # float rows a quantizing write takes, by array dtype (bfloat16 may be held as uint16)
+        self._float_dtypes = {np.dtype(storage_dtype(d, xp)): d for d in _FLOATS}
+
+    # --- queries ----------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._caches)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the staging buffers, the status word and the scale tables."""
+        n = self._offsets.nbytes + self._positions.nbytes + self._status.nbytes
+        if self._scales is not None:
+            n += self._scales[0].nbytes + self._scales[1].nbytes
+        return int(n)
+
+    def scales(self):
+        """``(k_scales, v_scales)``: the float32 ``[num_layers, max_kv_heads]`` tables.
+
+        Raises
+        ------
+        ValueError
+            The caches are not FP8.
+        """
+        if self._scales is None:
+            raise ValueError(f"kv scales: expected an FP8 cache, got {self.dtype}")
+        return self._scales
+
+    def check_scale(self, name, scale):
+        """``scale`` checked for every layer, as :meth:`set_scales` would take it (FP8 caches
+        only). Raises ``ValueError`` / ``TypeError``."""
+        self.scales()
+        return self._check_scale(name, scale, list(range(self.num_layers)))
+
+    def skipped_count(self, stream=None) -> int:
+        """Tokens the kernels skipped as out of range so far. **Synchronizes** ``stream``."""
+        if not self._caches:
+            return 0
+        with launch_scope(self._device, stream):
+            host = self._status.get() if hasattr(self._status, "get") else self._status
+        return int(host[0])
+
+    # --- commands ---------------------------------------------------------------------------
+
+    def set_scales(self, k_scale, v_scale, stream=None) -> None:
+        """Record ``k_scale`` / ``v_scale`` (``None`` keeps one) for every layer; see
+        :meth:`write`. Validates both before recording either."""
+        stream_handle(stream)
+        self.scales()
+        layers = list(range(self.num_layers))
+        checked = [self._check_scale(name, s, layers)
+                   for name, s in (("k_scale", k_scale), ("v_scale", v_scale))]
+        with launch_scope(self._device, stream):
+            for kv, s in enumerate(checked):
+                self._record(kv, s, layers)
+
+    def write(self, index, k, v, *, batch_state=None, seq_lengths=None, positions=None,
+              k_scale=None, v_scale=None, stream=None) -> None:
+        """Write new tokens of one attention layer (``index``) or of every one (``None``).
+
+        ``batch_state`` (a :class:`~hcache.slots.batch.BatchAPI`) supplies the active batch and
+        its committed lengths; without it rows are ``k``'s and ``positions`` are required. See
+        :meth:`hcache.slots.batch.BatchAPI.write_kv` for the parameters. Raises before any
+        change.
+        """
+        stream_handle(stream)
+        layers = list(range(self.num_layers)) if index is None else [index]
+        ks, vs = self._per_layer("k", k, index), self._per_layer("v", v, index)
+        if not layers:
+            return
+        ragged = seq_lengths is not None
+        lead = self._lead(ks[0], ragged)
+        src = self._check_rows(ks, vs, layers, lead, index is not None)
+        quantize = src is not None
+        if batch_state is not None:
+            batch = batch_state.active_batch_size
+        else:
+            batch = len(seq_lengths) if ragged and hasattr(seq_lengths, "__len__") else lead[0]
+            if batch > self._max_batch:
+                raise ValueError(f"k: expected at most {self._max_batch} sequences (slots), "
+                                 f"got {batch}")
+        if ragged:
+            counts = np.asarray(token_counts(seq_lengths, batch, "seq_lengths"), np.int64)
+            if int(counts.sum()) != lead[0]:
+                raise ValueError(f"k: expected {int(counts.sum())} tokens (the sum of "
+                                 f"seq_lengths), got {lead[0]}")
+        elif lead[0] != batch:
+            raise ValueError(f"k: expected {batch} sequences (the active batch), got {lead[0]}")
+        total = lead[0] if ragged else lead[0] * lead[1]
+        staged = self._check_positions(positions, lead, batch,
+                                       counts if ragged else lead[1])
+        if positions is None:
+            if batch_state is None:
+                raise ValueError("positions: expected explicit positions (a KVCacheManager "
+                                 "keeps no lengths), got None")
+            self._check_room(batch_state, counts if ragged else lead[1])
+        scales = [None, None]
+        if quantize:
+            scales = [self._check_scale(n, s, layers)
+                      for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
+        else:
+            for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if s is not None:
+                    raise ValueError(f"{name}: expected None (scales apply to float rows "
+                                     f"written into an FP8 cache), got {type(s).__name__}")
+        with launch_scope(self._device, stream):
+            if total == 0:
+                return
+            kwargs = dict(batch=batch, status=self._status, stream=stream)
+            if ragged:
+                upload_ints(self._offsets, np.concatenate([[0], np.cumsum(counts)]))
+                kwargs["seq_offsets"] = self._offsets[:batch + 1]
+            else:
+                kwargs["uniform_tokens"] = lead[1]
+            if positions is None:
+                kwargs["cache_lengths"] = batch_state.get_kv_cache_lengths()
+            else:
+                kwargs["positions"] = self._stage(staged, total)
+            if quantize:
+                for kv, s in enumerate(scales):
+                    self._record(kv, s, layers)
+                kwargs.update(k_scale=self._scales[0], v_scale=self._scales[1],
+                              fp8_dtype=self.dtype, src_dtype=src)
+            self._launch(index, ks, vs, total, quantize, kwargs)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _per_layer(self, name, arrays, index) -> list:
+        if index is not None:
+            return [arrays]
+        if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
+            return list(arrays)
+        got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
+        raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per "
+                         f"attention layer), got {got}")
+
+    def _lead(self, a, ragged) -> tuple:
+        xp = self._device.xp
+        if array_module_of(a) is not xp or not hasattr(a, "shape"):
+            raise TypeError(f"k: expected a {xp.__name__} array, got {type(a).__name__}")
+        want = 3 if ragged else 4
+        if a.ndim != want:
+            form = "[total_tokens, H, D]" if ragged else "[batch, new_tokens, H, D]"
+            raise ValueError(f"k: expected shape {form}, got {tuple(a.shape)}")
+        return tuple(int(n) for n in a.shape[:want - 2])
+
+    def _check_rows(self, ks, vs, layers, lead, single):
+        """Every K/V array; returns the float dtype of a quantizing write, or None."""
+        xp, dtype = self._device.xp, ks[0].dtype
+        for kind, arrays in (("k", ks), ("v", vs)):
+            for j, (a, index) in enumerate(zip(arrays, layers)):
+                name = kind if single else f"{kind}[{j}]"
+                cache = self._caches[index]
+                if array_module_of(a) is not xp or not hasattr(a, "shape"):
+                    raise TypeError(f"{name}: expected a {xp.__name__} array, "
+                                    f"got {type(a).__name__}")
+                want = lead + (int(cache.shape[2]), int(cache.shape[4]))
+                if tuple(a.shape) != want:
+                    raise ValueError(f"{name}: expected shape {list(want)}, "
+                                     f"got {list(a.shape)}")
+                if a.dtype != dtype:
+                    raise ValueError(f"{name}: expected dtype {dtype} (as k), got {a.dtype}")
+                if not a.flags.c_contiguous:
+                    raise ValueError(f"{name}: expected a C-contiguous array")
+        if dtype in (self._storage, self.dtype):
+            return None
+        if self._fp8 and dtype in self._float_dtypes:
+            return self._float_dtypes[dtype]
+        also = ", float32, float16 or bfloat16 (quantized)" if self._fp8 else ""
+        raise ValueError(f"k: expected dtype {self.dtype}{also}, got {dtype}")
+
+    def _check_room(self, state, counts) -> None:
+        """Each active slot whose length the host knows (``state``'s host mirror) has room for
+        its new tokens (``counts``: an int for every row, or one per row)."""
+        n = state.active_batch_size
+        if isinstance(counts, int):   # uniform: O(1) while every active length is known
+            headroom = state._headroom_now()
+            if headroom is not None and counts <= headroom:
+                return
+        new = state._host_lengths[:n] + counts
+        over = np.flatnonzero(state._known[:n] & (new > self._max_len))
+        if over.size:
+            b = int(over[0])
+            have = int(state._host_lengths[b])
+            raise ValueError(f"k: expected at most {self._max_len - have} new tokens for slot "
+                             f"{b} (length {have}), got {int(new[b]) - have}")
+
+    def _check_positions(self, positions, lead, batch, counts):
+        """Host positions, checked and flattened (int64), or the device array as it is."""
+        if positions is None:
+            return None
+        xp = self._device.xp
+        if xp is not np and array_module_of(positions) is xp:   # device data: not read
+            if positions.dtype != np.int32 or tuple(positions.shape) != lead \
+                    or not positions.flags.c_contiguous:
+                raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
+                                 f"{list(lead)}, got {positions.dtype} "
+                                 f"{list(positions.shape)}")
+            return positions.reshape(-1)
+        pos = np.asarray(positions)
+        if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
+            raise TypeError(f"positions: expected integers, got dtype {pos.dtype}")
+        if tuple(pos.shape) != lead:
+            raise ValueError(f"positions: expected shape {list(lead)}, got {list(pos.shape)}")
+        flat = pos.reshape(-1).astype(np.int64)
+        bad = np.flatnonzero((flat < -1) | (flat >= self._max_len))
+        if bad.size:
+            raise ValueError(f"positions[{int(bad[0])}]: expected a position in [-1, "
+                             f"{self._max_len}) (-1 skips the token), got {int(flat[bad[0]])}")
+        rows = np.repeat(np.arange(batch, dtype=np.int64), counts)
+        live = flat >= 0
+        keys = rows[live] * self._max_len + flat[live]
+        if np.unique(keys).size != keys.size:
+            raise ValueError("positions: expected distinct positions within each sequence, "
+                             "got a repeated one")
+        return flat
+
+    def _check_scale(self, name, scale, layers):
+        """A scale argument as ``None`` (the recorded tables), a float or a device table."""
+        if scale is None:
+            return None
+        if isinstance(scale, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected a float or a float32 array, got bool")
+        if isinstance(scale, (int, float, np.integer, np.floating)):
+            value = float(np.float32(scale))
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: expected a finite scale > 0 (as float32), "
+                                 f"got {scale}")
+            return value
+        xp = self._device.xp
+        if array_module_of(scale) is not xp or not hasattr(scale, "shape"):
+            raise TypeError(f"{name}: expected a float or a {xp.__name__} float32 array, "
+                            f"got {type(scale).__name__}")
+        heads = max((int(self._caches[a].shape[2]) for a in layers), default=0)
+        ok = scale.dtype == np.float32 and scale.ndim in (1, 2) \
+            and scale.shape[0] == self.num_layers and (scale.ndim == 1
+                                                       or scale.shape[1] >= heads)
+        if not ok:
+            raise ValueError(f"{name}: expected a float32 array [{self.num_layers}] (per "
+                             f"layer) or [{self.num_layers}, >= {heads}] (per head), got "
+                             f"{scale.dtype} {list(scale.shape)}")
+        return scale
+
+    def _record(self, kv: int, scale, layers) -> None:
+        """Copy a checked scale into the table rows of ``layers`` (device order, no
+        allocation); a float equal to the one recorded last is not copied again."""
+        if scale is None:
+            return
+        table, memo = self._scales[kv], self._recorded[kv]
+        if isinstance(scale, float):
+            todo = [a for a in layers if memo[a] != scale]
+            if len(todo) == self.num_layers:
+                table.fill(scale)
+            else:
+                for a in todo:
+                    table[a].fill(scale)
+            for a in todo:
+                memo[a] = scale
+            return
+        width = min(table.shape[1], scale.shape[1]) if scale.ndim == 2 else table.shape[1]
+        rows = slice(layers[0], layers[0] + 1) if len(layers) == 1 else slice(None)
+        src = scale[rows, :width] if scale.ndim == 2 else scale[rows, None]
+        table[rows, :width] = src
+        for a in layers:
+            memo[a] = None
+
+    def _stage(self, staged, total):
+        """Host positions into the staging buffer (grown, once, past its capacity); device
+        positions as they are."""
+        if not isinstance(staged, np.ndarray):
+            return staged   # device positions
+        if staged.shape[0] > self._positions.shape[0]:
+            self._positions = self._device.xp.zeros(staged.shape[0], dtype=np.int32)
+        upload(self._positions, staged.astype(np.int32))
+        return self._positions[:total]
+
+    def _launch(self, index, ks, vs, total, quantize, kwargs) -> None:
+        op = ops.kv_write_fp8 if quantize else ops.kv_write
+
+        def rows(a, cache):
+            return a.reshape(total, cache.shape[2], cache.shape[4])
+
+        if index is not None:
+            g, p = self._where[index]
+            cache = self._caches[index]
+            op(self._groups[g], rows(ks[0], cache), rows(vs[0], cache), layers=p, **kwargs)
+            return
+        for group in self._groups:
+            members = group.layer_indices
+            op(group, [rows(ks[a], self._caches[a]) for a in members],
+               [rows(vs[a], self._caches[a]) for a in members], **kwargs)
