@@ -125,7 +125,7 @@ def stream_handle(stream) -> int:
     TypeError
         ``stream`` is none of these.
     ValueError
-        An ``int`` handle is negative.
+        An ``int`` handle is negative or does not fit a 64-bit ``cudaStream_t``.
     """
     if stream is None:
         return int(_cupy().cuda.get_current_stream().ptr) if cupy_available() else 0
@@ -133,8 +133,9 @@ def stream_handle(stream) -> int:
         raise TypeError("stream: expected None, a CuPy stream, an int handle or an object with "
                         "__cuda_stream__, got bool")
     if isinstance(stream, (int, np.integer)):
-        if int(stream) < 0:
-            raise ValueError(f"stream: expected a non-negative handle, got {int(stream)}")
+        if not 0 <= int(stream) < 2**64:
+            raise ValueError(f"stream: expected a cudaStream_t handle in [0, 2**64), "
+                             f"got {int(stream)}")
         return int(stream)
     proto = getattr(stream, "__cuda_stream__", None)
     if proto is not None:

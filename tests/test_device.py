@@ -81,8 +81,10 @@ def test_stream_normalisation():
     assert stream_handle(_Proto()) == 1234
     if not cupy_available():
         assert stream_handle(None) == 0
-    with pytest.raises(ValueError, match="stream: expected a non-negative handle"):
-        stream_handle(-1)
+    assert stream_handle(2**64 - 1) == 2**64 - 1
+    for bad in (-1, 2**64, 2**70):
+        with pytest.raises(ValueError, match=r"stream: expected a cudaStream_t handle in \[0, "):
+            stream_handle(bad)
     with pytest.raises(TypeError, match="stream: expected None"):
         stream_handle("default")
     with pytest.raises(TypeError, match="stream: expected None"):
