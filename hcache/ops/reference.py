@@ -173,14 +173,22 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
     s = np.asarray(src_idx, dtype=np.int64)
     d = np.asarray(dst_idx, dtype=np.int64)
     pad = (s == -1) | (d == -1)
+    rows: dict = {}   # (src slots, dst slots) -> (out-of-range mask, rows to copy or None: all)
 
-    def out_of_range(src, dst):
-        return ~pad & ((s < 0) | (s >= src.shape[0]) | (d < 0) | (d >= dst.shape[0]))
+    def copied(num_src, num_dst):
+        if (num_src, num_dst) not in rows:
+            oob = ~pad & ((s < 0) | (s >= num_src) | (d < 0) | (d >= num_dst))
+            good = ~(pad | oob)
+            rows[num_src, num_dst] = (oob, None if good.all() else good)
+        return rows[num_src, num_dst]
 
-    _bump(status, int(np.count_nonzero(out_of_range(*slots.pairs[0]))))
+    src0, dst0 = slots.pairs[0]
+    _bump(status, int(np.count_nonzero(copied(src0.shape[0], dst0.shape[0])[0])))
     for src, dst in slots.pairs:
-        good = ~pad & ~out_of_range(src, dst)
-        if good.any():
+        good = copied(src.shape[0], dst.shape[0])[1]
+        if good is None:
+            dst[d] = src[s]
+        elif good.any():
             dst[d[good]] = src[s[good]]
 
 
