@@ -685,3 +685,12 @@ def test_check_invariants_detects_corruption(corrupt):
         alloc.hash_to_block_id[hashes[0]] = ids[1]
     with pytest.raises(RuntimeError, match="MambaSlotAllocator invariants"):
         alloc.check_invariants()
+
+
+def test_commit_intermediate_states_checks_its_stream_with_nothing_to_commit():
+    """A bad stream is refused on cpu too, even on a step that stores nothing (it would fail on
+    cuda)."""
+    _, _, alloc = make(max_slots=4)
+    for bad in ("default", -1, 2**64):
+        with pytest.raises((TypeError, ValueError), match="stream: expected"):
+            alloc.commit_intermediate_states(stream=bad)

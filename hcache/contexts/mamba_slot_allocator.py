@@ -28,15 +28,14 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int, check_index, host_ints, index_array, int_shape
-from ..device import Device, array_module_of
+from ..device import Device, array_module_of, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .mamba_hash_map import MambaHashMap
 from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, IntermediateStates
 from .mamba_slot_pool import MambaSlotCapacityError, MambaSlotPool
 from .mamba_state_copies import MambaStateCopies, check_live_states
 
-__all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotCapacityError",
-           "MambaSlotAllocator"]
+__all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotCapacityError", "MambaSlotAllocator"]
 
 
 class MambaSlotAllocator:
@@ -342,7 +341,9 @@ class MambaSlotAllocator:
         Best effort: entries whose KV block is unregistered (unreachable), already cached under
         its hash, or repeated are skipped; when slots run short, entries that own a slot plus as
         many new ones as are available are kept. Returns the number of states stored.
+        Raises ``TypeError`` / ``ValueError`` for a bad ``stream`` (checked first, on cpu too).
         """
+        stream_handle(stream)
         data = self._collect_commit_data()
         if data is None:
             self._clear_intermediate_state()
