@@ -162,9 +162,33 @@ def stream_scope(stream, device: Device):
     cp = _cupy()
     if stream is None:
         return contextlib.nullcontext()
-    if isinstance(stream, cp.cuda.Stream) or isinstance(stream, cp.cuda.ExternalStream):
+    if isinstance(stream, cp.cuda.Stream):
         return stream
-    return cp.cuda.ExternalStream(handle, device.index)
+    return _external_stream(handle, device.index)
+
+
+class _StreamHandle:
+    """A raw ``cudaStream_t`` as an object of the CUDA stream protocol."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+@cache
+def _external_stream(handle: int, device_index: int):
+    """A CuPy stream for a foreign ``cudaStream_t`` on ``device_index``, made once per handle
+    (``Stream.from_external``; CuPy 13 has only the deprecated ``ExternalStream``)."""
+    cp = _cupy()
+    from_external = getattr(cp.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cp.cuda.ExternalStream(handle, device_index)
+    with cp.cuda.Device(device_index):
+        return from_external(_StreamHandle(handle))
 
 
 _NO_SCOPE = contextlib.nullcontext()   # reusable: entering it does nothing

@@ -117,3 +117,22 @@ def test_storage_dtype_never_hides_a_device_error():
     else:
         with pytest.raises(RuntimeError):
             storage_dtype("float32", cupy)
+
+
+@pytest.mark.gpu
+def test_foreign_stream_handles_wrap_without_deprecation_warnings():
+    """CuPy 14 deprecates ``ExternalStream`` (a warning per op): a raw handle is wrapped once
+    through ``Stream.from_external`` and reused."""
+    import warnings
+
+    import cupy
+
+    from hcache.device import launch_scope
+
+    device = resolve_device("cuda")
+    raw = cupy.cuda.Stream(non_blocking=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for _ in range(2):
+            with launch_scope(device, raw.ptr):
+                assert cupy.cuda.get_current_stream().ptr == raw.ptr
