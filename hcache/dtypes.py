@@ -6,6 +6,8 @@ kernels; the dtype is kept so that views handed to a runtime carry the right ele
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -80,11 +82,23 @@ def storage_dtype(dtype, xp) -> np.dtype:
     dt = resolve_dtype(dtype)
     if xp is np:
         return dt
+    return dt if _module_handles(xp, dt.name) else _UINT_OF_SIZE[dt.itemsize]
+
+
+@functools.cache
+def _module_handles(xp, name: str) -> bool:
+    """Whether ``xp`` runs the ops the managers use on ``name`` arrays: a zero fill, a slice
+    copy and a byte view. Some CuPy versions accept float8 dtypes at allocation but fail in
+    their first kernel, so allocation alone is not proof. A CUDA error (no GPU) propagates."""
     try:
-        xp.empty((0,), dtype=dt)
-        return dt
-    except (TypeError, ValueError, NotImplementedError):  # an unsupported dtype; a device
-        return _UINT_OF_SIZE[dt.itemsize]                # error (no GPU) propagates
+        a = xp.zeros((2,), dtype=np.dtype(name))
+        a[1:] = a[:1]
+        a.copy().view(np.uint8)
+        return True
+    except Exception as exc:  # noqa: BLE001 - CuPy raises compile errors as well as TypeErrors
+        if type(exc).__name__ == "CUDARuntimeError":
+            raise
+        return False
 
 
 _FP8 = (_BY_NAME["float8_e4m3fn"], _BY_NAME["float8_e5m2"])
