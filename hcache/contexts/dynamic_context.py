@@ -287,7 +287,8 @@ class DynamicInferenceContext:
         self.stats.computed_tokens += len(flat)
         return plan
 
-    def write_kv(self, request_ids, k, v, *, layer=None, stream=None) -> None:
+    def write_kv(self, request_ids, k, v, *, layer=None, k_scale=None, v_scale=None,
+                 stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of ``request_ids`` into the paged pool.
 
         Parameters
@@ -295,20 +296,18 @@ class DynamicInferenceContext:
         request_ids : sequence
             Requests with a scheduled step; their tokens are concatenated in this order.
         k, v : arrays [total_tokens, H_i, D_i], or lists of them (one per layer)
-            As in :meth:`PagedKVPool.write`. Rows of positions held by shared (matched) blocks
-            are skipped: those blocks already hold them.
-        layer : int, optional
-            Write one attention layer (else every layer, one launch per head-dim group).
+            As in :meth:`PagedKVPool.write_kv`; rows of positions in shared blocks are skipped.
+        layer, k_scale, v_scale : optional
+            As in :meth:`PagedKVPool.write_kv` (an FP8 pool quantizes float rows with scales).
 
         Raises
         ------
-        ValueError
-            Unknown request, a request without a scheduled step, or too many tokens.
+        ValueError, TypeError
+            Unknown request, no scheduled step, too many tokens, else as the pool's.
         """
         rows = self._requests.rows(request_ids, distinct=False)
-        if (self._requests.pending_end[rows] < 0).any():
-            raise ValueError("request_ids: expected requests with a scheduled step")
-        self._kv_writer.write(self._requests, rows, k, v, layer=layer, stream=stream)
+        self._kv_writer.write(self._requests, rows, k, v, layer=layer, k_scale=k_scale,
+                             v_scale=v_scale, stream=stream)
 
     def commit_step(self, *, stream=None) -> dict:
         """Finish the step: mark scheduled tokens computed, register the hashes of blocks they

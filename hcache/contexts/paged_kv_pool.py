@@ -18,6 +18,7 @@ from .._checks import as_int, block_id_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
 from ..device import array_module_of, launch_scope, resolve_device, upload_ints
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
+from ..kv_scales import check_scale, source_dtype
 from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
 
 __all__ = ["PagedKVPool"]
@@ -124,55 +125,89 @@ class PagedKVPool:
 
     # --- commands -----------------------------------------------------------------------
 
-    def write(self, k, v, *, block_table, layer=None, seq_offsets=None, uniform_tokens=0,
-              batch=None, cache_lengths=None, positions=None, status=None, stream=None):
-        """Write new tokens' K and V through a block table (in place).
+    def write_kv(self, k, v, *, block_table, layer=None, seq_offsets=None, uniform_tokens=0,
+                 batch=None, cache_lengths=None, positions=None, k_scale=None, v_scale=None,
+                 status=None, stream=None):
+        """Write new tokens' K and V through a block table (in place); ``write`` is an alias.
 
         Parameters
         ----------
         k, v : arrays [num_tokens, H_i, D_i], or sequences of them
             With ``layer=None``, one array per attention layer (one launch per head-dim group);
-            with ``layer=i``, layer ``i``'s arrays (one launch). Dtype: the pool's storage dtype.
+            with ``layer=i``, layer ``i``'s arrays (one launch). One dtype: the pool's storage
+            dtype, or for an FP8 pool float32, float16 or bfloat16 rows quantized on write
+            (``fp8(x / scale)``, docs/design.md §3.7).
         block_table : int32 [batch, max_blocks_per_seq]
             Position ``p`` of row ``b`` goes to block ``block_table[b, p // block_size]`` at
             offset ``p % block_size``; -1 entries are skipped.
         seq_offsets, uniform_tokens, batch, cache_lengths, positions, status, stream
             As in :func:`hcache.ops.kv_write` (ragged rows, first position of each row, explicit
             positions with -1 padding, count of skipped out-of-range tokens).
+        k_scale, v_scale : float or float32 array, optional
+            Scales of a quantizing write: a float, or a device table ``[num_layers]`` (per
+            attention layer) or ``[num_layers, >= max H_i]`` (per head); None means 1.0 (the
+            pool records no scales). Must be None for any other write.
 
         Raises
         ------
         IndexError
             ``layer`` is out of range.
         TypeError, ValueError
-            An array has the wrong shape, dtype, array module or contiguity (nothing written).
+            An array has the wrong shape, dtype, array module or contiguity; a scale is given
+            for a write that does not quantize or is not a valid scale (nothing written).
         """
+        checked = self.check_write(k, v, layer=layer, k_scale=k_scale, v_scale=v_scale)
+        self.launch_write(checked, block_table=block_table, seq_offsets=seq_offsets,
+                          uniform_tokens=uniform_tokens, batch=batch, cache_lengths=cache_lengths,
+                          positions=positions, status=status, stream=stream)
+
+    write = write_kv
+
+    def check_write(self, k, v, *, layer=None, k_scale=None, v_scale=None):
+        """The row and scale checks of :meth:`write_kv` (nothing else is read); returns the
+        checked call for :meth:`launch_write`. Raises as :meth:`write_kv`."""
         if layer is None:
             ks, vs = self._per_layer("k", k), self._per_layer("v", v)
             if not self.num_layers:
-                return  # no attention layer: nothing to write
-            num_tokens = self._check_rows("k[0]", ks[0], 0, None)
+                return None  # no attention layer: nothing to write
+            num_tokens = self._check_rows("k[0]", ks[0], 0, None, ks[0])
             for a in range(self.num_layers):
-                self._check_rows(f"k[{a}]", ks[a], a, num_tokens)
-                self._check_rows(f"v[{a}]", vs[a], a, num_tokens)
+                self._check_rows(f"k[{a}]", ks[a], a, num_tokens, ks[0])
+                self._check_rows(f"v[{a}]", vs[a], a, num_tokens, ks[0])
+            attention_index, first = None, ks[0]
         else:
             attention_index = self._attention_index(layer, "layer")
-            num_tokens = self._check_rows("k", k, attention_index, None)
-            self._check_rows("v", v, attention_index, num_tokens)
+            num_tokens = self._check_rows("k", k, attention_index, None, k)
+            self._check_rows("v", v, attention_index, num_tokens, k)
+            ks, vs, first = k, v, k
+        src = source_dtype("k", first.dtype, self.dtype, self.xp)
+        heads = max(lc.num_kv_heads for lc in self.layer_configs)
+        scales = [check_scale(n, s, src is not None, self.xp, self.num_layers, heads)
+                  for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
+        return attention_index, ks, vs, src, scales
+
+    def launch_write(self, checked, *, block_table, stream=None, **rows) -> None:
+        """Launch a write checked by :meth:`check_write`; ``rows``: the index arguments of
+        :meth:`write_kv` (checked by the op before its first launch)."""
         if block_table is None:
             raise TypeError("block_table: expected an int32 [batch, max_blocks] array, got None")
-        kwargs = dict(seq_offsets=seq_offsets, uniform_tokens=uniform_tokens, batch=batch,
-                      cache_lengths=cache_lengths, positions=positions, block_table=block_table,
-                      status=status, stream=stream)
+        if checked is None:
+            return
+        attention_index, ks, vs, src, scales = checked
+        op = ops.kv_write if src is None else ops.kv_write_fp8
+        kwargs = dict(rows, block_table=block_table, stream=stream)
+        if src is not None:
+            kwargs.update(k_scale=scales[0], v_scale=scales[1], fp8_dtype=self.dtype,
+                          src_dtype=src)
         with launch_scope(self.device, stream):
-            if layer is not None:
+            if attention_index is not None:
                 g, group_position = self._group_position[attention_index]
-                ops.kv_write(self.groups[g], k, v, layers=group_position, **kwargs)
+                op(self.groups[g], ks, vs, layers=group_position, **kwargs)
                 return
             # ops validates the shared index arrays on the first launch, before any write.
             for group in self.groups:
                 indices = group.layer_indices
-                ops.kv_write(group, [ks[a] for a in indices], [vs[a] for a in indices], **kwargs)
+                op(group, [ks[a] for a in indices], [vs[a] for a in indices], **kwargs)
 
     def copy_blocks(self, src_ids, dst_ids, *, status=None, stream=None) -> None:
         """Copy whole blocks of every layer, ``dst[i] <- src[i]`` (copy-on-write), one launch.
@@ -236,7 +271,7 @@ class PagedKVPool:
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per layer), "
                          f"got {got}")
 
-    def _check_rows(self, name, a, attention_index, num_tokens) -> int:
+    def _check_rows(self, name, a, attention_index, num_tokens, first) -> int:
         lc = self.layer_configs[attention_index]
         if array_module_of(a) is not self.xp or not hasattr(a, "shape"):
             raise TypeError(f"{name}: expected a {self.xp.__name__} array, "
@@ -246,8 +281,9 @@ class PagedKVPool:
                 lc.head_dim)
         if tuple(a.shape) != want:
             raise ValueError(f"{name}: expected shape {want}, got {tuple(a.shape)}")
-        if a.dtype != self.storage_dtype:
-            raise ValueError(f"{name}: expected dtype {self.storage_dtype}, got {a.dtype}")
+        if a.dtype != first.dtype:
+            raise ValueError(f"{name}: expected dtype {first.dtype} (as the first k), "
+                             f"got {a.dtype}")
         if not a.flags.c_contiguous:
             raise ValueError(f"{name}: expected a C-contiguous array")
         return n

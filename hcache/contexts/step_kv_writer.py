@@ -1,7 +1,7 @@
 """One step's K/V writes into the paged KV pool, through the requests' block-table rows
 (docs/design.md §6).
 
-The scheduled tokens of a step's requests are written with one :meth:`PagedKVPool.write` call:
+The scheduled tokens of a step's requests are written with one :meth:`PagedKVPool.write_kv` call:
 row ``b`` carries positions ``[computed, pending_end)`` of its request. Positions held by shared
 (prefix-matched) blocks, below the request's ``kv_cached``, are passed as -1 and skipped, so no
 write lands in a block another request reads. The index arrays are staged in buffers allocated
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import launch_scope, upload_ints
+from ..device import launch_scope, stream_handle, upload_ints
 from .requests import ragged_columns
 
 __all__ = ["StepKVWriter"]
@@ -38,9 +38,10 @@ class StepKVWriter:
             self._offsets_dev = xp.zeros(max_requests + 1, dtype=np.int32)
             self._positions_dev = xp.zeros(max_step_tokens, dtype=np.int32)
 
-    def write(self, requests, rows: np.ndarray, k, v, *, layer=None, stream=None) -> None:
+    def write(self, requests, rows: np.ndarray, k, v, *, layer=None, k_scale=None,
+              v_scale=None, stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of request ``rows`` (concatenated in
-        order).
+        order). Everything is checked before the index arrays are staged.
 
         Parameters
         ----------
@@ -48,14 +49,22 @@ class StepKVWriter:
             Its ``computed``, ``pending_end``, ``kv_cached`` and block table.
         rows : int64 [b]
             Rows with a scheduled step.
-        k, v, layer, stream
-            As in :meth:`PagedKVPool.write`.
+        k, v, layer, k_scale, v_scale, stream
+            As in :meth:`PagedKVPool.write_kv`.
 
         Raises
         ------
         ValueError
-            More than ``max_step_tokens`` tokens; else as :meth:`PagedKVPool.write`.
+            A request without a scheduled step, more than ``max_step_tokens`` tokens; else as
+            :meth:`PagedKVPool.write_kv`.
+        TypeError
+            As :meth:`PagedKVPool.write_kv`.
         """
+        if (requests.pending_end[rows] < 0).any():
+            raise ValueError("request_ids: expected requests with a scheduled step")
+        stream_handle(stream)
+        checked = self.kv_pool.check_write(k, v, layer=layer, k_scale=k_scale,
+                                           v_scale=v_scale)
         starts = requests.computed[rows]
         lengths = requests.pending_end[rows] - starts
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -71,6 +80,6 @@ class StepKVWriter:
             upload_ints(self._positions_dev, positions)
             upload_ints(self._offsets_dev, offsets)
             upload_ints(self._table_dev, table)
-        self.kv_pool.write(k, v, block_table=self._table_dev[:b], layer=layer,
-                           seq_offsets=self._offsets_dev[:b + 1], batch=b,
-                           positions=self._positions_dev[:n], stream=stream)
+        self.kv_pool.launch_write(checked, block_table=self._table_dev[:b],
+                                  seq_offsets=self._offsets_dev[:b + 1], batch=b,
+                                  positions=self._positions_dev[:n], stream=stream)

@@ -14,6 +14,7 @@ import numpy as np
 
 from .._checks import token_counts
 from ..device import array_module_of, stream_handle
+from ..kv_scales import check_scale, source_dtype
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
 
@@ -123,6 +124,12 @@ class ContinuousBatchingKVCacheCollection:
     # --- command ----------------------------------------------------------------------------
 
     def write(self, layer: int, key, value, *, seq_lengths=None, stream=None) -> None:
+        """MAX's name of :meth:`write_kv` (rows of the cache dtype, or float rows of an FP8
+        cache quantized with scale 1.0); errors name ``key`` / ``value``."""
+        self._write(layer, key, value, ("key", "value"), seq_lengths, None, None, stream)
+
+    def write_kv(self, layer: int, k, v, *, seq_lengths=None, k_scale=None, v_scale=None,
+                 stream=None) -> None:
         """Append new tokens of one layer at each row's committed length (one kernel launch).
 
         Token ``t`` of row ``i`` lands at position ``host_cache_lengths[i] + t`` of block
@@ -133,16 +140,23 @@ class ContinuousBatchingKVCacheCollection:
         ----------
         layer : int
             Decoder layer in ``[0, num_layers)``.
-        key, value : arrays
+        k, v : arrays
             Uniform: ``[batch, new_tokens, num_heads, head_size]`` (every row gets
             ``new_tokens``). Ragged (with ``seq_lengths``): ``[total_tokens, num_heads,
             head_size]``, row ``i``'s tokens after those of rows ``< i``. C-contiguous, the
-            manager's dtype and array module (on cuda a float8 or bfloat16 cache that CuPy
-            cannot type is written from arrays of its storage dtype, see
-            :func:`hcache.dtypes.storage_dtype`).
+            manager's array module, one dtype: the manager's (on cuda a float8 or bfloat16
+            cache that CuPy cannot type is written from arrays of its storage dtype, see
+            :func:`hcache.dtypes.storage_dtype`), or for an FP8 cache float32, float16 or
+            bfloat16 rows quantized on write (docs/design.md §3.7).
         seq_lengths : host ints [batch], optional
             New tokens of each row for a ragged write (their sum is ``total_tokens``). The row
             offsets go to a device buffer preallocated by the manager.
+        k_scale, v_scale : float or float32 array, optional
+            Quantization scales of float rows written into an FP8 cache (each element is
+            stored as ``fp8(x / scale)``): a float for every head, or a device table
+            ``[num_layers]`` (per layer) or ``[num_layers, >= num_heads]`` (per head) whose row
+            ``layer`` is used. None means 1.0: the manager records no scales (the caller keeps
+            them for its attention kernel). Must be None for any other write.
         stream : optional
             Stream of the launch (docs/design.md §2); use the stream of ``fetch``. Ignored on cpu.
 
@@ -150,13 +164,18 @@ class ContinuousBatchingKVCacheCollection:
         ------
         ValueError
             The collection is ended or not this manager's in-flight batch; a shape or dtype
-            does not match; some row would pass ``max_seq_len``. Nothing is written.
+            does not match; some row would pass ``max_seq_len``; a scale is given for a write
+            that does not quantize, is not finite and > 0, or a table has the wrong shape or
+            dtype. Nothing is written.
         TypeError
-            ``layer`` is not an int, an array has the wrong array module, or ``stream`` is not
-            a stream.
+            ``layer`` is not an int, an array or scale table has the wrong array module, or
+            ``stream`` is not a stream.
         IndexError
             ``layer`` is outside ``[0, num_layers)``.
         """
+        self._write(layer, k, v, ("k", "v"), seq_lengths, k_scale, v_scale, stream)
+
+    def _write(self, layer, key, value, names, seq_lengths, k_scale, v_scale, stream) -> None:
         store = self._store
         stream_handle(stream)   # validates ``stream`` (on cpu too) before anything
         with store.lock:   # held across the launch: a concurrent step cannot end the batch
@@ -169,27 +188,33 @@ class ContinuousBatchingKVCacheCollection:
             if ragged:
                 counts = np.asarray(token_counts(seq_lengths, self.batch_size, "seq_lengths"),
                                     dtype=np.int64)
-            for name, a in (("key", key), ("value", value)):
-                self._check_rows(name, a, heads, size, group.xp, group.dtype, ragged)
+            for name, a in zip(names, (key, value)):
+                self._check_rows(name, a, heads, size, group.xp, ragged)
             if key.shape != value.shape:
-                raise ValueError(f"value: expected the shape of key {tuple(key.shape)}, "
-                                 f"got {tuple(value.shape)}")
+                raise ValueError(f"{names[1]}: expected the shape of {names[0]} "
+                                 f"{tuple(key.shape)}, got {tuple(value.shape)}")
+            if key.dtype != value.dtype:
+                raise ValueError(f"{names[1]}: expected dtype {key.dtype} (as {names[0]}), "
+                                 f"got {value.dtype}")
+            src = source_dtype(names[0], key.dtype, store.dtype, group.xp)
+            scales = [check_scale(n, s, src is not None, group.xp, store.num_layers, heads)
+                      for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
             if ragged and int(counts.sum()) != key.shape[0]:
-                raise ValueError(f"key: expected {int(counts.sum())} tokens (the sum of "
+                raise ValueError(f"{names[0]}: expected {int(counts.sum())} tokens (the sum of "
                                  f"seq_lengths), got {key.shape[0]}")
             if not ragged:
                 counts = np.full(self.batch_size, int(key.shape[1]), dtype=np.int64)
             over = np.flatnonzero(self._lengths + counts > store.max_seq_len)
             if over.size:
                 i = int(over[0])
-                raise ValueError(f"key: expected at most "
+                raise ValueError(f"{names[0]}: expected at most "
                                  f"{store.max_seq_len - int(self._lengths[i])} new tokens for "
                                  f"row {i} (seq_id {self.seq_ids[i]}), got {int(counts[i])}")
             if counts.any():
                 store.write(layer, key, value, batch=self.batch_size, counts=counts,
-                            ragged=ragged, stream=stream)
+                            ragged=ragged, src_dtype=src, scales=scales, stream=stream)
 
-    def _check_rows(self, name, a, heads, size, xp, dtype, ragged=False) -> None:
+    def _check_rows(self, name, a, heads, size, xp, ragged=False) -> None:
         if array_module_of(a) is not xp or not hasattr(a, "shape"):
             raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
         if ragged:
@@ -199,8 +224,6 @@ class ContinuousBatchingKVCacheCollection:
         elif a.ndim != 4 or a.shape[0] != self.batch_size or tuple(a.shape[2:]) != (heads, size):
             raise ValueError(f"{name}: expected shape [{self.batch_size}, new_tokens, {heads}, "
                              f"{size}], got {tuple(a.shape)}")
-        if a.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype}, got {a.dtype}")
         if not a.flags.c_contiguous:
             raise ValueError(f"{name}: expected a C-contiguous array")
 

@@ -36,6 +36,8 @@ class KVBlockStore:
     Attributes
     ----------
     device : Device
+    dtype : numpy.dtype
+        The cache dtype.
     blocks : array [num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]
         ``blocks_buf``, zeroed at construction; it never moves.
     group : KVGroup
@@ -55,7 +57,7 @@ class KVBlockStore:
     def __init__(self, device, dtype, num_blocks: int, num_layers: int, max_seq_len: int,
                  num_heads: int, head_size: int):
         xp = device.xp
-        self.device = device
+        self.device, self.dtype = device, dtype
         with launch_scope(device, None):   # the current stream: construction takes none
             self.blocks = xp.zeros((num_blocks, 2, num_layers, max_seq_len, num_heads, head_size),
                                    dtype=storage_dtype(dtype, xp))
@@ -107,7 +109,7 @@ class KVBlockStore:
             upload_ints(self.cache_lengths, lengths)
 
     def write(self, layer: int, key, value, *, batch: int, counts, ragged: bool,
-              stream) -> None:
+              src_dtype=None, scales=(None, None), stream) -> None:
         """Write new tokens of decoder ``layer`` for the ``batch`` rows of the batch in flight
         at their committed lengths (one launch, in place).
 
@@ -118,16 +120,23 @@ class KVBlockStore:
             ``[total_tokens, num_heads, head_size]`` if ``ragged``.
         counts : numpy.ndarray, int64 [batch]
             New tokens of each row (used for the ragged row offsets).
+        src_dtype : numpy.dtype, optional
+            The float dtype of rows quantized into an FP8 cache (:func:`hcache.ops.kv_write_fp8`
+            with ``scales``, checked by the caller); None copies rows of the cache dtype.
         """
         heads, size = self.group.num_kv_heads[0], self.group.head_dim
         rows = dict(layers=layer, batch=batch, cache_lengths=self.cache_lengths[:batch],
                     row_to_slot=self.lookup_table[:batch], stream=stream)
+        if src_dtype is not None:
+            op = ops.kv_write_fp8
+            rows.update(k_scale=scales[0], v_scale=scales[1], fp8_dtype=self.dtype,
+                        src_dtype=src_dtype)
+        else:
+            op = ops.kv_write
         with launch_scope(self.device, stream):
             if ragged:
                 upload_ints(self.seq_offsets, np.concatenate([[0], np.cumsum(counts)]))
-                ops.kv_write(self.group, key, value, seq_offsets=self.seq_offsets[:batch + 1],
-                             **rows)
+                op(self.group, key, value, seq_offsets=self.seq_offsets[:batch + 1], **rows)
             else:
-                ops.kv_write(self.group, key.reshape(-1, heads, size),
-                             value.reshape(-1, heads, size), uniform_tokens=int(key.shape[1]),
-                             **rows)
+                op(self.group, key.reshape(-1, heads, size), value.reshape(-1, heads, size),
+                   uniform_tokens=int(key.shape[1]), **rows)
