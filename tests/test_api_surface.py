@@ -97,3 +97,19 @@ def test_first_wave_names_still_exist(name):
 
 def test_megatron_constant_stays_in_its_module():
     assert MAX_INTERMEDIATE_OFFSETS_PER_REQUEST == 3
+
+
+WRITERS = ["HybridCacheManager", "KVCacheManager", "LinearKVCache",
+           "ContinuousBatchingKVCacheCollection", "PagedKVPool", "DynamicInferenceContext"]
+
+
+@pytest.mark.parametrize("name", WRITERS)
+def test_every_kv_writer_has_write_kv_with_the_shared_names(name):
+    """One name and one vocabulary for writing K/V, whatever the cache (docs/design.md §4.9)."""
+    import inspect
+
+    cls = getattr(hcache, name, None) or getattr(contexts, name)
+    params = inspect.signature(cls.write_kv).parameters
+    assert {"k", "v", "k_scale", "v_scale", "stream"} <= set(params)
+    for keyword in ("k_scale", "v_scale", "stream"):
+        assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY

@@ -74,8 +74,8 @@ CORRUPTIONS = [
                  id="compaction"),
     # continuous batching loses every write of attention layer 1
     pytest.param("part 2", lambda mp: mp.setattr(
-        ContinuousBatchingKVCacheCollection, "write",
-        _drop_layer1_write(ContinuousBatchingKVCacheCollection.write)), id="cb-write"),
+        ContinuousBatchingKVCacheCollection, "write_kv",
+        _drop_layer1_write(ContinuousBatchingKVCacheCollection.write_kv)), id="cb-write"),
     # prefix caching claims a restore but leaves the live Mamba slot as it was
     pytest.param("part 3", lambda mp: mp.setattr(MambaSlotAllocator, "restore_to_live",
                                                  lambda self, *a, **k: True), id="prefix"),

@@ -6,7 +6,7 @@ Each class implements the cache-adapter protocol of
 on the host, so the adapter copies states and K/V rows between host and the cache's device
 arrays, while every bulk move (KV writes, compaction, capture, restore, snapshots) is done by
 hcache: K/V rows go in through each manager's public write (``HybridCacheManager.write_kv``,
-the continuous-batching collection's ``write``, ``DynamicInferenceContext.write_kv``).
+the continuous-batching collection's ``write_kv``, ``DynamicInferenceContext.write_kv``).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class BlockCache(_Adapter):
         key, value = np.zeros(shape, F32), np.zeros(shape, F32)
         for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
             key[i, :len(k)], value[i, :len(v)] = k, v
-        self.coll.write(a, self.xp.asarray(key), self.xp.asarray(value))
+        self.coll.write_kv(a, self.xp.asarray(key), self.xp.asarray(value))
 
     def read_kv(self, a, s, n):
         block = self.coll.blocks[s]
