@@ -167,17 +167,28 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
                             row_to_slot=row_to_slot, block_table=block_table, status=status)
     if num_tokens == 0:
         return
+    _launch_rows(run, "hc_kv_write", group, layers, ks, vs, launched, group.row_bytes,
+                 (seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths, positions,
+                  row_to_slot, block_table), (), status)
+
+
+def _launch_rows(run, kernel, group, layers, ks, vs, launched, row_bytes, rows, extra, status):
+    """Launch ``kernel`` of ``kv_write.cu`` over the rows of ``launched`` layers: the argument
+    list both write kernels share (layer table, sources, row mapping, strides), with ``extra``
+    (the quantizing kernel's codes and scales) between the row width and the strides. One
+    thread per 16-byte chunk of a ``row_bytes`` row (one row per token, K/V and head)."""
+    seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths, positions, row_to_slot, \
+        block_table = rows
     srcs, k_ptr, v_ptr, offset = _sources(run, group, layers, ks, vs)
     max_blocks = int(block_table.shape[1]) if block_table is not None else 0
     heads = max(group.num_kv_heads[i] for i in launched)
-    rows = num_tokens * 2 * heads * ceil_div(group.row_bytes, 16)
-    grid = (grid_x(rows), len(launched), 1)
+    grid = (grid_x(num_tokens * 2 * heads * ceil_div(row_bytes, 16)), len(launched), 1)
     slot_s, kv_s, head_s, tok_s = group.byte_strides
-    run.launch("kv_write", "hc_kv_write", grid, (BLOCK, 1, 1),
+    run.launch("kv_write", kernel, grid, (BLOCK, 1, 1),
                (ptr(group.device_layer_infos), i32(offset), ptr(srcs), k_ptr, v_ptr,
                 ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
                 ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(block_table),
-                i32(max_blocks), i32(group.num_slots), i32(group.row_bytes),
+                i32(max_blocks), i32(group.num_slots), i32(row_bytes), *extra,
                 i64(slot_s), i64(kv_s), i64(head_s), i64(tok_s), ptr(status)))
 
 
@@ -288,18 +299,9 @@ block_table, status
                                 fp8_dtype=fp8, src_dtype=src, status=status)
     if num_tokens == 0:
         return
-    srcs, k_ptr, v_ptr, offset = _sources(run, group, layers, ks, vs)
-    max_blocks = int(block_table.shape[1]) if block_table is not None else 0
-    heads = max(group.num_kv_heads[i] for i in launched)
-    rows = num_tokens * 2 * heads * ceil_div(group.head_dim, 16)
-    grid = (grid_x(rows), len(launched), 1)
-    slot_s, kv_s, head_s, tok_s = group.byte_strides
-    run.launch("kv_write", "hc_kv_write_fp8", grid, (BLOCK, 1, 1),
-               (ptr(group.device_layer_infos), i32(offset), ptr(srcs), k_ptr, v_ptr,
-                ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
-                ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(block_table),
-                i32(max_blocks), i32(group.num_slots), i32(group.head_dim),
-                i32(_SRC_CODES[src]), i32(_FP8_CODES[fp8]), ptr(group.device_layer_indices),
-                k_args[0], v_args[0], i32(k_args[1]), i32(k_args[2]), i32(v_args[1]),
-                i32(v_args[2]), f32(k_args[3]), f32(v_args[3]),
-                i64(slot_s), i64(kv_s), i64(head_s), i64(tok_s), ptr(status)))
+    _launch_rows(run, "hc_kv_write_fp8", group, layers, ks, vs, launched, group.head_dim,
+                 (seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths, positions,
+                  row_to_slot, block_table),
+                 (i32(_SRC_CODES[src]), i32(_FP8_CODES[fp8]), ptr(group.device_layer_indices),
+                  k_args[0], v_args[0], i32(k_args[1]), i32(k_args[2]), i32(v_args[1]),
+                  i32(v_args[2]), f32(k_args[3]), f32(v_args[3])), status)
