@@ -671,3 +671,44 @@ def test_step_refuses_negative_lengths_from_arrays_and_lists(lengths):
     with pytest.raises(ValueError, match="lengths >= 0"):
         m.step(lengths, coll)
     assert m.in_flight is coll and set(m.cache_lengths.values()) == {0}
+
+
+# --- refusals found by trying every input, and reset -------------------------------------------
+
+def test_fetch_wait_must_be_a_bool():
+    m = make(n=2, s=8)
+    ids = m.claim(2)
+    before = state(m)
+    with pytest.raises(TypeError, match="wait: expected a bool, got str"):
+        m.fetch(ids, wait="yes")
+    assert state(m) == before and m.in_flight is None
+
+
+def test_ragged_write_of_too_many_tokens_is_a_value_error_not_an_overflow():
+    m = make(n=3, s=8)
+    coll = m.fetch(m.claim(3))
+    rows = np.zeros((3, H, D), np.float16)
+    before = state(m)
+    with pytest.raises(ValueError, match=r"seq_lengths\[0\]: expected at most 8 new tokens, "
+                                         r"got 9223372036854775808"):
+        coll.write_kv(0, rows, rows, seq_lengths=[2**63] * 3)
+    assert state(m) == before
+
+
+def test_reset_frees_every_block_and_ends_the_batch():
+    m = make(n=3, s=8)
+    a, b, c = m.claim(3)
+    m.step([4, 2, 1], m.fetch([a, b, c]))
+    coll = m.fetch([a, b])
+    m.reset()
+    assert m.num_free_blocks == 3 and m.num_live_sequences == 0 and m.in_flight is None
+    assert m.cache_lengths == {} and not coll.is_active
+    rows = np.zeros((2, 1, H, D), np.float16)
+    with pytest.raises(ValueError, match="ended collection"):
+        coll.write_kv(0, rows, rows)
+    with pytest.raises(ValueError, match="unknown"):
+        m.fetch([a])                                  # old ids never come back
+    (d,) = m.claim(1)
+    assert d > c and m.cache_lengths == {d: 0}
+    m.step([1], m.fetch([d]))
+    m.check_invariants()

@@ -424,3 +424,14 @@ def test_check_invariants_detects_a_lost_block_and_a_cycle():
     with pytest.raises(RuntimeError) as err:
         a.check_invariants()
     assert "cycle" in str(err.value) and "off the free stack" in str(err.value)
+
+
+def test_advance_clock_keeps_the_clock_an_int64():
+    """The clock stamps int64 timestamps: a step count that would take it past 2**63 - 1 is
+    refused and the clock is unchanged."""
+    alloc = KVBlockAllocator(4)
+    before = alloc.clock
+    with pytest.raises(ValueError, match="steps: expected an int in"):
+        alloc.advance_clock(10**30)
+    assert alloc.clock == before
+    assert alloc.advance_clock(2**63 - 1 - before) == 2**63 - 1

@@ -694,3 +694,30 @@ def test_commit_intermediate_states_checks_its_stream_with_nothing_to_commit():
     for bad in ("default", -1, 2**64):
         with pytest.raises((TypeError, ValueError), match="stream: expected"):
             alloc.commit_intermediate_states(stream=bad)
+
+
+def test_a_hash_below_minus_one_is_refused_not_skipped():
+    """Only -1 (unregistered) and 0 (no hash) are skipped; any other non-positive value is no
+    block hash at all, so the call is refused and nothing changes."""
+    _, kv, alloc = make(max_slots=4)
+    ids, hashes = registered_blocks(kv, 2)
+    alloc.allocate_slots_batch(ids)
+    before = snapshot(alloc)
+    for bad in ([hashes[0], -5], np.array([hashes[0], -5], np.int64)):
+        with pytest.raises(ValueError, match=r"hashes\[1\]: expected a block hash > 0"):
+            alloc.register_block_hashes_batch(list(ids) if isinstance(bad, list) else ids, bad)
+        assert_unchanged(before, alloc)
+    alloc.register_block_hashes_batch(list(ids), [hashes[0], -1])     # -1: skipped
+    assert alloc.hash_to_block_id == {hashes[0]: int(ids[0])}
+
+
+def test_store_from_tensors_names_a_state_that_is_not_an_array():
+    _, kv, alloc = make(max_slots=4)
+    ids, _ = registered_blocks(kv, 1)
+    alloc.allocate_slots_batch(ids)
+    before = snapshot(alloc)
+    conv = np.zeros(alloc.conv_states.shape[2:], alloc.conv_states.dtype)
+    for bad in (None, [0.0], 1.5, "x"):
+        with pytest.raises(TypeError, match="ssm_state: expected an array"):
+            alloc.store_from_tensors(int(ids[0]), 0, bad, conv)
+        assert_unchanged(before, alloc)

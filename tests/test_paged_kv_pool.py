@@ -257,3 +257,22 @@ def test_constructor_validation_layers_and_report():
         pool.get_layer(3)
     with pytest.raises(IndexError):
         pool.get_layer(-1)
+
+
+def test_uniform_rows_must_fill_whole_rows():
+    """With ``uniform_tokens`` and no explicit ``batch``, a token count that is not a multiple
+    would silently drop the last tokens: refused, nothing written. An explicit ``batch`` keeps
+    the kernel's meaning (rows past ``batch * uniform_tokens`` are padding)."""
+    pool = PagedKVPool(LAYERS, num_blocks=4, block_size=2, device="cpu")
+    rng = np.random.default_rng(3)
+    k, v = random_rows(pool, rng, 5, 0), random_rows(pool, rng, 5, 0)
+    table = np.array([[0, 1, -1], [2, 3, -1]], np.int32)
+    before = model_of(pool)
+    with pytest.raises(ValueError, match=r"k: expected a multiple of uniform_tokens \(2\) rows, "
+                                         r"got 5"):
+        pool.write_kv(k, v, layer=0, block_table=table, uniform_tokens=2)
+    check_pool(pool, before)
+    pool.write_kv(k, v, layer=0, block_table=table, uniform_tokens=2, batch=2)   # 1 pad row
+    written = host(pool.get_layer(0))
+    np.testing.assert_array_equal(written[0, 0, :, 0], host(k)[0])
+    np.testing.assert_array_equal(written[2, 0, :, 1], host(k)[3])

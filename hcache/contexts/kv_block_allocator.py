@@ -22,12 +22,13 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, block_id_array, hash_array
+from .._checks import as_int, block_id_array, check_int, hash_array
 from .block_forest import BlockForest
 
 __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
 
 EVICTION_POLICIES = ("lru", "ref_zero")
+_INT64_MAX = 2**63 - 1
 _log = logging.getLogger(__name__)
 
 
@@ -164,8 +165,8 @@ class KVBlockAllocator:
 
     def advance_clock(self, steps: int = 1) -> int:
         """Advance the LRU clock by ``steps`` (the context does this once per step); returns
-        the new value."""
-        self._clock += as_int("steps", steps)
+        the new value. ``ValueError`` if the clock would leave int64 (the timestamps' type)."""
+        self._clock += check_int("steps", steps, 0, _INT64_MAX - self._clock)
         return self._clock
 
     def add_blocks_deregistered_observer(self, fn) -> None:

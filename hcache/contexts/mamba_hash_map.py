@@ -108,12 +108,16 @@ class MambaHashMap:
         Raises
         ------
         ValueError
-            Lengths differ, a block owns no slot, or a hash is not the KV hash of that block
-            (or is already in the map under another block). Nothing changes.
+            Lengths differ, a hash is below -1, a block owns no slot, or a hash is not the KV
+            hash of that block (or is already in the map under another block). Nothing changes.
         """
         hs = hashes
         if hs.shape != block_ids.shape:
             raise ValueError(f"hashes: expected {len(block_ids)} hashes, got {len(hs)}")
+        if (hs < -1).any():   # -1 (unregistered) and 0 (no hash) are skipped; below is no hash
+            i = int(np.argmax(hs < -1))
+            raise ValueError(f"hashes[{i}]: expected a block hash > 0, or -1 / 0 (skipped), "
+                             f"got {int(hs[i])}")
         keep = hs > 0
         ids, hs = block_ids[keep], hs[keep]
         ids_list, hs_list = ids.tolist(), hs.tolist()

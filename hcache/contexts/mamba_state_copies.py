@@ -128,6 +128,8 @@ class MambaStateCopies:
         ------
         IndexError
             ``layer_idx`` is out of range.
+        TypeError
+            A state is not an array.
         ValueError
             ``slot`` is -1, or a state's shape or dtype is not the cache's. Nothing changes.
         """
@@ -136,6 +138,8 @@ class MambaStateCopies:
             raise ValueError(f"block_id: expected a block owning a slot, got {int(block_id)}")
         for name, value, cache in (("ssm_state", ssm_state, self.ssm_states),
                                    ("conv_state", conv_state, self.conv_states)):
+            if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+                raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
             if tuple(value.shape) != cache.shape[2:] or value.dtype != cache.dtype:
                 raise ValueError(f"{name}: expected {cache.dtype}{cache.shape[2:]}, "
                                  f"got {value.dtype}{tuple(value.shape)}")

@@ -157,6 +157,12 @@ class PagedKVPool:
             for a write that does not quantize or is not a valid scale (nothing written).
         """
         checked = self.check_write(k, v, layer=layer, k_scale=k_scale, v_scale=v_scale)
+        if checked is not None and seq_offsets is None and batch is None \
+                and type(uniform_tokens) is int and uniform_tokens > 0:
+            rows = (checked[1][0] if layer is None else checked[1]).shape[0]
+            if rows % uniform_tokens:   # the rows past the last whole one would be dropped
+                raise ValueError(f"k: expected a multiple of uniform_tokens ({uniform_tokens}) "
+                                 f"rows, got {rows}")
         self.launch_write(checked, block_table=block_table, seq_offsets=seq_offsets,
                           uniform_tokens=uniform_tokens, batch=batch, cache_lengths=cache_lengths,
                           positions=positions, status=status, stream=stream)

@@ -186,8 +186,12 @@ class ContinuousBatchingKVCacheCollection:
             heads, size = group.num_kv_heads[0], group.head_dim
             ragged = seq_lengths is not None
             if ragged:
-                counts = np.asarray(token_counts(seq_lengths, self.batch_size, "seq_lengths"),
-                                    dtype=np.int64)
+                listed = token_counts(seq_lengths, self.batch_size, "seq_lengths")
+                big = [i for i, c in enumerate(listed) if c > store.max_seq_len]
+                if big:   # refused before int64 could overflow
+                    raise ValueError(f"seq_lengths[{big[0]}]: expected at most "
+                                     f"{store.max_seq_len} new tokens, got {listed[big[0]]}")
+                counts = np.asarray(listed, dtype=np.int64)
             for name, a in zip(names, (key, value)):
                 self._check_rows(name, a, heads, size, group.xp, ragged)
             if key.shape != value.shape:

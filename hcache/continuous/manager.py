@@ -198,6 +198,8 @@ class ContinuousBatchingKVCacheManager:
             stream.
         """
         ids = seq_id_list(seq_ids)
+        if not isinstance(wait, (bool, np.bool_)):
+            raise TypeError(f"wait: expected a bool, got {type(wait).__name__}")
         if not ids:
             raise ValueError("seq_ids: expected at least one seq_id, got 0")
         if timeout is not None:
@@ -267,6 +269,21 @@ class ContinuousBatchingKVCacheManager:
                 raise ValueError(f"seq_id: expected a sequence not in the batch in flight, "
                                  f"got {sid}; step the batch first")
             self._sequences.release(sid)
+
+    def reset(self) -> None:
+        """Release every live sequence and end the batch in flight: every block is free again.
+
+        The cache bytes stay as they are (a new sequence starts at length 0, so nothing reads
+        them). seq_ids handed out before stay invalid forever, so a stale id held by some thread
+        cannot alias a sequence claimed after the reset; the collection that was in flight is
+        ended (``write`` and ``step`` refuse it), and threads waiting in ``fetch(wait=True)``
+        wake up. Work already queued on a stream still writes the old blocks: order it before
+        claiming again.
+        """
+        with self._cond:
+            self._sequences.reset()
+            self._inflight, self._inflight_owner = None, None
+            self._cond.notify_all()
 
     # --- checks and diagnostics -------------------------------------------------------------
 

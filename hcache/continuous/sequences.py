@@ -115,6 +115,14 @@ class SequenceBlocks:
         self.block_len[block] = 0
         heapq.heappush(self.free, block)
 
+    def reset(self) -> None:
+        """Free every block and forget every live sequence; the id counter is kept, so ids
+        handed out before stay unknown forever."""
+        self.free[:] = range(self.num_blocks)
+        self.block_of.clear()
+        self.block_len[:] = 0
+        self._last_lookup = None
+
     def broken_invariants(self) -> list[str]:
         """A message per broken invariant (see the module docstring); empty if none."""
         p: list[str] = []
