@@ -201,20 +201,25 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
              cache_lengths=None, positions=None, row_to_slot=None, block_table=None,
              status=None):
     """Write new K/V rows into the group's caches (semantics in ``kernels/kv_write.cu``)."""
+    _write_layers(group, k, v, layers, lambda li, kv, rows: rows, status,
+                  seq_offsets=seq_offsets, uniform_tokens=uniform_tokens, batch=batch,
+                  cache_lengths=cache_lengths, positions=positions, row_to_slot=row_to_slot,
+                  block_table=block_table)
+
+
+def _write_layers(group, k, v, layers, convert, status, **rows):
+    """The write both kernels share: map the tokens once (``rows``: the index arguments), then
+    put ``convert(group_position, kv, rows)`` of each layer's K (kv 0) and V (kv 1) in place."""
     if layers is None:
         idx, ks, vs = range(group.num_layers), k, v
     else:
         idx, ks, vs = (int(layers),), (k,), (v,)
-    num_tokens = int(ks[0].shape[0])
-    targets, reported = kv_write_targets(
-        group, idx, num_tokens, seq_offsets=seq_offsets, uniform_tokens=uniform_tokens,
-        batch=batch, cache_lengths=cache_lengths, positions=positions, row_to_slot=row_to_slot,
-        block_table=block_table)
+    targets, reported = kv_write_targets(group, idx, int(ks[0].shape[0]), **rows)
     if targets is not None:
         for li, kk, vv, target in zip(idx, ks, vs, targets):
             layer = group.layers[li]
-            write_rows(layer, group.layout, 0, kk, target)
-            write_rows(layer, group.layout, 1, vv, target)
+            write_rows(layer, group.layout, 0, convert(li, 0, kk), target)
+            write_rows(layer, group.layout, 1, convert(li, 1, vv), target)
     if status is not None and reported:
         status[0] += reported
 
@@ -259,22 +264,14 @@ def kv_write_fp8(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0
     rows of ``kv_write``, each element ``quantize_fp8(x, scale)`` with the scale of the layer's
     row ``group.layer_indices[p]`` (and head) of ``k_scale`` / ``v_scale``."""
     fp8 = np.dtype(fp8_dtype) if fp8_dtype is not None else group.dtype
-    if layers is None:
-        idx, ks, vs = range(group.num_layers), k, v
-    else:
-        idx, ks, vs = (int(layers),), (k,), (v,)
-    num_tokens = int(ks[0].shape[0])
-    targets, reported = kv_write_targets(
-        group, idx, num_tokens, seq_offsets=seq_offsets, uniform_tokens=uniform_tokens,
-        batch=batch, cache_lengths=cache_lengths, positions=positions, row_to_slot=row_to_slot,
-        block_table=block_table)
-    if targets is not None:
-        for li, kk, vv, target in zip(idx, ks, vs, targets):
-            layer, row, heads = group.layers[li], group.layer_indices[li], group.num_kv_heads[li]
-            for kv, rows, scale in ((0, kk, k_scale), (1, vv, v_scale)):
-                if src_dtype is not None and rows.dtype != src_dtype:
-                    rows = rows.view(src_dtype)    # bfloat16 held as uint16
-                q = quantize_fp8(rows, _layer_scale(scale, row, heads), fp8)
-                write_rows(layer, group.layout, kv, q.view(group.dtype), target)
-    if status is not None and reported:
-        status[0] += reported
+
+    def quantized(li, kv, rows):
+        if src_dtype is not None and rows.dtype != src_dtype:
+            rows = rows.view(src_dtype)    # bfloat16 held as uint16
+        scale = _layer_scale(v_scale if kv else k_scale, group.layer_indices[li],
+                             group.num_kv_heads[li])
+        return quantize_fp8(rows, scale, fp8).view(group.dtype)
+
+    _write_layers(group, k, v, layers, quantized, status, seq_offsets=seq_offsets,
+                  uniform_tokens=uniform_tokens, batch=batch, cache_lengths=cache_lengths,
+                  positions=positions, row_to_slot=row_to_slot, block_table=block_table)
