@@ -50,14 +50,24 @@ class LayerType(enum.Enum):
 
 @dataclass(frozen=True)
 class KVLayerConfig:
-    """KV shape of one attention layer; ``sliding_window`` is recorded from the model."""
+    """KV shape of one attention layer; ``sliding_window`` is recorded from the model.
+
+    ``components`` is 2 for separate K and V, or 1 for a multi-head latent attention (MLA) layer
+    that caches one latent vector per token (``c_kv`` then ``k_pe``, ``head_dim = kv_lora_rank +
+    qk_rope_head_dim``, ``num_kv_heads = 1``) and no V.
+    """
 
     num_kv_heads: int
     head_dim: int
     sliding_window: int | None = None
+    components: int = 2
 
     def __post_init__(self):
         _set(self, "num_kv_heads", as_int("num_kv_heads", self.num_kv_heads, 1))
         _set(self, "head_dim", as_int("head_dim", self.head_dim, 1))
         if self.sliding_window is not None:
             _set(self, "sliding_window", as_int("sliding_window", self.sliding_window, 1))
+        _set(self, "components", as_int("components", self.components, 1))
+        if self.components not in (1, 2):
+            raise ValueError(f"components: expected 1 (latent MLA cache) or 2 (K and V), "
+                             f"got {self.components}")

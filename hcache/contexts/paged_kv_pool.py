@@ -60,6 +60,9 @@ class PagedKVPool:
             if not isinstance(lc, KVLayerConfig):
                 raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
                                 f"got {type(lc).__name__}")
+            if lc.components != 2:  # latent (MLA) caches: issue 13, not wired yet
+                raise ValueError(f"layer_configs[{i}].components: expected 2 (latent MLA "
+                                 f"caches are not supported yet), got {lc.components}")
         self.layer_configs = configs
         self.num_blocks = as_int("num_blocks", num_blocks, 1)
         self.block_size = as_int("block_size", block_size, 1)

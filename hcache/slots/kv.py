@@ -39,6 +39,10 @@ class KVCacheManager:
     def __init__(self, config, stream=None, *, device=None):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config: expected KVCacheConfig, got {type(config).__name__}")
+        for i, lc in enumerate(config.layer_configs):
+            if lc.components != 2:  # latent (MLA) caches: issue 13, not wired yet
+                raise ValueError(f"config.layer_configs[{i}].components: expected 2 (latent "
+                                 f"MLA caches are not supported yet), got {lc.components}")
         self._config = config
         self._device = resolve_device(device)
         xp = self._device.xp
