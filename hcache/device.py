@@ -10,32 +10,24 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
+
+from . import _cuda
 
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
            "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer"]
 
 
-@cache
-def _cupy():
-    try:
-        import cupy
-    except Exception:  # noqa: BLE001 - any import failure means "no CuPy"
-        return None
-    return cupy
+def _runtime():
+    return _cuda.runtime()
 
 
 def cupy_available() -> bool:
-    """True when CuPy imports and ``cupy.cuda.is_available()`` (a driver and a GPU) holds."""
-    cp = _cupy()
-    if cp is None:
-        return False
-    try:
-        return bool(cp.cuda.is_available())
-    except Exception:  # noqa: BLE001
-        return False
+    """True when a device runtime is usable: CuPy imports and ``cupy.cuda.is_available()`` (a
+    driver and a GPU) holds, or the test suite's emulated device is installed."""
+    rt = _runtime()
+    return rt is not None and rt.usable()
 
 
 @dataclass(frozen=True)
@@ -51,13 +43,13 @@ class Device:
 
     @property
     def xp(self):
-        """The array module: ``numpy`` on cpu, ``cupy`` on cuda."""
-        return _cupy() if self.is_cuda else np
+        """The array module: ``numpy`` on cpu, the runtime's (``cupy``) on cuda."""
+        return _runtime().xp if self.is_cuda else np
 
     def scope(self):
         """A context manager that makes this device current (a no-op on cpu)."""
         if self.is_cuda:
-            return _cupy().cuda.Device(self.index)
+            return _runtime().device_scope(self.index)
         return contextlib.nullcontext()
 
     def __str__(self) -> str:
@@ -91,18 +83,19 @@ def resolve_device(device=None) -> Device:
     if not cupy_available():
         raise ValueError(f"device: expected a usable CUDA device for {device!r}, "
                          "got none (CuPy missing or no GPU/driver); use device='cpu'")
-    index = int(ordinal) if ordinal else _cupy().cuda.runtime.getDevice()
-    count = _cupy().cuda.runtime.getDeviceCount()
+    index = int(ordinal) if ordinal else _runtime().current_device()
+    count = _runtime().device_count()
     if index >= count:
         raise ValueError(f"device: expected an ordinal below {count}, got {index}")
     return Device("cuda", index)
 
 
 def array_module_of(array):
-    """``numpy`` or ``cupy``, by the array's type (anything not CuPy is treated as NumPy)."""
-    cp = _cupy()
-    if cp is not None and isinstance(array, cp.ndarray):
-        return cp
+    """``numpy`` or the runtime's array module (``cupy``), by the array's type (anything not a
+    device array is treated as NumPy)."""
+    rt = _runtime()
+    if rt is not None and not isinstance(array, np.ndarray) and rt.is_array(array):
+        return rt.xp
     return np
 
 
@@ -110,7 +103,15 @@ def data_pointer(array) -> int:
     """The address of an array's first element (host address for NumPy, device for CuPy)."""
     if isinstance(array, np.ndarray):
         return int(array.ctypes.data)
-    return int(array.data.ptr)
+    return _runtime().pointer(array)
+
+
+def array_device(array) -> int | None:
+    """The CUDA ordinal that owns a device array's memory; ``None`` for a host array."""
+    if isinstance(array, np.ndarray):
+        return None
+    rt = _runtime()
+    return rt.array_device(array) if rt is not None and rt.is_array(array) else None
 
 
 def stream_handle(stream) -> int:
@@ -128,7 +129,7 @@ def stream_handle(stream) -> int:
         An ``int`` handle is negative or does not fit a 64-bit ``cudaStream_t``.
     """
     if stream is None:
-        return int(_cupy().cuda.get_current_stream().ptr) if cupy_available() else 0
+        return _runtime().current_stream() if cupy_available() else 0
     if isinstance(stream, bool):
         raise TypeError("stream: expected None, a CuPy stream, an int handle or an object with "
                         "__cuda_stream__, got bool")
@@ -152,43 +153,13 @@ def stream_handle(stream) -> int:
 
 
 def stream_scope(stream, device: Device):
-    """Context manager that makes ``stream`` current for CuPy work on ``device``.
-
-    On cpu the stream is validated and otherwise ignored.
-    """
+    """Context manager that makes ``stream`` current for device work on ``device`` (which must
+    be current already: see :func:`launch_scope`). On cpu the stream is validated and otherwise
+    ignored."""
     handle = stream_handle(stream)
     if not device.is_cuda:
         return contextlib.nullcontext()
-    cp = _cupy()
-    if stream is None:
-        return contextlib.nullcontext()
-    if isinstance(stream, cp.cuda.Stream):
-        return stream
-    return _external_stream(handle, device.index)
-
-
-class _StreamHandle:
-    """A raw ``cudaStream_t`` as an object of the CUDA stream protocol."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
-
-
-@cache
-def _external_stream(handle: int, device_index: int):
-    """A CuPy stream for a foreign ``cudaStream_t`` on ``device_index``, made once per handle
-    (``Stream.from_external``; CuPy 13 has only the deprecated ``ExternalStream``)."""
-    cp = _cupy()
-    from_external = getattr(cp.cuda.Stream, "from_external", None)
-    if from_external is None:
-        return cp.cuda.ExternalStream(handle, device_index)
-    with cp.cuda.Device(device_index):
-        return from_external(_StreamHandle(handle))
+    return _runtime().stream_scope(stream, handle, device.index)
 
 
 _NO_SCOPE = contextlib.nullcontext()   # reusable: entering it does nothing
@@ -228,7 +199,7 @@ def upload(dst, host: np.ndarray) -> None:
     if isinstance(dst, np.ndarray):
         dst[:n] = host
     else:
-        dst[:n].set(np.ascontiguousarray(host))
+        _runtime().copy_h2d(dst[:n], np.ascontiguousarray(host))
 
 
 def upload_ints(dst, host: np.ndarray) -> None:
@@ -240,4 +211,7 @@ def to_host(array) -> np.ndarray:
     """A host view of ``array`` (NumPy as it is; a CuPy array is copied, **synchronously**)."""
     if isinstance(array, np.ndarray):
         return array
-    return np.asarray(array.get() if hasattr(array, "get") else array)
+    rt = _runtime()
+    if rt is not None and rt.is_array(array):
+        return rt.to_host(array)
+    return np.asarray(array)

@@ -10,6 +10,7 @@ import contextlib
 
 import numpy as np
 
+from .. import _cuda
 from .._checks import int32_array
 from ..device import Device, data_pointer, launch_scope, stream_handle, upload
 from . import _loader
@@ -21,21 +22,19 @@ MAX_GRID_Z = 64
 
 
 class CupyLauncher:
-    """Launches through CuPy ``RawKernel`` on the current device and ``stream``."""
+    """Launches through the device runtime on the current device and ``stream``."""
 
     def __init__(self, stream=None):
         self.stream = stream
 
     def _device(self):
-        import cupy
-
-        return Device("cuda", cupy.cuda.runtime.getDevice())
+        return Device("cuda", _cuda.runtime().current_device())
 
     def launch(self, family, name, grid, block, args):
         device = self._device()
         kernel = _loader.get_function(family, name, device.index)
         with launch_scope(device, self.stream):
-            kernel(grid, block, args)
+            _cuda.runtime().launch(kernel, grid, block, args)
 
     def upload(self, scratch, host: np.ndarray):
         """Copy a small host table into preallocated device memory, ordered on the stream."""

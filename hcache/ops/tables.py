@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import Device, array_module_of, data_pointer, launch_scope, to_host, upload
+from ..device import (
+    Device,
+    array_device,
+    array_module_of,
+    data_pointer,
+    launch_scope,
+    to_host,
+    upload,
+)
 
 __all__ = ["KVGroup", "SlotSet", "group_layers_by_head_dim", "pack_kv_layer_infos",
            "PLAN_HEADER", "TMP", "CLEAR", "compaction_plan_size", "plan_max_batch",
@@ -268,7 +276,7 @@ class SlotSet:
         if isinstance(self.device_infos, np.ndarray):
             upload(self.device_infos, host)
         else:
-            with launch_scope(Device("cuda", self.device_infos.device.id), stream):
+            with launch_scope(Device("cuda", array_device(self.device_infos)), stream):
                 upload(self.device_infos, host)
         self.pairs = pairs
 
