@@ -165,6 +165,10 @@ class CupyRuntime:
         contiguous, of equal size. From pinned ``src`` the copy reads it when it executes."""
         dst.data.copy_from_host_async(src.ctypes.data_as(ctypes.c_void_p), src.nbytes)
 
+    def synchronize_stream(self) -> None:
+        """``cudaStreamSynchronize(current stream)``."""
+        self.cp.cuda.get_current_stream().synchronize()
+
     def to_host(self, a) -> np.ndarray:
         """``cudaMemcpyAsync`` device to host on the current stream, then
         ``cudaStreamSynchronize``: **synchronizes** the current stream."""

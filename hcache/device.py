@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import _cuda
+from .staging import StagingRing
 
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
            "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer"]
@@ -114,6 +117,59 @@ def array_device(array) -> int | None:
     return rt.array_device(array) if rt is not None and rt.is_array(array) else None
 
 
+def adopt(obj):
+    """``obj`` as a device array of the runtime, with **no** synchronization: a device array as
+    it is; an object with ``__cuda_array_interface__`` viewed in place (``cupy.asarray`` would
+    synchronize the host with the stream the interface names). Order the producer's stream
+    with :func:`wait_for_producer` inside the call's launch scope."""
+    rt = _runtime()
+    if rt.is_array(obj):
+        return obj
+    return rt.adopt(obj)
+
+
+_producer_events: dict = {}   # (runtime id, device) -> the event producer streams record
+_producer_lock = threading.Lock()
+
+
+def wait_for_producer(obj, device: Device) -> None:
+    """Inside a launch scope on ``device``: the current stream waits (on the device, no host
+    wait) for the stream that ``obj.__cuda_array_interface__`` names as its producer (``1`` is
+    the legacy default stream; absent or ``None``: nothing to order). During capture nothing is
+    waited for: the caller orders the producer before capturing (a capture cannot wait for
+    work outside it)."""
+    iface = getattr(obj, "__cuda_array_interface__", None)
+    stream = iface.get("stream") if isinstance(iface, dict) else None
+    if not stream or not device.is_cuda:
+        return
+    rt = _runtime()
+    handle = 0 if stream in (1, 2) else int(stream)
+    if rt.is_capturing() or handle == rt.current_stream():
+        return
+    with _producer_lock:
+        key = (id(rt), device.index)
+        event = _producer_events.get(key)
+        if event is None:
+            event = _producer_events[key] = rt.event()
+        with rt.stream_scope(handle, handle, device.index):
+            rt.record(event)
+        rt.wait(event)
+
+
+def check_device(name: str, array, device: Device) -> None:
+    """Refuse a device array that lives on another device than ``device`` (kernels launched on
+    ``device`` cannot address it).
+
+    Raises
+    ------
+    ValueError
+        ``array`` is a device array of another ordinal.
+    """
+    index = array_device(array) if device.is_cuda else None
+    if index is not None and index != device.index:
+        raise ValueError(f"{name}: expected an array on {device}, got one on cuda:{index}")
+
+
 def stream_handle(stream) -> int:
     """Normalise a stream argument to a raw ``cudaStream_t`` handle (an ``int``).
 
@@ -165,10 +221,12 @@ def stream_scope(stream, device: Device):
 _NO_SCOPE = contextlib.nullcontext()   # reusable: entering it does nothing
 
 
-def launch_scope(device: Device, stream):
+def launch_scope(device: Device, stream, order=None):
     """Make ``device`` current, then ``stream`` (on that device), for the uploads and launches
     of one call; validates ``stream`` on cpu too. The one owner of the device and the stream of
     a call: the order matters, since a stream belongs to the device current when it is made.
+    With ``order`` (a :class:`~hcache.stream_order.StreamOrder`), the call's work is chained
+    after the owner's earlier work on other streams.
 
     Raises
     ------
@@ -180,31 +238,68 @@ def launch_scope(device: Device, stream):
         if stream is not None:
             stream_handle(stream)
         return _NO_SCOPE
-    return _cuda_launch_scope(device, stream)
+    return _cuda_launch_scope(device, stream, order)
 
 
 @contextlib.contextmanager
-def _cuda_launch_scope(device: Device, stream):
+def _cuda_launch_scope(device: Device, stream, order):
     with device.scope(), stream_scope(stream, device):
-        yield
+        if order is None:
+            yield
+            return
+        rt = _runtime()
+        order.before(rt)
+        try:
+            yield
+        finally:
+            order.after(rt)
+
+
+_rings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # runtime -> {device: ring}
+_rings_lock = threading.Lock()
+
+
+def _staging(rt, index: int) -> StagingRing:
+    with _rings_lock:
+        per_device = _rings.setdefault(rt, {})
+        ring = per_device.get(index)
+        if ring is None:
+            with rt.device_scope(index):
+                ring = per_device[index] = StagingRing(rt)
+        return ring
 
 
 def upload(dst, host: np.ndarray) -> None:
     """``dst[:len(host)] = host``: host to device on the current stream (a plain copy for a NumPy
     ``dst``). The one way the package copies host data into device buffers; ``host`` must have
-    ``dst``'s dtype and trailing shape."""
+    ``dst``'s dtype and trailing shape, and ``dst``'s device must be current.
+
+    On a device the bytes go through a pinned slot of the device's
+    :class:`~hcache.staging.StagingRing`: no pageable copy, capture-safe (a captured upload
+    keeps its slot for the graph's replays), and ``host`` may be reused as soon as this returns.
+    """
     n = host.shape[0]
     if n == 0:
         return
     if isinstance(dst, np.ndarray):
         dst[:n] = host
-    else:
-        _runtime().copy_h2d(dst[:n], np.ascontiguousarray(host))
+        return
+    rt = _runtime()
+    _staging(rt, rt.array_device(dst)).upload(dst[:n], np.ascontiguousarray(host))
 
 
 def upload_ints(dst, host: np.ndarray) -> None:
     """:func:`upload` of host integers into an int32 ``dst``."""
     upload(dst, host.astype(np.int32))
+
+
+def settle(device: Device) -> None:
+    """End of a construction: wait (host side) until the zero fills and table uploads it queued
+    on the current stream of ``device`` ran, so the new memory is ready for work on any stream
+    (a non-blocking stream is not ordered after the construction's stream). A no-op on cpu."""
+    if device.is_cuda:
+        with device.scope():
+            _runtime().synchronize_stream()
 
 
 def to_host(array) -> np.ndarray:

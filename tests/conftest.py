@@ -78,3 +78,10 @@ def xp_device():
     import numpy
 
     return "cpu", numpy
+
+
+@pytest.fixture
+def emu_rt(_emulated_device):
+    """The emulated device's runtime of a test marked ``emulated``."""
+    assert _emulated_device is not None, "emu_rt: expected a test marked emulated"
+    return _emulated_device

@@ -266,12 +266,23 @@ class EmuRuntime:
                 self._used.remove(s)
             self._used.append(s)
 
-    def synchronize(self) -> None:
-        """``cudaDeviceSynchronize`` of every device: the streams drained latest-used first."""
+    def synchronize(self, schedule: str = "lifo") -> None:
+        """``cudaDeviceSynchronize`` of every device. ``schedule`` is the adversary's order:
+        ``"lifo"`` drains the streams latest-used first; ``"round_robin"`` runs one operation
+        of each stream in turn (so unordered work of two streams interleaves)."""
         self.refuse_in_capture("cudaDeviceSynchronize")
         with self.lock:
-            for s in reversed(list(self._used)):
-                s.run_until(s.enqueued)
+            streams = list(reversed(self._used))
+            if schedule == "lifo":
+                for s in streams:
+                    s.run_until(s.enqueued)
+            elif schedule == "round_robin":
+                while any(s.executed < s.enqueued for s in streams):
+                    for s in streams:
+                        if s.executed < s.enqueued:
+                            s.run_until(s.executed + 1)
+            else:
+                raise ValueError(f"schedule: expected 'lifo' or 'round_robin', got {schedule!r}")
             self.counters["syncs"] += 1
 
     # --- memory -----------------------------------------------------------------------------
@@ -328,10 +339,19 @@ class EmuRuntime:
         data = src.reshape(-1).view(np.uint8).copy()   # staged by the driver, now
         self.enqueue(lambda: np.copyto(out, data), "memcpy HtoD (pageable)")
 
+    def synchronize_stream(self) -> None:
+        self.refuse_in_capture("cudaStreamSynchronize")
+        with self.lock:
+            s = self.current()
+            self.enqueue(lambda: None, "synchronize", s)   # the legacy stream's implicit waits
+            s.run_until(s.enqueued)
+            self.counters["syncs"] += 1
+
     def to_host(self, a) -> np.ndarray:
         self.refuse_in_capture("cudaMemcpy DtoH")
         with self.lock, self.device_scope(a._alloc.device):
             s = self.current()
+            self.enqueue(lambda: None, "memcpy DtoH", s)   # ordered as a copy on s would be
             s.run_until(s.enqueued)
             self.counters["syncs"] += 1
             return a._v.copy()
@@ -374,7 +394,7 @@ class EmuRuntime:
 
     def event_synchronize(self, event: EmuEvent) -> None:
         self.refuse_in_capture("cudaEventSynchronize")
-        self.counters["syncs"] += 1
+        self.counters["event_syncs"] += 1
         if event.stream is not None:
             event.stream.run_until(event.seq)
 

@@ -30,7 +30,7 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int, int_shape
-from ..device import resolve_device, stream_handle
+from ..device import resolve_device, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
 from .kv_block_allocator import KVBlockAllocator
@@ -133,6 +133,7 @@ class DynamicInferenceContext:
         self._scheduler = StepScheduler(self._requests, self.kv_block_allocator,
                                         self.mamba_slot_allocator, self._live, L)
         self.stats = PrefixCacheStats()
+        settle(self.device)   # the step tables and live states are ready for any stream
 
     # --- queries --------------------------------------------------------------------------------
 

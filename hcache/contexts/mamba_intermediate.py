@@ -27,6 +27,7 @@ import numpy as np
 
 from .._checks import as_int, index_array
 from ..device import launch_scope, to_host, upload_ints
+from ..stream_order import StreamOrder
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
 
@@ -76,6 +77,7 @@ class IntermediateStates:
                  ssm_states_shape, conv_dtype, ssm_dtype):
         xp, L, R = device.xp, num_mamba_layers, max_requests
         self.device, self.max_requests, self.max_count = device, R, _K * R
+        self.order = StreamOrder()   # its staging buffers: one chain across streams
         with device.scope():
             self.conv_out = xp.zeros((L, self.max_count, *conv_states_shape), dtype=conv_dtype)
             self.ssm_out = xp.zeros((L, self.max_count, *ssm_states_shape), dtype=ssm_dtype)
@@ -262,7 +264,7 @@ class IntermediateStates:
                              f"got [{start}, {start + count})")
         if not self.pending or count == 0:
             return None, None
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             upload_ints(self._offsets_dev, self.offsets[start:start + count])
             upload_ints(self._counts_dev, self.counts[start:start + count])
         return self._offsets_dev[:count], self._counts_dev[:count]

@@ -16,10 +16,18 @@ import numpy as np
 from .. import ops
 from .._checks import as_int, block_id_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import array_module_of, launch_scope, resolve_device, upload_ints
+from ..device import (
+    array_module_of,
+    check_device,
+    launch_scope,
+    resolve_device,
+    settle,
+    upload_ints,
+)
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
 from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
+from ..stream_order import StreamOrder
 
 __all__ = ["PagedKVPool"]
 
@@ -68,6 +76,7 @@ class PagedKVPool:
         self.block_size = as_int("block_size", block_size, 1)
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
+        self.order = StreamOrder()   # writes and block copies: one chain across streams
         xp = self.xp = self.device.xp
         self.storage_dtype = storage_dtype(self.dtype, xp)
         with self.device.scope():
@@ -81,6 +90,7 @@ class PagedKVPool:
             self._slots = SlotSet([(a, a) for a in self.layers]) if self.layers else None
             # Host id lists for copy_blocks are uploaded here, so copies allocate nothing.
             self._copy_ids = xp.empty((2, self.num_blocks), dtype=np.int32)
+            settle(self.device)
         # attention_index -> (group index, group_position)
         self._group_position = {a: (g, position) for g, indices in enumerate(members)
                                 for position, a in enumerate(indices)}
@@ -208,7 +218,7 @@ class PagedKVPool:
         if src is not None:
             kwargs.update(k_scale=scales[0], v_scale=scales[1], fp8_dtype=self.dtype,
                           src_dtype=src)
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             if attention_index is not None:
                 g, group_position = self._group_position[attention_index]
                 op(self.groups[g], ks, vs, layers=group_position, **kwargs)
@@ -253,7 +263,7 @@ class PagedKVPool:
             if both.any():
                 raise ValueError(f"dst_ids: expected no block that is also a source, got "
                                  f"{int(dst[both][0])}")
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             if self._slots is None:
                 return  # no attention layer: blocks hold no data
             if host_ids:
@@ -285,6 +295,7 @@ class PagedKVPool:
         if array_module_of(a) is not self.xp or not hasattr(a, "shape"):
             raise TypeError(f"{name}: expected a {self.xp.__name__} array, "
                             f"got {type(a).__name__}")
+        check_device(name, a, self.device)
         n = int(a.shape[0]) if a.ndim == 3 else -1
         want = (num_tokens if num_tokens is not None else max(n, 0), lc.num_kv_heads,
                 lc.head_dim)

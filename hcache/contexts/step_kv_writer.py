@@ -76,7 +76,7 @@ class StepKVWriter:
         positions[positions < requests.kv_cached[rows][which]] = -1
         table = requests.request_to_kv_block_ids[rows]
         n, b = len(positions), len(rows)
-        with launch_scope(self.kv_pool.device, stream):
+        with launch_scope(self.kv_pool.device, stream, self.kv_pool.order):
             upload_ints(self._positions_dev, positions)
             upload_ints(self._offsets_dev, offsets)
             upload_ints(self._table_dev, table)

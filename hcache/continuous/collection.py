@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import token_counts
-from ..device import array_module_of, stream_handle
+from ..device import array_module_of, check_device, stream_handle
 from ..kv_scales import check_scale, source_dtype
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
@@ -221,6 +221,7 @@ class ContinuousBatchingKVCacheCollection:
     def _check_rows(self, name, a, heads, size, xp, ragged=False) -> None:
         if array_module_of(a) is not xp or not hasattr(a, "shape"):
             raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
+        check_device(name, a, self._store.device)
         if ragged:
             if a.ndim != 3 or tuple(a.shape[1:]) != (heads, size):
                 raise ValueError(f"{name}: expected shape [total_tokens, {heads}, {size}], "

@@ -38,7 +38,7 @@ import threading
 import numpy as np
 
 from .._checks import INT32_MAX, as_int, exact_int, token_counts
-from ..device import resolve_device, stream_handle, to_host
+from ..device import launch_scope, resolve_device, stream_handle, to_host
 from ..dtypes import dtype_name, resolve_dtype
 from .collection import ContinuousBatchingKVCacheCollection
 from .params import KVCacheStaticParams
@@ -252,22 +252,36 @@ class ContinuousBatchingKVCacheManager:
             self._inflight, self._inflight_owner = None, None
             self._cond.notify_all()
 
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int, stream=None) -> None:
         """Return a sequence's block to the pool; the id is never valid again.
+
+        Parameters
+        ----------
+        seq_id : int
+        stream : optional
+            The stream on which the caller queued the last work that reads or writes the
+            sequence's block (its attention, say); default the current stream. On cuda an event
+            is recorded there, and the manager's next upload or launch on any other stream
+            waits for it (on the device), so a later claim of the block, from any thread and
+            stream, cannot overwrite it before that work ran. Work queued on *other* streams is
+            the caller's to order before the release.
 
         Raises
         ------
         TypeError
-            ``seq_id`` is not an int.
+            ``seq_id`` is not an int, or ``stream`` is not a stream.
         ValueError
             Unknown (or already released) ``seq_id``, or one in the in-flight batch.
         """
         sid = exact_int("seq_id", seq_id)
+        stream_handle(stream)
         with self._cond:
             self._sequences.block(sid)   # raises for an unknown id
             if self._inflight is not None and sid in self._inflight.seq_ids:
                 raise ValueError(f"seq_id: expected a sequence not in the batch in flight, "
                                  f"got {sid}; step the batch first")
+            with launch_scope(self._device, stream, self._store.order):
+                pass   # the block's reuse is ordered after the work queued on ``stream``
             self._sequences.release(sid)
 
     def reset(self) -> None:

@@ -24,7 +24,7 @@ given stream. Its parameters are those of its reference, then the launch-only ke
 ``stream=None, backend=None``. On NumPy arrays with no explicit ``backend`` the call goes to the
 NumPy reference, which is the ``cpu`` backend.
 
-``backend`` is anything with ``launch(family, name, grid, block, args)`` (and ``upload``): the
+``backend`` is anything with ``launch(family, name, grid, block, args)``: the
 CuPy launcher (:class:`CupyLauncher`), or the host emulation of the test suite, which runs the
 same ``.cu`` through g++. The argument tuples are identical for both: ``numpy`` scalars
 (``int32``, ``int64``, ``uint64`` for pointers; 0 is a null pointer).

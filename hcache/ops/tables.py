@@ -169,6 +169,7 @@ class KVGroup:
         # so no call allocates device memory.
         self.scratch_infos = self.xp.zeros((len(self.layers), 2), dtype=np.uint64)
         self.scratch_host = None  # (stream key, table) that scratch_infos holds now
+        self.scratch_captured = False  # a captured graph rewrites scratch_infos when replayed
 
     @property
     def num_layers(self) -> int:

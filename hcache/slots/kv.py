@@ -12,7 +12,7 @@ from __future__ import annotations
 from .. import ops
 from .._checks import check_index, check_int
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import array_module_of, launch_scope, resolve_device
+from ..device import array_module_of, check_device, launch_scope, resolve_device, settle
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup, group_layers_by_head_dim
 from .kv_writes import KVWriter
@@ -57,6 +57,7 @@ class KVCacheManager:
                                                         for lc in config.layer_configs))
             self._writer = KVWriter(self._device, self._caches, self._groups, config.dtype,
                                     config.max_sequence_length)
+            settle(self._device)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -245,6 +246,7 @@ class KVCacheManager:
             if array_module_of(t) is not xp or not hasattr(t, "shape"):
                 raise TypeError(f"saved[{i}]: expected a {xp.__name__} array, "
                                 f"got {type(t).__name__}")
+            check_device(f"saved[{i}]", t, self._device)
             heads, dim = cache.shape[2], cache.shape[4]
             if t.ndim != 4 or t.shape[0] != 2 or t.shape[1] != heads or t.shape[3] != dim:
                 raise ValueError(f"saved[{i}]: expected shape [2, {heads}, n, {dim}], "

@@ -23,8 +23,16 @@ import numpy as np
 
 from .. import ops
 from .._checks import token_counts
-from ..device import array_module_of, launch_scope, stream_handle, upload, upload_ints
+from ..device import (
+    array_module_of,
+    check_device,
+    launch_scope,
+    stream_handle,
+    upload,
+    upload_ints,
+)
 from ..dtypes import is_fp8, resolve_dtype, storage_dtype
+from ..stream_order import StreamOrder
 
 __all__ = ["KVWriter"]
 
@@ -54,6 +62,7 @@ class KVWriter:
     def __init__(self, device, caches, groups, dtype, max_sequence_length: int):
         xp = device.xp
         self._device, self._caches, self._groups = device, tuple(caches), tuple(groups)
+        self.order = StreamOrder()   # replaced by the batch state's when a manager has one
         self.dtype = resolve_dtype(dtype)
         self._storage = storage_dtype(self.dtype, xp)
         self._max_len = int(max_sequence_length)
@@ -111,7 +120,7 @@ class KVWriter:
         """Tokens the kernels skipped as out of range so far. **Synchronizes** ``stream``."""
         if not self._caches:
             return 0
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self.order):
             host = self._status.get() if hasattr(self._status, "get") else self._status
         return int(host[0])
 
@@ -125,7 +134,7 @@ class KVWriter:
         layers = list(range(self.num_layers))
         checked = [self._check_scale(name, s, layers)
                    for name, s in (("k_scale", k_scale), ("v_scale", v_scale))]
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self.order):
             for kv, s in enumerate(checked):
                 self._record(kv, s, layers)
 
@@ -178,7 +187,9 @@ class KVWriter:
                 if s is not None:
                     raise ValueError(f"{name}: expected None (scales apply to float rows "
                                      f"written into an FP8 cache), got {type(s).__name__}")
-        with launch_scope(self._device, stream):
+        if batch_state is not None:
+            self.order = batch_state._order   # one chain with the manager's other calls
+        with launch_scope(self._device, stream, self.order):
             if total == 0:
                 return
             kwargs = dict(batch=batch, status=self._status, stream=stream)
@@ -213,6 +224,7 @@ class KVWriter:
         xp = self._device.xp
         if array_module_of(a) is not xp or not hasattr(a, "shape"):
             raise TypeError(f"k: expected a {xp.__name__} array, got {type(a).__name__}")
+        check_device("k", a, self._device)
         want = 3 if ragged else 4
         if a.ndim != want:
             form = "[total_tokens, H, D]" if ragged else "[batch, new_tokens, H, D]"
@@ -229,6 +241,7 @@ class KVWriter:
                 if array_module_of(a) is not xp or not hasattr(a, "shape"):
                     raise TypeError(f"{name}: expected a {xp.__name__} array, "
                                     f"got {type(a).__name__}")
+                check_device(name, a, self._device)
                 want = lead + (int(cache.shape[2]), int(cache.shape[4]))
                 if tuple(a.shape) != want:
                     raise ValueError(f"{name}: expected shape {list(want)}, "
@@ -266,6 +279,7 @@ class KVWriter:
             return None
         xp = self._device.xp
         if xp is not np and array_module_of(positions) is xp:   # device data: not read
+            check_device("positions", positions, self._device)
             if positions.dtype != np.int32 or tuple(positions.shape) != lead \
                     or not positions.flags.c_contiguous:
                 raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
@@ -306,6 +320,7 @@ class KVWriter:
         if array_module_of(scale) is not xp or not hasattr(scale, "shape"):
             raise TypeError(f"{name}: expected a float or a {xp.__name__} float32 array, "
                             f"got {type(scale).__name__}")
+        check_device(name, scale, self._device)
         heads = max((int(self._caches[a].shape[2]) for a in layers), default=0)
         ok = scale.dtype == np.float32 and scale.ndim in (1, 2) \
             and scale.shape[0] == self.num_layers and (scale.ndim == 1

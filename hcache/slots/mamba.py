@@ -14,7 +14,7 @@ import numpy as np
 from .. import ops
 from .._checks import check_index
 from ..config.caches import MambaCacheConfig
-from ..device import array_module_of, launch_scope, resolve_device
+from ..device import array_module_of, check_device, launch_scope, resolve_device, settle
 from ..dtypes import storage_dtype
 from ..ops.tables import SlotSet
 
@@ -59,6 +59,7 @@ class MambaCacheManager:
                     for kind, views in (("recurrent", self._recurrent_views),
                                         ("conv", self._conv_views))}
                 self._restore_set = SlotSet([(v, v) for v in self.state_tensors])
+            settle(self._device)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -197,6 +198,7 @@ class MambaCacheManager:
             if array_module_of(t) is not xp or not hasattr(t, "shape"):
                 raise TypeError(f"{where}: expected a {xp.__name__} array, got "
                                 f"{type(t).__name__}")
+            check_device(where, t, self._device)
             slot_shape = tuple(view.shape[1:])
             if tuple(t.shape) not in ((1,) + slot_shape, slot_shape):
                 raise ValueError(f"{where}: expected shape {(1,) + slot_shape}, "
