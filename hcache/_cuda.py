@@ -136,6 +136,8 @@ class CupyRuntime:
             return contextlib.nullcontext()
         if isinstance(stream, self.cp.cuda.Stream):
             return stream
+        if handle == 0:
+            return self.cp.cuda.Stream.null   # the legacy default stream
         key = (handle, index)
         wrapped = self._streams.get(key)
         if wrapped is None:

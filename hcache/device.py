@@ -128,7 +128,7 @@ def adopt(obj):
     return rt.adopt(obj)
 
 
-_producer_events: dict = {}   # (runtime id, device) -> the event producer streams record
+_producer_events = weakref.WeakKeyDictionary()   # runtime -> {device: the producers' event}
 _producer_lock = threading.Lock()
 
 
@@ -138,19 +138,21 @@ def wait_for_producer(obj, device: Device) -> None:
     the legacy default stream; absent or ``None``: nothing to order). During capture nothing is
     waited for: the caller orders the producer before capturing (a capture cannot wait for
     work outside it)."""
+    if not device.is_cuda or _runtime().is_array(obj):   # our own arrays: stream-ordered
+        return
     iface = getattr(obj, "__cuda_array_interface__", None)
     stream = iface.get("stream") if isinstance(iface, dict) else None
-    if not stream or not device.is_cuda:
+    if not stream:
         return
     rt = _runtime()
     handle = 0 if stream in (1, 2) else int(stream)
     if rt.is_capturing() or handle == rt.current_stream():
         return
     with _producer_lock:
-        key = (id(rt), device.index)
-        event = _producer_events.get(key)
+        per_device = _producer_events.setdefault(rt, {})
+        event = per_device.get(device.index)
         if event is None:
-            event = _producer_events[key] = rt.event()
+            event = per_device[device.index] = rt.event()
         with rt.stream_scope(handle, handle, device.index):
             rt.record(event)
         rt.wait(event)

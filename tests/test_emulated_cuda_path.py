@@ -110,6 +110,33 @@ def test_capture_of_a_compaction_with_a_host_mapping(emu_rt):
     del xp
 
 
+def test_paged_block_copies_captured_with_host_ids(emu_rt):
+    """Host block ids staged during capture belong to the graph: an eager copy between capture
+    and launch restages the pool's id buffer, and the replay still copies its own blocks."""
+    import test_paged_kv_pool as paged
+
+    from hcache.contexts import PagedKVPool
+
+    pool = PagedKVPool(paged.LAYERS, num_blocks=6, block_size=2, device="cuda")
+    rng = np.random.default_rng(5)
+    for a in pool.layers:
+        a[...] = pool.xp.asarray(rng.standard_normal(a.shape).astype(np.float16))
+    model = paged.model_of(pool)
+    emu_rt.synchronize()
+    s = emu_rt.stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        pool.copy_blocks([0, 5], [3, 1], stream=s)
+        graph = s.end_capture()
+        pool.copy_blocks([2], [0], stream=s)
+        graph.launch(s)
+        s.synchronize()
+    for m in model:
+        m[0] = m[2]
+        m[[3, 1]] = m[[0, 5]]
+    paged.check_pool(pool, model)
+
+
 # --- steady state --------------------------------------------------------------------------
 
 def test_defect_7_steady_state_uploads_are_never_pageable(emu_rt):

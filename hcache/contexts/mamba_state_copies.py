@@ -18,6 +18,7 @@ from .. import ops
 from .._checks import check_index, index_array
 from ..device import array_module_of, launch_scope, to_host, upload_ints
 from ..ops.tables import SlotSet
+from ..stream_order import StreamOrder
 
 __all__ = ["MambaStateCopies", "check_live_states"]
 
@@ -73,6 +74,7 @@ class MambaStateCopies:
     def __init__(self, context, pool, device, scratch_conv, scratch_ssm, conv_dtype, ssm_dtype):
         live_conv, live_ssm = context.mamba_conv_states, context.mamba_ssm_states
         self.context, self._pool, self.device = context, pool, device
+        self.order = StreamOrder()   # the staged index lanes: one chain across streams
         self.num_mamba_layers, self.max_requests = int(live_conv.shape[0]), int(live_conv.shape[1])
         self.max_scratch = int(scratch_conv.shape[1])
         xp, L, S = device.xp, self.num_mamba_layers, pool.max_slots
@@ -104,7 +106,7 @@ class MambaStateCopies:
         if n == 0:
             return
         src_dev, dst_dev = self._idx_dev[2 * lane], self._idx_dev[2 * lane + 1]
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             upload_ints(src_dev, np.asarray(src))
             upload_ints(dst_dev, np.asarray(dst))
             ops.slot_copy(slotset, src_dev[:n], dst_dev[:n], stream=stream)
