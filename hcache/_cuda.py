@@ -120,7 +120,7 @@ class CupyRuntime:
         ptr = int(iface["data"][0])
         span = (max(((n - 1) * s for n, s in zip(shape, strides) if s > 0), default=0)
                 + dtype.itemsize) if all(shape) else 0
-        memory = self.cp.cuda.UnownedMemory(ptr, span, obj, self.current_device())
+        memory = self.cp.cuda.UnownedMemory(ptr, span, obj)   # its device from the pointer
         return self.cp.ndarray(shape, dtype, self.cp.cuda.MemoryPointer(memory, 0), strides)
 
     # --- streams and capture ----------------------------------------------------------------
