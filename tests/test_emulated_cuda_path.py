@@ -42,7 +42,7 @@ class _Foreign:
         iface = dict(array.__cuda_array_interface__)
         iface["stream"] = stream.ptr
         self.__cuda_array_interface__ = iface
-        self._keep = array
+        self.shape, self.dtype, self._keep = array.shape, array.dtype, array
 
 
 # --- capture -----------------------------------------------------------------------------------
@@ -328,3 +328,29 @@ def test_continuous_batching_from_threads_each_on_its_own_stream(emu_rt):
         t.join(60)
     assert not errors, errors[:3]
     assert m.num_free_blocks == 3
+
+
+def test_mamba_states_stored_from_host_and_foreign_arrays_without_sync_or_allocation(emu_rt):
+    """``store_from_tensors``: host states go through pinned staging (no pageable copy, no
+    temporary device array), a producer's ``__cuda_array_interface__`` is ordered on the
+    device (no host sync)."""
+    import test_mamba_slot_allocator as msa
+
+    _, kv, alloc = msa.make("cuda")
+    ids, _ = msa.registered_blocks(kv, 2)
+    slot = alloc.allocate_slots_batch(ids[:1])[0]
+    xp = emu_rt.xp
+    ssm = np.arange(10, dtype=np.float32).reshape(msa.SSM)
+    producer = emu_rt.stream(non_blocking=True)
+    emu_rt.synchronize()
+    with producer:
+        conv = xp.full(msa.CONV, 7, dtype=np.float16)
+    counts = dict(emu_rt.counters)
+    alloc.store_from_tensors(ids[0], 1, ssm, _Foreign(conv, producer))
+    ssm[...] = -1                                   # staged: the caller may reuse it at once
+    assert emu_rt.counters["syncs"] == counts.get("syncs", 0)
+    assert emu_rt.counters["allocations"] == counts.get("allocations", 0)
+    assert emu_rt.counters["pageable_copies"] == counts.get("pageable_copies", 0)
+    np.testing.assert_array_equal(host(alloc.ssm_states)[1, slot],
+                                  np.arange(10, dtype=np.float32).reshape(msa.SSM))
+    assert (host(alloc.conv_states)[1, slot] == 7).all()

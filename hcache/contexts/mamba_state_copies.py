@@ -16,7 +16,16 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, index_array
-from ..device import array_module_of, launch_scope, to_host, upload_ints
+from ..device import (
+    adopt,
+    array_module_of,
+    check_device,
+    launch_scope,
+    to_host,
+    upload,
+    upload_ints,
+    wait_for_producer,
+)
 from ..ops.tables import SlotSet
 from ..stream_order import StreamOrder
 
@@ -145,9 +154,16 @@ class MambaStateCopies:
             if tuple(value.shape) != cache.shape[2:] or value.dtype != cache.dtype:
                 raise ValueError(f"{name}: expected {cache.dtype}{cache.shape[2:]}, "
                                  f"got {value.dtype}{tuple(value.shape)}")
-        with launch_scope(self.device, stream):
-            self.ssm_states[mamba_index, slot] = self.device.xp.asarray(ssm_state)
-            self.conv_states[mamba_index, slot] = self.device.xp.asarray(conv_state)
+            if self.device.is_cuda and array_module_of(value) is not np:
+                check_device(name, adopt(value), self.device)
+        with launch_scope(self.device, stream, self.order):
+            for value, cache in ((ssm_state, self.ssm_states), (conv_state, self.conv_states)):
+                if array_module_of(value) is np and not hasattr(value,
+                                                                "__cuda_array_interface__"):
+                    upload(cache[mamba_index, slot], np.asarray(value))   # pinned, no alloc
+                else:   # a device array: viewed (no host sync), after its producer stream
+                    wait_for_producer(value, self.device)
+                    cache[mamba_index, slot] = adopt(value)
 
     def store_from_live(self, slots, request_indices, *, stream=None) -> None:
         """``cache[:, slots[i]] = live[:, live slot of request_indices[i]]`` (one launch).
