@@ -354,3 +354,34 @@ def test_mamba_states_stored_from_host_and_foreign_arrays_without_sync_or_alloca
     np.testing.assert_array_equal(host(alloc.ssm_states)[1, slot],
                                   np.arange(10, dtype=np.float32).reshape(msa.SSM))
     assert (host(alloc.conv_states)[1, slot] == 7).all()
+
+
+def test_a_captured_continuous_batch_write_follows_each_fetch(emu_rt):
+    """A ragged continuous-batching write captured once: its row offsets replay by value, the
+    lookup table and cache lengths are read at launch, so each replay writes where the batch
+    fetched since says (decode with a graph)."""
+    xp = emu_rt.xp
+    m = _continuous(n=2, s=16, layers=1)
+    a, b = m.claim(2)
+    s = emu_rt.stream(non_blocking=True)
+    with s:
+        k, v = xp.zeros((3, 1, 2), np.float32), xp.zeros((3, 1, 2), np.float32)
+        c = m.fetch([a, b], stream=s)
+        s.begin_capture()
+        c.write(0, k, v, seq_lengths=[1, 2], stream=s)
+        graph = s.end_capture()
+        for step in range(4):
+            if step:
+                c = m.fetch([a, b], stream=s)
+            values = np.arange(3, dtype=np.float32)[:, None, None] + 10 * step
+            k[...], v[...] = xp.asarray(values), xp.asarray(-values)
+            graph.launch(s)
+            m.step([1, 2], c)
+        s.synchronize()
+    blocks = host(m.blocks_buf)[:, 0, 0, :, 0, 0]        # [block, position] of layer 0, K
+    want_a = [10 * t for t in range(4)]
+    want_b = [v for t in range(4) for v in (10 * t + 1, 10 * t + 2)]
+    assert blocks[m.block_of(a), :4].tolist() == want_a
+    assert blocks[m.block_of(b), :8].tolist() == want_b
+    assert (host(m.blocks_buf)[:, 1, 0, :8, 0, 0] == -host(m.blocks_buf)[:, 0, 0, :8, 0, 0]).all()
+    assert m.cache_lengths == {a: 4, b: 8}
