@@ -95,9 +95,12 @@ def test_devices_keep_their_streams_and_memory(emu_rt):
         with s1:
             pass
     with pytest.raises(EmuError, match="device 1"):
-        ops.lengths_add(on1, 4, 1, 10)     # current device 0, memory of device 1
+        emu_rt.launch(("lengths", "hc_lengths_add"), (1,), (1,), (np.uint64(on1.data.ptr),))
+    on0 = xp.ones(4, dtype=np.int32)
+    with pytest.raises(EmuError, match="memory of device 0 given to a launch on device 1"):
+        ops.lengths_add(on1, 4, on0, 10)   # the op runs on its lengths' device, 1
+    ops.lengths_add(on1, 4, 1, 10)         # an op runs where its arrays live (device 0 current)
     with emu_rt.device_scope(1):
-        ops.lengths_add(on1, 4, 1, 10)
         assert on1.get().tolist() == [1] * 4
 
 

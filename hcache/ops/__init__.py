@@ -31,10 +31,12 @@ same ``.cu`` through g++. The argument tuples are identical for both: ``numpy`` 
 
 The descriptor tables the kernels read (:class:`~hcache.ops.tables.KVGroup`,
 :class:`~hcache.ops.tables.SlotSet`) and the compaction plan's format live in
-:mod:`hcache.ops.tables`; :mod:`hcache.ops._loader` is the only caller of ``cupy.RawModule``.
+:mod:`hcache.ops.tables`; :mod:`hcache.ops._loader` compiles the kernels through the device
+boundary (:mod:`hcache._cuda`).
 
 None of these functions synchronizes the device or allocates device memory. Kernels launch on
-the current CUDA device (the managers make theirs current around every call).
+the device that owns the op's arrays (its table, plan or lengths), whatever device is current,
+on ``stream`` (a stream of that device; ``None``: that device's current stream).
 """
 
 from __future__ import annotations

@@ -22,13 +22,16 @@ MAX_GRID_Z = 64
 
 
 class CupyLauncher:
-    """Launches through the device runtime on the current device and ``stream``."""
+    """Launches through the device runtime on ``device`` (the CUDA ordinal of the op's arrays;
+    ``None``: the current device) and ``stream`` (a stream of that device)."""
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, device: int | None = None):
         self.stream = stream
+        self.device = device
 
     def _device(self):
-        return Device("cuda", _cuda.runtime().current_device())
+        index = self.device
+        return Device("cuda", _cuda.runtime().current_device() if index is None else index)
 
     def launch(self, family, name, grid, block, args):
         device = self._device()
@@ -37,12 +40,15 @@ class CupyLauncher:
             _cuda.runtime().launch(kernel, grid, block, args)
 
 
-def launcher(xp, backend, stream):
+def launcher(xp, backend, stream, like=None):
+    """The launcher of an op: ``backend`` if given, the host backend (NumPy arrays), else a
+    :class:`CupyLauncher` on the device of ``like`` (one of the op's device arrays), so an op
+    runs where its arrays live whatever device is current."""
     if backend is not None:
         return backend
     if xp is np:
         return _host_backend  # None: the NumPy reference
-    return CupyLauncher(stream)
+    return CupyLauncher(stream, None if like is None else array_device(like))
 
 
 _host_backend = None
