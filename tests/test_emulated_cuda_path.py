@@ -141,11 +141,13 @@ def test_paged_block_copies_captured_with_host_ids(emu_rt):
 
 def test_defect_7_steady_state_uploads_are_never_pageable(emu_rt):
     """Defect 7: every host table goes through pinned staging (a pageable copy may make the
-    driver synchronize)."""
+    driver synchronize), and a decode loop synchronizes nothing (a staging slot's event wait
+    aside, which finds its copy done unless the device is a ring's worth of uploads behind)."""
     xp = emu_rt.xp
     m = hybrid("cuda", seq=64)
     ks, vs = _kv_inputs(m, xp, tokens=2)
-    before = emu_rt.counters["pageable_copies"]
+    emu_rt.synchronize()
+    before, syncs = emu_rt.counters["pageable_copies"], emu_rt.counters["syncs"]
     for i in range(12):
         if i % 4 == 0:
             m.reset_for_new_sequences([0] * B)
@@ -156,6 +158,7 @@ def test_defect_7_steady_state_uploads_are_never_pageable(emu_rt):
                   [v.reshape(-1, *v.shape[2:])[:B] for v in vs]]
         m.write_kv(None, *ragged, seq_lengths=[1] * B)
         m.commit_sequence_length(1)
+    assert emu_rt.counters["syncs"] == syncs          # and no host sync either
     emu_rt.synchronize()
     assert emu_rt.counters["pageable_copies"] == before
     assert host(m.get_kv_cache_lengths()).tolist() == [12] * B   # 4 steps of 2 + 1 tokens
@@ -385,3 +388,15 @@ def test_a_captured_continuous_batch_write_follows_each_fetch(emu_rt):
     assert blocks[m.block_of(b), :8].tolist() == want_b
     assert (host(m.blocks_buf)[:, 1, 0, :8, 0, 0] == -host(m.blocks_buf)[:, 0, 0, :8, 0, 0]).all()
     assert m.cache_lengths == {a: 4, b: 8}
+
+
+@pytest.mark.parametrize("scenario", ["test_overlapping_prompts", "test_multi_turn_continuation",
+                                      "test_decode_through_extend_requests"])
+def test_prefix_caching_context_on_a_non_blocking_stream(emu_rt, scenario):
+    """The prefix-caching scenarios of tests/test_prefix_caching_e2e.py with a non-blocking
+    stream current throughout: nothing may rely on the legacy default stream's ordering."""
+    import test_prefix_caching_e2e as e2e
+
+    s = emu_rt.stream(non_blocking=True)
+    with s:
+        getattr(e2e, scenario)("cuda")
