@@ -14,6 +14,8 @@ quantization alone), ``slot_copy``, ``kv_capture`` (kv_capture, kv_restore, kv_p
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ._ref_kv_write import kv_write, kv_write_fp8, quantize_fp8
@@ -184,12 +186,31 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
 
     src0, dst0 = slots.pairs[0]
     _bump(status, int(np.count_nonzero(copied(src0.shape[0], dst0.shape[0])[0])))
-    for src, dst in slots.pairs:
+    for src, dst in _slot_records(slots):
         good = copied(src.shape[0], dst.shape[0])[1]
         if good is None:
             dst[d] = src[s]
         elif good.any():
             dst[d[good]] = src[s[good]]
+
+
+_records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _slot_records(slots) -> list:
+    """The pairs of ``slots`` as 1-D arrays of one opaque record per slot (views, cached until
+    the set is rebound): a gather of whole records costs one copy per slot, not one per
+    element."""
+    cached = _records.get(slots)
+    if cached is None or cached[0] is not slots.pairs:
+        def record(a):
+            if a.ndim < 2 or a.size == 0:
+                return a
+            n = a.shape[0]
+            return a.reshape(n, -1).view(np.dtype((np.void, a.nbytes // n))).reshape(n)
+        cached = (slots.pairs, [(record(src), record(dst)) for src, dst in slots.pairs])
+        _records[slots] = cached
+    return cached[1]
 
 
 # --- kv_capture: kernels/kv_capture.cu ------------------------------------------------------------
