@@ -222,10 +222,15 @@ def test_unknown_model_types_raise_naming_the_model_type(model_type):
            "num_attention_heads": 4, "kv_lora_rank": 64}
     with pytest.raises(ValueError, match=f"model_type: .*got '{model_type}'"):
         build(cfg)
-    # A known wrapper does not rescue an unknown text model, nor the reverse order.
+    # Nor does an architecture name a stated model type contradicts.
+    with pytest.raises(ValueError, match=model_type):
+        build({**cfg, "architectures": ["LlamaForCausalLM"]})
     with pytest.raises(ValueError, match=model_type):
         build({"model_type": model_type, "text_config": {k: v for k, v in cfg.items()
                                                           if k != "model_type"}})
+    # A wrapper's unknown type does not hide a known text model (LLaVA around Llama).
+    wrapped = build({"model_type": model_type, "text_config": {**cfg, "model_type": "llama"}})
+    assert wrapped.num_layers == 4
 
 
 @pytest.mark.parametrize(("cfg", "field"), [

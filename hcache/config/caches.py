@@ -282,9 +282,9 @@ def hybrid_config_from_hf(config_dict, *, max_batch_size, max_sequence_length,
         The parsed ``config.json`` (a nested ``text_config`` is used when present) of a model
         type in ``hcache.config.hf.SUPPORTED_MODEL_TYPES`` (docs/design.md §4.3): Nemotron-H,
         Jamba, Bamba, Granite-4.0-H, Falcon-H1, Zamba2, Qwen3-Next, LFM2, MiniMax-Text-01 / M1,
-        Kimi Linear, Gemma 2 / 3 / 4 and the listed plain attention models. The family is read
-        from ``model_type``, then ``architectures``; only a config without any ``model_type``
-        falls back to family-specific fields.
+        Kimi Linear, Gemma 2 / 3 / 4 and the listed plain attention models. The family is the
+        stated ``model_type`` (an unknown one raises whatever ``architectures`` says); only a
+        config without any reads ``architectures``, then family-specific fields.
     max_batch_size, max_sequence_length : int
         Slots and tokens per slot of the KV caches (and slots of the Mamba states).
     kv_dtype, ssm_dtype : str or dtype

@@ -1,7 +1,8 @@
 """Reading a Hugging Face ``config.json`` dict into a cache layout (docs/design.md §4).
 
-:func:`read_hf_layout` picks the model family (from ``model_type``, then ``architectures``, and
-only for a config that states no ``model_type`` at all from family-specific fields) and runs its
+:func:`read_hf_layout` picks the model family from the stated ``model_type`` (the text model's,
+else the top level's; ``architectures`` and then family-specific fields only for a config that
+states none) and runs its
 builder from :mod:`hcache.config.families` over a :class:`~hcache.config.hf_fields._Cfg` reader.
 Only the model types in ``SUPPORTED_MODEL_TYPES`` are read: any other raises ``ValueError``
 naming it, since guessing a layout is how caches get silently corrupted. The shared rules: a key
@@ -44,23 +45,30 @@ def _family_key(name) -> str | None:
 
 
 def _select(config: Mapping) -> tuple[str, dict]:
-    """The family and the text model's fields (a nested ``text_config`` if there is one)."""
+    """The family and the text model's fields (a nested ``text_config`` if there is one).
+
+    A stated ``model_type`` (the text model's, then the top level's) decides: an unknown one is
+    refused even when ``architectures`` names a known class. ``architectures``, then the
+    family-specific fields, are read only for a config that states no ``model_type``.
+    """
     text = config.get("text_config")
     fields = dict(text) if isinstance(text, Mapping) else dict(config)
-    archs = config.get("architectures")
-    names = [fields.get("model_type"), config.get("model_type"),
-             *(archs if isinstance(archs, (list, tuple)) else [archs])]
-    for name in names:
-        if (family := _family_key(name)) is not None:
-            return family, fields
-    stated = next((n for n in names[:2] if n is not None), None)
-    if stated is None:
+    stated = [n for n in (fields.get("model_type"), config.get("model_type")) if n is not None]
+    if not stated:
+        archs = config.get("architectures")
+        for name in archs if isinstance(archs, (list, tuple)) else [archs]:
+            if (family := _family_key(name)) is not None:
+                return family, fields
         family = next((f for key, f in _FIELD_HINTS if fields.get(key) is not None), None)
         if family is not None:
             return family, fields
-    raise ValueError(f"model_type: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}, "
-                     f"got {'nothing' if stated is None else repr(stated)}"
-                     + ("" if stated is None else " (a model type hcache cannot lay out)"))
+        raise ValueError(f"model_type: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}, "
+                         f"got nothing (no model_type, and no known architectures)")
+    for name in stated:
+        if (family := _family_key(name)) is not None:
+            return family, fields
+    raise ValueError(f"model_type: expected one of {', '.join(SUPPORTED_MODEL_TYPES)}, got "
+                     f"{stated[0]!r} (a model type hcache cannot lay out)")
 
 
 def read_hf_layout(config_dict) -> _Layout:
