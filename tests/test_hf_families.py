@@ -179,7 +179,8 @@ def test_lfm2_short_conv_layers_have_a_conv_state_only():
 
 
 @pytest.mark.parametrize("cfg", [MINIMAX_M1, MINIMAX_TEXT_01_HF,
-                                 {**MINIMAX_M1, "model_type": "minimax_text_01"}])
+                                 {**MINIMAX_M1, "model_type": "minimax_text_01"},
+                                 {**MINIMAX_TEXT_01_HF, "attn_type_list": MINIMAX_TYPES}])
 def test_minimax_lightning_layers_have_a_head_dim_square_state_and_no_conv(cfg):
     c = build(cfg)
     assert indices(c.layer_types, A) == list(range(7, 80, 8))
@@ -192,6 +193,10 @@ def test_kimi_linear_kda_layers_and_mla_latent_caches():
     c = build(KIMI_LINEAR_48B)
     mla = [3, 7, 11, 15, 19, 23, 26]
     assert indices(c.layer_types, A) == mla
+    # transformers saves layer_types next to the checkpoint's lists; they agree.
+    saved = build({**KIMI_LINEAR_48B, "layer_types": [
+        "full_attention" if i in mla else "linear_attention" for i in range(27)]})
+    assert saved == c
     # MLA: one latent c_kv (512) + k_pe (64) per token, one head, no V.
     assert c.kv.layer_configs == (KVLayerConfig(1, 512 + 64, components=1),) * 7
     # KDA: [heads, head_k_dim, head_v_dim] and three short convs (q, k, v) of 32 * 128 each.
@@ -252,6 +257,11 @@ def test_unknown_model_types_raise_naming_the_model_type(model_type):
     ({**BAMBA_9B, "attn_layer_indices": [9, 32]}, "attn_layer_indices[1]"),
     ({**BAMBA_9B, "mamba_d_head": 32}, "mamba_d_head"),
     ({**KIMI_LINEAR_48B, "kv_lora_rank": 0}, "kv_lora_rank"),
+    # Two spellings of the layer list that disagree: neither is guessed right.
+    ({**LFM2_1_2B, "full_attn_idxs": [2, 5, 8, 10, 12]}, "full_attn_idxs"),
+    ({**MINIMAX_TEXT_01_HF, "attn_type_list": [1] + MINIMAX_TYPES[1:]}, "attn_type_list"),
+    ({**KIMI_LINEAR_48B, "layer_types": ["linear_attention"] * 27},
+     "linear_attn_config.full_attn_layers"),
 ])
 def test_missing_or_bad_size_fields_raise_naming_the_field(cfg, field):
     with pytest.raises(ValueError, match=re.escape(field)):

@@ -169,7 +169,8 @@ BS, L, VOCAB, P = 4, 2, 50, 65521
 SHAPES = {"conv": (3, 4), "ssm": (2, 3, 3)}     # a short-conv window; a lightning [h, d, d]
 ATTN = HybridCacheConfig.from_hf_config(
     {**LFM2_1_2B, "num_hidden_layers": 2, "layer_types": ["conv", "full_attention"],
-     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2},
+     "full_attn_idxs": [1], "hidden_size": 64, "num_attention_heads": 4,
+     "num_key_value_heads": 2},
     max_batch_size=1, max_sequence_length=8).kv.layer_configs * 2
 
 

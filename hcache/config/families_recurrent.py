@@ -61,15 +61,26 @@ def _index_list(c: _Cfg, key: str, values, n: int, base: int) -> set[int]:
     return out
 
 
+def _agree(key: str, types: list, other: list) -> None:
+    """A second spelling of the layer list must say the same as ``layer_types``."""
+    if other != types:
+        i = next((i for i, (a, b) in enumerate(zip(types, other)) if a is not b),
+                 min(len(types), len(other)))
+        raise ValueError(f"{key}: expected the layer kinds of layer_types, got a different "
+                         f"kind (or count) at layer {i}")
+
+
 def _lfm2(c: _Cfg) -> _Layout:
     names = _names(c, ("layer_types",), ("conv", "full_attention"))
+    n = c.int("num_hidden_layers") if names is None else len(names)
+    idxs = c.raw.get("full_attn_idxs")
+    full = set(range(n)) if idxs is None else _index_list(c, "full_attn_idxs", idxs, n, 0)
+    types = [A if i in full else M for i in range(n)]
     if names is not None:
+        if idxs is not None:
+            _agree("full_attn_idxs", [A if name == "full_attention" else M for name in names],
+                   types)
         types = [A if name == "full_attention" else M for name in names]
-    else:
-        n = c.int("num_hidden_layers")
-        idxs = c.raw.get("full_attn_idxs")
-        full = set(range(n)) if idxs is None else _index_list(c, "full_attn_idxs", idxs, n, 0)
-        types = [A if i in full else M for i in range(n)]
     kv = KVLayerConfig(_kv_heads(c), _head_dim(c, "head_dim"))
     mamba = _no_recurrent(c.int("hidden_size"), c.int("conv_L_cache"))
     return _Layout(types, {i: kv for i, t in enumerate(types) if t is A}, mamba)
@@ -77,22 +88,25 @@ def _lfm2(c: _Cfg) -> _Layout:
 
 def _minimax(c: _Cfg) -> _Layout:
     names = _names(c, ("layer_types",), ("linear_attention", "full_attention"))
-    if names is not None:
-        types = [A if name == "full_attention" else M for name in names]
-    else:
-        key, codes = c.find("attn_type_list", "decoder_attention_types")
-        if codes is None:   # the transformers default: even layers full, odd layers lightning
+    key, codes = c.find("attn_type_list", "decoder_attention_types")
+    types = None
+    if codes is None:
+        if names is None:   # the transformers default: even layers full, odd layers lightning
             types = [A if i % 2 == 0 else M for i in range(c.int("num_hidden_layers"))]
-        else:
-            if isinstance(codes, (str, bytes)) or not isinstance(codes, (list, tuple)):
-                raise ValueError(f"{key}: expected a list of 0 (lightning) and 1 (softmax), "
-                                 f"got {type(codes).__name__}")
-            for i, code in enumerate(codes):
-                if isinstance(code, bool) or code not in (0, 1):
-                    raise ValueError(f"{key}[{i}]: expected 0 (lightning) or 1 (softmax), "
-                                     f"got {code!r}")
-            _check_count(c, len(codes), key)
-            types = [A if code == 1 else M for code in codes]
+    else:
+        if isinstance(codes, (str, bytes)) or not isinstance(codes, (list, tuple)):
+            raise ValueError(f"{key}: expected a list of 0 (lightning) and 1 (softmax), "
+                             f"got {type(codes).__name__}")
+        for i, code in enumerate(codes):
+            if isinstance(code, bool) or code not in (0, 1):
+                raise ValueError(f"{key}[{i}]: expected 0 (lightning) or 1 (softmax), "
+                                 f"got {code!r}")
+        _check_count(c, len(codes), key)
+        types = [A if code == 1 else M for code in codes]
+    if names is not None:
+        if types is not None:
+            _agree(key, [A if name == "full_attention" else M for name in names], types)
+        types = [A if name == "full_attention" else M for name in names]
     head_dim = _head_dim(c, "head_dim")
     kv = KVLayerConfig(_kv_heads(c), head_dim, c.get("sliding_window"))
     mamba = dict(num_heads=c.int("num_attention_heads"), head_dim=head_dim, state_size=head_dim,
@@ -113,9 +127,8 @@ def _kimi_linear(c: _Cfg) -> _Layout:
 
     names = _names(c, ("layer_types",), ("linear_attention", "full_attention"))
     n = c.int("num_hidden_layers") if names is None else len(names)
-    if names is not None:
-        types = [A if name == "full_attention" else M for name in names]
-    elif sub.get("full_attn_layers") is not None or sub.get("kda_layers") is not None:
+    types = None
+    if sub.get("full_attn_layers") is not None or sub.get("kda_layers") is not None:
         # The checkpoint's own spelling: 1-based layer numbers, every layer in exactly one list.
         full = _index_list(c, "linear_attn_config.full_attn_layers",
                            sub.get("full_attn_layers") or [], n, 1)
@@ -126,7 +139,12 @@ def _kimi_linear(c: _Cfg) -> _Layout:
                              f"exactly one of full_attn_layers and kda_layers, got layer "
                              f"{missing[0] + 1} in {'both' if full & kda else 'neither'}")
         types = [A if i in full else M for i in range(n)]
-    else:
+    if names is not None:
+        if types is not None:
+            _agree("linear_attn_config.full_attn_layers",
+                   [A if name == "full_attention" else M for name in names], types)
+        types = [A if name == "full_attention" else M for name in names]
+    elif types is None:
         types = [A if (i + 1) % 4 == 0 else M for i in range(n)]
     latent = c.int("kv_lora_rank") + c.int("qk_rope_head_dim", minimum=0)
     kv = KVLayerConfig(1, latent, components=1)
