@@ -52,6 +52,8 @@ def _emulated(machine):
 TestUniform = _emulated(managers.UniformMachine).TestCase
 TestHybrid = _emulated(managers.HybridMachine).TestCase
 TestDtypes = _emulated(managers.DtypeMachine).TestCase
+TestShortConv = _emulated(managers.ShortConvMachine).TestCase
+TestLightning = _emulated(managers.LightningMachine).TestCase
 TestMambaCache = _emulated(mamba.MambaCacheMachine).TestCase
 TestMambaCache.settings = mamba.TestMambaCacheLRU.settings
 

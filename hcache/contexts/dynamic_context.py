@@ -29,13 +29,14 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, int_shape
+from .._checks import as_int
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
+from .mamba_state_copies import state_shapes
 from .paged_kv_pool import PagedKVPool
 from .prefix_match import blocks_to_register, pending_blocks_overlap
 from .requests import RequestTable, batch_tokens, token_array
@@ -60,8 +61,8 @@ class DynamicInferenceContext:
         ``max_blocks_per_request * block_size_tokens`` tokens).
     num_mamba_layers : int
         0 for an attention-only model.
-    conv_states_shape, ssm_states_shape : tuple of int
-        Per-request Mamba state shapes (ignored without Mamba layers).
+    conv_states_shape, ssm_states_shape : tuple of int or None
+        Per-request state shapes (ignored without Mamba layers); ``None``: no such state.
     kv_dtype, conv_states_dtype, ssm_states_dtype : str or dtype
     mamba_cache_slots : int
         Durable Mamba cache slots; 0 disables state caching (KV blocks are still shared).
@@ -80,7 +81,7 @@ class DynamicInferenceContext:
     kv_block_allocator : KVBlockAllocator
     mamba_slot_allocator : MambaSlotAllocator or None
     mamba_conv_states, mamba_ssm_states : arrays [num_mamba_layers, max_requests, *shape]
-        Live per-request states (views for the model).
+        Live per-request states (views for the model); ``None`` for a state with shape None.
     request_to_kv_block_ids : int32 [max_requests, max_blocks_per_request]
         Host block table; -1 = none.
     request_to_mamba_state_idx : int32 [max_requests]
@@ -116,8 +117,7 @@ class DynamicInferenceContext:
         self.kv_block_allocator = KVBlockAllocator(
             num_blocks, enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy)
-        conv_shape = int_shape("conv_states_shape", conv_states_shape)
-        ssm_shape = int_shape("ssm_states_shape", ssm_states_shape)
+        conv_shape, ssm_shape = state_shapes(conv_states_shape, ssm_states_shape)
         L, R = self.num_mamba_layers, self.max_requests
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)

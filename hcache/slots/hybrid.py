@@ -178,14 +178,23 @@ class HybridCacheManager(BatchAPI):
 
     def get_recurrent_state(self, i):
         """Recurrent state of decoder layer ``i``, a view ``[max_batch, heads, head_dim,
-        state_size]``. Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer)."""
+        state_size]``. Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer, or
+        a conv-only one: LFM2's short convolutions)."""
         mamba_index = self._mamba_index(i)   # raises before the sub-manager is touched
+        if not self._mamba.config.has_recurrent_state:
+            raise ValueError(f"layer {i}: expected a layer with a recurrent state, got a "
+                             f"conv-only MAMBA layer (short convolution)")
         return self._mamba.get_recurrent_state(mamba_index)
 
     def get_conv_state(self, i):
         """Conv state of decoder layer ``i``, a view ``[max_batch, conv_dim, conv_kernel]``.
-        Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer)."""
-        return self._mamba.get_conv_state(self._mamba_index(i))
+        Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer, or one without a
+        conv state: MiniMax's lightning attention)."""
+        mamba_index = self._mamba_index(i)
+        if not self._mamba.config.has_conv_state:
+            raise ValueError(f"layer {i}: expected a layer with a conv state, got a MAMBA "
+                             f"layer with a recurrent state only (lightning attention)")
+        return self._mamba.get_conv_state(mamba_index)
 
     def get_kv_scales(self):
         """FP8 scale tables ``(k_scales, v_scales)``, float32 views ``[num_kv_layers,
@@ -248,7 +257,7 @@ class HybridCacheManager(BatchAPI):
 
     def capture_recurrent_states(self, b, stream=None) -> list:
         """Slot ``b``'s recurrent state per Mamba layer (**new** ``[1, ...]`` arrays; empty
-        without Mamba layers). Raises ``IndexError`` for a bad slot."""
+        without Mamba layers or recurrent states). Raises ``IndexError`` for a bad slot."""
         if self._mamba is None:
             check_index("slot", b, self._config.max_batch_size)
             return []
@@ -256,7 +265,7 @@ class HybridCacheManager(BatchAPI):
 
     def capture_conv_states(self, b, stream=None) -> list:
         """Slot ``b``'s conv state per Mamba layer (**new** ``[1, ...]`` arrays; empty without
-        Mamba layers). Raises ``IndexError`` for a bad slot."""
+        Mamba layers or conv states). Raises ``IndexError`` for a bad slot."""
         if self._mamba is None:
             check_index("slot", b, self._config.max_batch_size)
             return []
