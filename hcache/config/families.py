@@ -7,6 +7,9 @@ of the recurrent state. A Mamba-2 layer's inner size is ``heads * head_dim`` (or
 and its conv dim ``inner + 2 * n_groups * d_state``; Jamba is Mamba-1 and Qwen3-Next's linear
 attention is Gated DeltaNet, each with its own state shape.
 
+Multi-head latent attention families — DeepSeek-V2 / V3 and Kimi K2 — are in
+:mod:`hcache.config.families_mla` and merged into the tables below.
+
 Attention-only families — Gemma 3 and Gemma 4 (sliding and full attention layers, Gemma 4 with its
 own full-attention shape and cross-layer KV sharing) and any plain attention model
 (``num_attention_heads`` and friends, optionally ``layer_types`` or a ``sliding_window``).
@@ -18,6 +21,7 @@ own full-attention shape and cross-layer KV sharing) and any plain attention mod
 from __future__ import annotations
 
 from .._checks import as_int
+from .families_mla import MLA_BUILDERS, MLA_DEFAULTS
 from .hf_fields import AM, NONE, A, M, _Cfg, _check_count, _head_dim, _kv_heads, _Layout, _names
 from .layers import KVLayerConfig
 
@@ -251,5 +255,5 @@ def _plain(c: _Cfg) -> _Layout:
 _ATTENTION_BUILDERS = {"gemma3": _gemma3, "gemma4": _gemma4, "plain": _plain}
 
 
-DEFAULTS: dict[str, dict] = {**_HYBRID_DEFAULTS, **_ATTENTION_DEFAULTS}
-BUILDERS = {**_HYBRID_BUILDERS, **_ATTENTION_BUILDERS}
+DEFAULTS: dict[str, dict] = {**_HYBRID_DEFAULTS, **_ATTENTION_DEFAULTS, **MLA_DEFAULTS}
+BUILDERS = {**_HYBRID_BUILDERS, **_ATTENTION_BUILDERS, **MLA_BUILDERS}
