@@ -61,7 +61,7 @@ def compaction_cases(draw, components=(2,)):
 
 
 def _compaction_state(arena, c, xp):
-    layers = [arena.array((c["max_batch"], c["components"], h, c["seq"], c["head_dim"]),
+    layers = [arena.array((c["max_batch"], c.get("components", 2), h, c["seq"], c["head_dim"]),
                           c["dtype"],
                           misalign=c["misalign"] * c["dtype"].itemsize) for h in c["heads"]]
     states = [arena.array((c["max_batch"], *shape), dt, misalign=c["misalign"])
