@@ -220,8 +220,8 @@ def test_kimi_linear_bad_layer_lists_are_refused(edit, field):
         build(cfg)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "kimi_k2", "mamba",
-                                        "rwkv6", "an_invented_model"])
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "minimax_m2", "mamba", "rwkv6",
+                                        "an_invented_model"])
 def test_unknown_model_types_raise_naming_the_model_type(model_type):
     cfg = {"model_type": model_type, "num_hidden_layers": 4, "hidden_size": 256,
            "num_attention_heads": 4, "kv_lora_rank": 64}

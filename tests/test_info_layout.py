@@ -49,6 +49,14 @@ def test_minimax_and_kimi_bytes(tmp_path, capsys):
     assert "attention latent 576 (MLA, one component) bfloat16" in out
 
 
+def test_deepseek_v3_latent_bytes(tmp_path, capsys):
+    # 61 MLA layers, each one latent of kv_lora_rank 512 + qk_rope_head_dim 64 per token (no V).
+    code, out, _ = run_info(tmp_path, capsys, {"model_type": "deepseek_v3"},
+                            "--kv-dtype", "bfloat16")
+    assert code == 0
+    assert f"bytes per token     {61 * 576 * 2:,}" in out
+
+
 def test_shared_layers_cost_nothing(tmp_path, capsys):
     cfg = {**GEMMA4_PER_LAYER, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
            "layer_types": ["sliding_attention", "full_attention"] * 2}
@@ -60,7 +68,7 @@ def test_shared_layers_cost_nothing(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("text", "reason"), [
-    (json.dumps({"model_type": "deepseek_v3"}), "model_type"),
+    (json.dumps({"model_type": "an_invented_model"}), "model_type"),
     (json.dumps({"model_type": "llama", "num_hidden_layers": 2}), "num_key_value_heads"),
     ("{not json", "Expecting"),
 ])

@@ -1,7 +1,8 @@
 """Stateful tests of the contiguous-slot managers against a NumPy model of their whole state.
 
 One ``RuleBasedStateMachine`` per layout (uniform ``LinearKVCache``, heterogeneous head dims,
-hybrid with ATTENTION_AND_MAMBA / NONE / kv_sharing, pure Mamba, and every dtype). Rules drive
+hybrid with ATTENTION_AND_MAMBA / NONE / kv_sharing, pure Mamba, every dtype, latent MLA layers
+mixed with K/V layers and a model of latent layers only). Rules drive
 writes through the routed views (as a runtime would), reset / commit / set_active / compact,
 prompt-cache capture and restore; rejected calls are rules too and must leave every byte, the
 active batch and the all-empty flag unchanged. The invariant ``state_matches_model`` (run by
@@ -212,7 +213,7 @@ class ManagerMachine(RuleBasedStateMachine):
             k = random_bytes(seed + 2 * i, shape + (cache.itemsize,)).view(cache.dtype)
             v = random_bytes(seed + 2 * i + 1, shape + (cache.itemsize,)).view(cache.dtype)
             ks.append(k.reshape(shape))
-            vs.append(v.reshape(shape))
+            vs.append(v.reshape(shape) if cache.shape[1] == 2 else None)   # latent: no V
             t = 0
             for b, pos in enumerate(positions):
                 for p in pos:
@@ -221,6 +222,8 @@ class ManagerMachine(RuleBasedStateMachine):
                     t += 1
         if layer is not None:
             ks, vs = ks[0], vs[0]
+        elif all(v is None for v in vs) and data.draw(st.booleans()):
+            vs = None   # every layer latent: v=None stands for the list of Nones
         return (None if layer is None else layer[0]), ks, vs, kwargs, placed
 
     @rule(data=st.data(), seed=SEEDS)
@@ -233,11 +236,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.write_kv(layer, ks, vs, **kwargs)
         for j, b, p, t, i in placed:
             k = ks[i] if layer is None else ks
-            v = vs[i] if layer is None else vs
+            v = (vs[i] if vs is not None else None) if layer is None else vs
             rows_k = k.reshape(-1, *k.shape[-2:]).view(np.uint8)
-            rows_v = v.reshape(-1, *v.shape[-2:]).view(np.uint8)
             self.kv[j][b, 0, :, p] = rows_k[t]
-            self.kv[j][b, 1, :, p] = rows_v[t]
+            if v is not None:
+                rows_v = v.reshape(-1, *v.shape[-2:]).view(np.uint8)
+                self.kv[j][b, 1, :, p] = rows_v[t]
 
     @precondition(lambda self: self.active)
     @rule(data=st.data(), seed=SEEDS)
@@ -536,6 +540,31 @@ class DtypeMachine(ManagerMachine):
                        ssm=ssm, conv=conv)
 
 
+def _latent(head_dim):
+    return KVLayerConfig(1, head_dim, components=1)
+
+
+class LatentMachine(ManagerMachine):
+    """Latent (MLA) layers mixed with K/V layers, Mamba and a NONE layer; one latent layer
+    shares its head dim with a K/V layer (two groups), two latent layers share one group."""
+
+    def build(self, data):
+        types = [A, M, A, N, A, AM]
+        layers = [_latent(24), KVLayerConfig(2, 8), _latent(24), _latent(8)]
+        return _hybrid(types, layers, (2, 2, 2, 3, 3, 2), 4, 10,
+                       kv_dtype=data.draw(st.sampled_from(["float16", "float8_e4m3fn",
+                                                           "float32"])))
+
+
+class MLAMachine(ManagerMachine):
+    """A DeepSeek-like model: latent layers only (``v=None`` writes every layer), NONE layers
+    between them, every dtype."""
+
+    def build(self, data):
+        kv_dtype = data.draw(st.sampled_from(DTYPE_NAMES))
+        return _hybrid([A, N, A, A], [_latent(36)] * 3, None, 3, 9, kv_dtype=kv_dtype)
+
+
 _SETTINGS = settings(stateful_step_count=30)
 TestUniform = UniformMachine.TestCase
 TestHeterogeneous = HeterogeneousMachine.TestCase
@@ -545,7 +574,9 @@ TestDtypes = DtypeMachine.TestCase
 TestShortConv = ShortConvMachine.TestCase
 TestLightning = LightningMachine.TestCase
 TestShortConvUniform = ShortConvUniformMachine.TestCase
+TestLatent = LatentMachine.TestCase
+TestMLA = MLAMachine.TestCase
 for _case in (TestUniform, TestHeterogeneous, TestHybrid, TestPureMamba, TestDtypes,
-              TestShortConv, TestLightning, TestShortConvUniform):
+              TestShortConv, TestLightning, TestShortConvUniform, TestLatent, TestMLA):
     _case.settings = _SETTINGS
 del _case

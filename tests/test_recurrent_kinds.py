@@ -133,10 +133,6 @@ KIMI_SMALL = {**KIMI_LINEAR_48B, "num_hidden_layers": 4, "kv_lora_rank": 16,
                                      "num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4}}
 
 
-@pytest.mark.xfail(raises=ValueError, strict=False,
-                   reason="pending: the managers accept KVLayerConfig(components=1) (MLA) once "
-                          "the latent-cache work of issue 13 (branch i13b) is merged; remove "
-                          "this marker then")
 def test_kimi_linear_through_the_manager():
     m = manager(KIMI_SMALL)
     assert m.get_combined_kv_cache(3).shape == (2, 1, 1, 16, 24)

@@ -63,7 +63,8 @@ class _FrozenMapping(Mapping):
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Per-layer KV caches ``[max_batch_size, 2, H_i, max_sequence_length, D_i]``."""
+    """Per-layer KV caches ``[max_batch_size, C_i, H_i, max_sequence_length, D_i]`` (``C_i`` =
+    ``layer_configs[i].components``: 2 for K and V, 1 for a latent MLA cache)."""
 
     max_batch_size: int
     max_sequence_length: int

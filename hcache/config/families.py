@@ -8,6 +8,9 @@ for every attention layer, and the shape of the recurrent state. A Mamba-2 layer
 Jamba is Mamba-1 and Qwen3-Next's linear attention is Gated DeltaNet, each with its own state
 shape.
 
+Multi-head latent attention families (DeepSeek-V2 / V3, Kimi K2) are in
+:mod:`~hcache.config.families_mla`.
+
 The attention-only families live in :mod:`~hcache.config.families_attention`, the hybrids with
 other recurrent layers (LFM2, MiniMax, Kimi Linear) in :mod:`~hcache.config.families_recurrent`.
 ``DEFAULTS`` holds the defaults of the transformers config classes for the keys the builders read;
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from .._checks import as_int
 from .families_attention import ATTENTION_BUILDERS, ATTENTION_DEFAULTS
+from .families_mla import MLA_BUILDERS, MLA_DEFAULTS
 from .families_recurrent import RECURRENT_BUILDERS, RECURRENT_DEFAULTS
 from .hf_fields import AM, NONE, A, M, _Cfg, _check_count, _head_dim, _kv_heads, _Layout, _names
 from .layers import KVLayerConfig
@@ -220,7 +224,8 @@ _HYBRID_BUILDERS = {"nemotron_h": _nemotron_h, "jamba": _jamba, "bamba": _bamba,
                     "granitemoehybrid": _granite, "falcon_h1": _falcon_h1, "zamba2": _zamba2,
                     "qwen3_next": _qwen3_next}
 
-DEFAULTS: dict[str, dict] = {**_HYBRID_DEFAULTS, **ATTENTION_DEFAULTS, **RECURRENT_DEFAULTS}
-BUILDERS = {**_HYBRID_BUILDERS, **ATTENTION_BUILDERS, **RECURRENT_BUILDERS}
+DEFAULTS: dict[str, dict] = {**_HYBRID_DEFAULTS, **ATTENTION_DEFAULTS, **RECURRENT_DEFAULTS,
+                             **MLA_DEFAULTS}
+BUILDERS = {**_HYBRID_BUILDERS, **ATTENTION_BUILDERS, **RECURRENT_BUILDERS, **MLA_BUILDERS}
 # Every model_type read_hf_layout accepts (a text_config's or the top level's).
 SUPPORTED_MODEL_TYPES = tuple(sorted(BUILDERS))

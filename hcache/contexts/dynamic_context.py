@@ -287,7 +287,7 @@ class DynamicInferenceContext:
         self.stats.computed_tokens += len(flat)
         return plan
 
-    def write_kv(self, request_ids, k, v, *, layer=None, k_scale=None, v_scale=None,
+    def write_kv(self, request_ids, k, v=None, *, layer=None, k_scale=None, v_scale=None,
                  stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of ``request_ids`` into the paged pool.
 
@@ -296,7 +296,8 @@ class DynamicInferenceContext:
         request_ids : sequence
             Requests with a scheduled step; their tokens are concatenated in this order.
         k, v : arrays [total_tokens, H_i, D_i], or lists of them (one per layer)
-            As in :meth:`PagedKVPool.write_kv`; rows of positions in shared blocks are skipped.
+            As in :meth:`PagedKVPool.write_kv` (a latent layer's ``v`` is None); rows of
+            positions in shared blocks are skipped.
         layer, k_scale, v_scale : optional
             As in :meth:`PagedKVPool.write_kv` (an FP8 pool quantizes float rows with scales).
 

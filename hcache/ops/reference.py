@@ -217,19 +217,19 @@ def _slot_records(slots) -> list:
 
 def kv_capture(group, slot, num_tokens, out):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer into ``out[l]``
-    (``[2, H_l, num_tokens, D]``)."""
+    (``[C, H_l, num_tokens, D]``, ``C = group.components``)."""
     kv_prefix_copy(group, slot, num_tokens, out, to_cache=False)
 
 
 def kv_restore(group, saved, slot):
-    """Copy every ``saved[l]`` (``[2, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)`` of
+    """Copy every ``saved[l]`` (``[C, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)`` of
     ``slot`` of layer ``l``."""
     kv_prefix_copy(group, slot, int(saved[0].shape[2]) if saved else 0, saved, to_cache=True)
 
 
 def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer to (``to_cache=False``) or from
-    (``to_cache=True``) compact tensors ``[2, H_l, n, D]``; a layer with bad arguments is
+    (``to_cache=True``) compact tensors ``[C, H_l, n, D]``; a layer with bad arguments is
     skipped and counted. ``num_tokens == 0`` does nothing (no launch on the device)."""
     if num_tokens == 0:
         return
