@@ -391,12 +391,14 @@ def test_a_captured_continuous_batch_write_follows_each_fetch(emu_rt):
 
 
 @pytest.mark.parametrize("scenario", ["test_overlapping_prompts", "test_multi_turn_continuation",
-                                      "test_decode_through_extend_requests"])
-def test_prefix_caching_context_on_a_non_blocking_stream(emu_rt, scenario):
-    """The prefix-caching scenarios of tests/test_prefix_caching_e2e.py with a non-blocking
-    stream current throughout: nothing may rely on the legacy default stream's ordering."""
+                                      "test_decode_through_extend_requests",
+                                      "test_latent_layers_end_to_end"])
+def test_prefix_caching_context_on_a_non_blocking_stream(emu_rt, scenario, monkeypatch):
+    """The prefix-caching scenarios of tests/test_prefix_caching_e2e.py (latent MLA layers
+    among K/V ones included) with a non-blocking stream current throughout: nothing may rely
+    on the legacy default stream's ordering."""
     import test_prefix_caching_e2e as e2e
 
-    s = emu_rt.stream(non_blocking=True)
-    with s:
-        getattr(e2e, scenario)("cuda")
+    latent = scenario == "test_latent_layers_end_to_end"
+    with emu_rt.stream(non_blocking=True):
+        getattr(e2e, scenario)("cuda", *((monkeypatch,) if latent else ()))
