@@ -15,7 +15,8 @@ from functools import cache
 import numpy as np
 
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
-           "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer"]
+           "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer",
+           "as_array", "host_array", "on_device"]
 
 
 @cache
@@ -241,3 +242,103 @@ def to_host(array) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array
     return np.asarray(array.get() if hasattr(array, "get") else array)
+
+
+# --- foreign arrays (docs/design.md §2) ---------------------------------------------------------
+
+_DLPACK_HOST = (1, 3)   # kDLCPU, kDLCUDAHost: memory the host reads in place
+_FOREIGN_ERRORS = (BufferError, RuntimeError, TypeError, ValueError)
+
+
+def on_device(value) -> bool:
+    """True when ``value`` says its memory is device memory (CuPy, the CUDA array interface, a
+    DLPack device other than the host)."""
+    cp = _cupy()
+    if (cp is not None and isinstance(value, cp.ndarray)) \
+            or hasattr(value, "__cuda_array_interface__"):
+        return True
+    where = getattr(value, "__dlpack_device__", None)
+    if where is None:
+        return False
+    try:
+        return int(where()[0]) not in _DLPACK_HOST
+    except _FOREIGN_ERRORS:
+        return False
+
+
+def host_array(name: str, value) -> np.ndarray:
+    """``value`` as a NumPy array, sharing its memory where it can.
+
+    A NumPy array is returned as it is; an object with ``__dlpack__`` goes through
+    ``numpy.from_dlpack`` (zero-copy; read-only when the producer says so); one with
+    ``__array_interface__`` / ``__array__`` through ``numpy.asarray`` (zero-copy when the
+    producer hands out its buffer, as JAX and NumPy-backed containers do). DLPack has no
+    NumPy equivalent of bfloat16 or float8: such an object is read through ``__array__`` when
+    it has one (JAX), else refused.
+
+    Raises
+    ------
+    TypeError
+        ``value`` is device memory, not an array (a list, a scalar, ``None``), or an array
+        NumPy cannot import (the message says why).
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    kind = type(value).__name__
+    if on_device(value):
+        raise TypeError(f"{name}: expected a numpy array (host memory: the device is cpu), "
+                        f"got device memory ({kind})")
+    problem = ""
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except _FOREIGN_ERRORS as exc:
+            problem = f": {exc}"
+    if any(hasattr(value, p) for p in ("__array_interface__", "__array_struct__", "__array__")):
+        try:
+            arr = np.asarray(value)
+        except _FOREIGN_ERRORS as exc:
+            problem = f": {exc}"
+        else:
+            if arr.dtype != object:
+                return arr
+            problem = problem or ": it converts to dtype object"
+    raise TypeError(f"{name}: expected a numpy array (or an array with __dlpack__ or "
+                    f"__array__), got {kind}{problem}")
+
+
+def as_array(name: str, value, device: Device, stream=None):
+    """``value`` as an array of ``device``'s module (``device.xp``), without a copy.
+
+    On ``cpu`` see :func:`host_array`. On ``cuda`` a CuPy array is returned as it is and any
+    other device array is imported by :func:`_cuda_import` (``__cuda_array_interface__`` or
+    DLPack, on ``stream``); host memory is refused, since using it would mean a copy.
+
+    Raises
+    ------
+    TypeError
+        ``value`` is not an array, lives in the other kind of memory, or has a dtype the array
+        module cannot import (the message says which).
+    """
+    if not device.is_cuda:
+        return host_array(name, value)
+    if isinstance(value, _cupy().ndarray):
+        return value
+    if not on_device(value):
+        raise TypeError(f"{name}: expected a cupy array (or an array on {device} with "
+                        f"__cuda_array_interface__ or __dlpack__), got {type(value).__name__}")
+    try:
+        return _cuda_import(value, device, stream)
+    except _FOREIGN_ERRORS as exc:
+        raise TypeError(f"{name}: expected an array CuPy can import, got "
+                        f"{type(value).__name__}: {exc}") from None
+
+
+def _cuda_import(value, device: Device, stream):
+    """A CuPy view of a foreign device array: the CUDA array interface, else DLPack (the
+    producer orders its work before ``stream``)."""
+    cp = _cupy()
+    with launch_scope(device, stream):
+        if hasattr(value, "__cuda_array_interface__"):
+            return cp.asarray(value)
+        return cp.from_dlpack(value)

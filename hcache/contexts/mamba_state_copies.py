@@ -16,7 +16,15 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, index_array
-from ..device import array_module_of, launch_scope, to_host, upload_ints
+from ..device import (
+    array_module_of,
+    as_array,
+    host_array,
+    launch_scope,
+    on_device,
+    to_host,
+    upload_ints,
+)
 from ..ops.tables import SlotSet
 
 __all__ = ["MambaStateCopies", "check_live_states"]
@@ -136,16 +144,19 @@ class MambaStateCopies:
         mamba_index = check_index("layer_idx", layer_idx, self.num_mamba_layers)
         if slot < 0:
             raise ValueError(f"block_id: expected a block owning a slot, got {int(block_id)}")
+        states = []
         for name, value, cache in (("ssm_state", ssm_state, self.ssm_states),
                                    ("conv_state", conv_state, self.conv_states)):
-            if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-                raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
+            # device memory of this device, or host memory (copied up: this is no hot path)
+            value = (as_array(name, value, self.device) if on_device(value)
+                     else host_array(name, value))
             if tuple(value.shape) != cache.shape[2:] or value.dtype != cache.dtype:
                 raise ValueError(f"{name}: expected {cache.dtype}{cache.shape[2:]}, "
                                  f"got {value.dtype}{tuple(value.shape)}")
+            states.append(value)
         with launch_scope(self.device, stream):
-            self.ssm_states[mamba_index, slot] = self.device.xp.asarray(ssm_state)
-            self.conv_states[mamba_index, slot] = self.device.xp.asarray(conv_state)
+            self.ssm_states[mamba_index, slot] = self.device.xp.asarray(states[0])
+            self.conv_states[mamba_index, slot] = self.device.xp.asarray(states[1])
 
     def store_from_live(self, slots, request_indices, *, stream=None) -> None:
         """``cache[:, slots[i]] = live[:, live slot of request_indices[i]]`` (one launch).

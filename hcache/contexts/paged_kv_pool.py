@@ -16,7 +16,7 @@ import numpy as np
 from .. import ops
 from .._checks import as_int, block_id_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import array_module_of, launch_scope, resolve_device, upload_ints
+from ..device import as_array, launch_scope, on_device, resolve_device, upload_ints
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
 from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
@@ -166,6 +166,11 @@ class PagedKVPool:
             if rows % uniform_tokens:   # the rows past the last whole one would be dropped
                 raise ValueError(f"k: expected a multiple of uniform_tokens ({uniform_tokens}) "
                                  f"rows, got {rows}")
+        # index arrays of any library, viewed as this pool's (the op checks them)
+        block_table, seq_offsets, cache_lengths, positions = (
+            a if a is None else as_array(name, a, self.device, stream) for name, a in (
+                ("block_table", block_table), ("seq_offsets", seq_offsets),
+                ("cache_lengths", cache_lengths), ("positions", positions)))
         self.launch_write(checked, block_table=block_table, seq_offsets=seq_offsets,
                           uniform_tokens=uniform_tokens, batch=batch, cache_lengths=cache_lengths,
                           positions=positions, status=status, stream=stream)
@@ -186,12 +191,13 @@ class PagedKVPool:
             attention_index, first = None, ks[0]
         else:
             attention_index = self._attention_index(layer, "layer")
+            k, v = as_array("k", k, self.device), as_array("v", v, self.device)
             num_tokens = self._check_rows("k", k, attention_index, None, k)
             self._check_rows("v", v, attention_index, num_tokens, k)
             ks, vs, first = k, v, k
         src = source_dtype("k", first.dtype, self.dtype, self.xp)
         heads = max(lc.num_kv_heads for lc in self.layer_configs)
-        scales = [check_scale(n, s, src is not None, self.xp, self.num_layers, heads)
+        scales = [check_scale(n, s, src is not None, self.device, self.num_layers, heads)
                   for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
         return attention_index, ks, vs, src, scales
 
@@ -275,16 +281,13 @@ class PagedKVPool:
 
     def _per_layer(self, name, arrays) -> list:
         if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
-            return list(arrays)
+            return [as_array(f"{name}[{a}]", t, self.device) for a, t in enumerate(arrays)]
         got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per layer), "
                          f"got {got}")
 
     def _check_rows(self, name, a, attention_index, num_tokens, first) -> int:
         lc = self.layer_configs[attention_index]
-        if array_module_of(a) is not self.xp or not hasattr(a, "shape"):
-            raise TypeError(f"{name}: expected a {self.xp.__name__} array, "
-                            f"got {type(a).__name__}")
         n = int(a.shape[0]) if a.ndim == 3 else -1
         want = (num_tokens if num_tokens is not None else max(n, 0), lc.num_kv_heads,
                 lc.head_dim)
@@ -298,7 +301,8 @@ class PagedKVPool:
         return n
 
     def _copy_index(self, name, ids):
-        if self.xp is not np and array_module_of(ids) is self.xp:
+        if self.xp is not np and on_device(ids):
+            ids = as_array(name, ids, self.device)
             if ids.dtype != np.int32 or ids.ndim != 1:
                 raise ValueError(f"{name}: expected a 1-D int32 array, got {ids.dtype} "
                                  f"{tuple(ids.shape)}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import host_view
 from .block_hashing import DIGEST_BYTES, chain_block_hashes, compute_block_hashes
 from .step_plans import PrefixCacheStats
 
@@ -44,7 +45,7 @@ def token_array(name: str, tokens) -> np.ndarray:
         # np.asarray([1, True]) is an int array: a bool entry would pass as 0 or 1.
         raise TypeError(f"{name}: expected a 1-D sequence of ints, got a bool entry")
     try:
-        arr = np.asarray(tokens)
+        arr = np.asarray(host_view(name, tokens))
     except (OverflowError, ValueError) as exc:     # a ragged or out-of-range sequence
         raise TypeError(f"{name}: expected a 1-D sequence of ints, got {exc}") from None
     if arr.size == 0 and arr.ndim == 1:
@@ -73,6 +74,7 @@ def batch_tokens(name: str, tokens, n: int):
     ValueError
         Not ``n`` entries, a bad shape, or a request with no token.
     """
+    tokens = host_view(name, tokens)
     if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
         if tokens.shape[0] != n or tokens.shape[1] == 0:
             raise ValueError(f"{name}: expected shape [{n}, >= 1], got {tokens.shape}")

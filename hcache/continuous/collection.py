@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import token_counts
-from ..device import array_module_of, stream_handle
+from ..device import as_array, stream_handle
 from ..kv_scales import check_scale, source_dtype
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
@@ -192,8 +192,10 @@ class ContinuousBatchingKVCacheCollection:
                     raise ValueError(f"seq_lengths[{big[0]}]: expected at most "
                                      f"{store.max_seq_len} new tokens, got {listed[big[0]]}")
                 counts = np.asarray(listed, dtype=np.int64)
+            key = as_array(names[0], key, store.device, stream)
+            value = as_array(names[1], value, store.device, stream)
             for name, a in zip(names, (key, value)):
-                self._check_rows(name, a, heads, size, group.xp, ragged)
+                self._check_rows(name, a, heads, size, ragged)
             if key.shape != value.shape:
                 raise ValueError(f"{names[1]}: expected the shape of {names[0]} "
                                  f"{tuple(key.shape)}, got {tuple(value.shape)}")
@@ -201,7 +203,7 @@ class ContinuousBatchingKVCacheCollection:
                 raise ValueError(f"{names[1]}: expected dtype {key.dtype} (as {names[0]}), "
                                  f"got {value.dtype}")
             src = source_dtype(names[0], key.dtype, store.dtype, group.xp)
-            scales = [check_scale(n, s, src is not None, group.xp, store.num_layers, heads)
+            scales = [check_scale(n, s, src is not None, store.device, store.num_layers, heads)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
             if ragged and int(counts.sum()) != key.shape[0]:
                 raise ValueError(f"{names[0]}: expected {int(counts.sum())} tokens (the sum of "
@@ -218,9 +220,7 @@ class ContinuousBatchingKVCacheCollection:
                 store.write(layer, key, value, batch=self.batch_size, counts=counts,
                             ragged=ragged, src_dtype=src, scales=scales, stream=stream)
 
-    def _check_rows(self, name, a, heads, size, xp, ragged=False) -> None:
-        if array_module_of(a) is not xp or not hasattr(a, "shape"):
-            raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
+    def _check_rows(self, name, a, heads, size, ragged=False) -> None:
         if ragged:
             if a.ndim != 3 or tuple(a.shape[1:]) != (heads, size):
                 raise ValueError(f"{name}: expected shape [total_tokens, {heads}, {size}], "

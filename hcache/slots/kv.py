@@ -12,7 +12,7 @@ from __future__ import annotations
 from .. import ops
 from .._checks import check_index, check_int
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import array_module_of, launch_scope, resolve_device
+from ..device import as_array, launch_scope, resolve_device
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup, group_layers_by_head_dim
 from .kv_writes import KVWriter
@@ -221,7 +221,7 @@ class KVCacheManager:
             everything is checked before anything is written.
         """
         b = check_index("slot", b, self._config.max_batch_size)
-        self._check_saved(saved)
+        saved = self._check_saved(saved)
         if scales is not None:
             if not isinstance(scales, (tuple, list)) or len(scales) != 2:
                 raise TypeError(f"scales: expected a (k_scales, v_scales) pair, "
@@ -234,17 +234,16 @@ class KVCacheManager:
         if scales is not None:
             self._writer.set_scales(scales[0], scales[1], stream)
 
-    def _check_saved(self, saved) -> None:
+    def _check_saved(self, saved) -> list:
+        """``saved`` as a list of checked ``device.xp`` arrays (any array library)."""
         if isinstance(saved, (str, bytes)) or not hasattr(saved, "__len__"):
             raise TypeError(f"saved: expected a sequence of arrays, got {type(saved).__name__}")
         if len(saved) != self.num_layers:
             raise ValueError(f"saved: expected {self.num_layers} tensors, got {len(saved)}")
-        xp = self._device.xp
-        n = None
+        n, out = None, []
         for i, (t, cache) in enumerate(zip(saved, self._caches, strict=True)):
-            if array_module_of(t) is not xp or not hasattr(t, "shape"):
-                raise TypeError(f"saved[{i}]: expected a {xp.__name__} array, "
-                                f"got {type(t).__name__}")
+            t = as_array(f"saved[{i}]", t, self._device)
+            out.append(t)
             heads, dim = cache.shape[2], cache.shape[4]
             if t.ndim != 4 or t.shape[0] != 2 or t.shape[1] != heads or t.shape[3] != dim:
                 raise ValueError(f"saved[{i}]: expected shape [2, {heads}, n, {dim}], "
@@ -260,3 +259,4 @@ class KVCacheManager:
                 raise ValueError(f"saved[{i}]: expected dtype {cache.dtype}, got {t.dtype}")
             if not t.flags.c_contiguous:
                 raise ValueError(f"saved[{i}]: expected a C-contiguous array")
+        return out

@@ -23,7 +23,15 @@ import numpy as np
 
 from .. import ops
 from .._checks import token_counts
-from ..device import array_module_of, launch_scope, stream_handle, upload, upload_ints
+from ..device import (
+    as_array,
+    host_array,
+    launch_scope,
+    on_device,
+    stream_handle,
+    upload,
+    upload_ints,
+)
 from ..dtypes import is_fp8, resolve_dtype, storage_dtype
 
 __all__ = ["KVWriter"]
@@ -140,7 +148,8 @@ class KVWriter:
         """
         stream_handle(stream)
         layers = list(range(self.num_layers)) if index is None else [index]
-        ks, vs = self._per_layer("k", k, index), self._per_layer("v", v, index)
+        ks = self._per_layer("k", k, index, stream)
+        vs = self._per_layer("v", v, index, stream)
         if not layers:
             return
         ragged = seq_lengths is not None
@@ -200,19 +209,18 @@ class KVWriter:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _per_layer(self, name, arrays, index) -> list:
+    def _per_layer(self, name, arrays, index, stream) -> list:
+        """The K (or V) arrays of the layers written, each as a ``device.xp`` array."""
         if index is not None:
-            return [arrays]
+            return [as_array(name, arrays, self._device, stream)]
         if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
-            return list(arrays)
+            return [as_array(f"{name}[{j}]", a, self._device, stream)
+                    for j, a in enumerate(arrays)]
         got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per "
                          f"attention layer), got {got}")
 
     def _lead(self, a, ragged) -> tuple:
-        xp = self._device.xp
-        if array_module_of(a) is not xp or not hasattr(a, "shape"):
-            raise TypeError(f"k: expected a {xp.__name__} array, got {type(a).__name__}")
         want = 3 if ragged else 4
         if a.ndim != want:
             form = "[total_tokens, H, D]" if ragged else "[batch, new_tokens, H, D]"
@@ -221,14 +229,11 @@ class KVWriter:
 
     def _check_rows(self, ks, vs, layers, lead, single):
         """Every K/V array; returns the float dtype of a quantizing write, or None."""
-        xp, dtype = self._device.xp, ks[0].dtype
+        dtype = ks[0].dtype
         for kind, arrays in (("k", ks), ("v", vs)):
             for j, (a, index) in enumerate(zip(arrays, layers)):
                 name = kind if single else f"{kind}[{j}]"
                 cache = self._caches[index]
-                if array_module_of(a) is not xp or not hasattr(a, "shape"):
-                    raise TypeError(f"{name}: expected a {xp.__name__} array, "
-                                    f"got {type(a).__name__}")
                 want = lead + (int(cache.shape[2]), int(cache.shape[4]))
                 if tuple(a.shape) != want:
                     raise ValueError(f"{name}: expected shape {list(want)}, "
@@ -265,14 +270,16 @@ class KVWriter:
         if positions is None:
             return None
         xp = self._device.xp
-        if xp is not np and array_module_of(positions) is xp:   # device data: not read
+        if xp is not np and on_device(positions):   # device data: not read
+            positions = as_array("positions", positions, self._device)
             if positions.dtype != np.int32 or tuple(positions.shape) != lead \
                     or not positions.flags.c_contiguous:
                 raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
                                  f"{list(lead)}, got {positions.dtype} "
                                  f"{list(positions.shape)}")
             return positions.reshape(-1)
-        pos = np.asarray(positions)
+        pos = np.asarray(positions if isinstance(positions, (list, tuple))
+                         else host_array("positions", positions))
         if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
             raise TypeError(f"positions: expected integers, got dtype {pos.dtype}")
         if tuple(pos.shape) != lead:
@@ -302,10 +309,7 @@ class KVWriter:
                 raise ValueError(f"{name}: expected a finite scale > 0 (as float32), "
                                  f"got {scale}")
             return value
-        xp = self._device.xp
-        if array_module_of(scale) is not xp or not hasattr(scale, "shape"):
-            raise TypeError(f"{name}: expected a float or a {xp.__name__} float32 array, "
-                            f"got {type(scale).__name__}")
+        scale = as_array(name, scale, self._device)
         heads = max((int(self._caches[a].shape[2]) for a in layers), default=0)
         ok = scale.dtype == np.float32 and scale.ndim in (1, 2) \
             and scale.shape[0] == self.num_layers and (scale.ndim == 1

@@ -14,7 +14,7 @@ import numpy as np
 from .. import ops
 from .._checks import check_index
 from ..config.caches import MambaCacheConfig
-from ..device import array_module_of, launch_scope, resolve_device
+from ..device import as_array, launch_scope, resolve_device
 from ..dtypes import storage_dtype
 from ..ops.tables import SlotSet
 
@@ -190,13 +190,10 @@ class MambaCacheManager:
                             f"{type(tensors).__name__}")
         if len(tensors) != len(views):
             raise ValueError(f"{name}: expected {len(views)} tensors, got {len(tensors)}")
-        xp = self._device.xp
         out = []
         for i, (t, view) in enumerate(zip(tensors, views, strict=True)):
             where = f"{name}[{i}]"
-            if array_module_of(t) is not xp or not hasattr(t, "shape"):
-                raise TypeError(f"{where}: expected a {xp.__name__} array, got "
-                                f"{type(t).__name__}")
+            t = as_array(where, t, self._device)
             slot_shape = tuple(view.shape[1:])
             if tuple(t.shape) not in ((1,) + slot_shape, slot_shape):
                 raise ValueError(f"{where}: expected shape {(1,) + slot_shape}, "
