@@ -16,7 +16,7 @@ import numpy as np
 
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
            "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer",
-           "as_array", "host_array", "on_device"]
+           "as_array", "host_array", "on_device", "ALIGNMENT", "zeros"]
 
 
 @cache
@@ -217,6 +217,27 @@ def launch_scope(device: Device, stream):
 def _cuda_launch_scope(device: Device, stream):
     with device.scope(), stream_scope(stream, device):
         yield
+
+
+ALIGNMENT = 64   # bytes: the first byte of every cache buffer (DLPack importers copy less)
+
+
+def zeros(device: Device, shape, dtype):
+    """A zeroed C-contiguous array of ``device``'s module whose first byte is
+    :data:`ALIGNMENT`-aligned: the allocator of every cache buffer.
+
+    On ``cpu`` the buffer is over-allocated by ``ALIGNMENT`` bytes and the array starts at the
+    first aligned byte (``numpy.zeros`` gives only 16 bytes, and JAX copies a less than
+    64-byte aligned buffer that it imports). CuPy's allocations are 256-byte aligned already.
+    """
+    if device.is_cuda:
+        return _cupy().zeros(shape, dtype=dtype)
+    dtype = np.dtype(dtype)
+    shape = tuple(int(n) for n in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)   # calloc: untouched pages stay free
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def upload(dst, host: np.ndarray) -> None:

@@ -8,7 +8,7 @@ or zeroed here, with one fill per tensor for every layer at once.
 
 from __future__ import annotations
 
-from ..device import launch_scope
+from ..device import launch_scope, zeros
 
 __all__ = ["LiveMambaStates"]
 
@@ -24,11 +24,11 @@ class LiveMambaStates:
 
     def __init__(self, device, num_mamba_layers, max_requests, conv_states_shape,
                  ssm_states_shape, conv_dtype, ssm_dtype):
-        xp, L = device.xp, num_mamba_layers
+        L = num_mamba_layers
         self.device = device
         with device.scope():
-            self.conv_states = xp.zeros((L, max_requests, *conv_states_shape), dtype=conv_dtype)
-            self.ssm_states = xp.zeros((L, max_requests, *ssm_states_shape), dtype=ssm_dtype)
+            self.conv_states = zeros(device, (L, max_requests, *conv_states_shape), conv_dtype)
+            self.ssm_states = zeros(device, (L, max_requests, *ssm_states_shape), ssm_dtype)
 
     def zero(self, live_slot: int, *, stream=None) -> None:
         """Zero every layer's conv and SSM state of ``live_slot``: one fill of each tensor's

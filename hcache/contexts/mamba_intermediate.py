@@ -26,7 +26,7 @@ import operator
 import numpy as np
 
 from .._checks import as_int, index_array
-from ..device import launch_scope, to_host, upload_ints
+from ..device import launch_scope, to_host, upload_ints, zeros
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
 
@@ -77,8 +77,8 @@ class IntermediateStates:
         xp, L, R = device.xp, num_mamba_layers, max_requests
         self.device, self.max_requests, self.max_count = device, R, _K * R
         with device.scope():
-            self.conv_out = xp.zeros((L, self.max_count, *conv_states_shape), dtype=conv_dtype)
-            self.ssm_out = xp.zeros((L, self.max_count, *ssm_states_shape), dtype=ssm_dtype)
+            self.conv_out = zeros(device, (L, self.max_count, *conv_states_shape), conv_dtype)
+            self.ssm_out = zeros(device, (L, self.max_count, *ssm_states_shape), ssm_dtype)
             # Staging for get_intermediate_gpu_data, so steps allocate no device memory.
             self._offsets_dev = xp.zeros((R, _K), dtype=np.int32)
             self._counts_dev = xp.zeros((R,), dtype=np.int32)

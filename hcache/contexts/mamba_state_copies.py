@@ -24,6 +24,7 @@ from ..device import (
     on_device,
     to_host,
     upload_ints,
+    zeros,
 )
 from ..ops.tables import SlotSet
 
@@ -85,8 +86,8 @@ class MambaStateCopies:
         self.max_scratch = int(scratch_conv.shape[1])
         xp, L, S = device.xp, self.num_mamba_layers, pool.max_slots
         with device.scope():
-            self.conv_states = xp.zeros((L, S, *live_conv.shape[2:]), dtype=conv_dtype)
-            self.ssm_states = xp.zeros((L, S, *live_ssm.shape[2:]), dtype=ssm_dtype)
+            self.conv_states = zeros(device, (L, S, *live_conv.shape[2:]), conv_dtype)
+            self.ssm_states = zeros(device, (L, S, *live_ssm.shape[2:]), ssm_dtype)
             # Staged index arrays: lanes (src, dst) for two launches per call. Every launch
             # writes distinct destination slots, so no call needs more than this many pairs.
             self._idx_dev = xp.full((4, max(S, self.max_requests, self.max_scratch)), -1,

@@ -16,7 +16,7 @@ import numpy as np
 from .. import ops
 from .._checks import as_int, block_id_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import as_array, launch_scope, on_device, resolve_device, upload_ints
+from ..device import as_array, launch_scope, on_device, resolve_device, upload_ints, zeros
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
 from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
@@ -72,7 +72,8 @@ class PagedKVPool:
         self.storage_dtype = storage_dtype(self.dtype, xp)
         with self.device.scope():
             self.layers = tuple(
-                xp.zeros((self.num_blocks, 2, lc.num_kv_heads, self.block_size, lc.head_dim),
+                zeros(self.device, (self.num_blocks, 2, lc.num_kv_heads, self.block_size,
+                                    lc.head_dim),
                          dtype=self.storage_dtype) for lc in configs)
             members = group_layers_by_head_dim([lc.head_dim for lc in configs])
             self.groups = tuple(KVGroup([self.layers[a] for a in indices], layout="HND",

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import exact_int
-from ..device import launch_scope, upload_ints
+from ..device import launch_scope, upload_ints, zeros
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
 
@@ -59,7 +59,8 @@ class KVBlockStore:
         xp = device.xp
         self.device, self.dtype = device, dtype
         with launch_scope(device, None):   # the current stream: construction takes none
-            self.blocks = xp.zeros((num_blocks, 2, num_layers, max_seq_len, num_heads, head_size),
+            self.blocks = zeros(device, (num_blocks, 2, num_layers, max_seq_len, num_heads,
+                                         head_size),
                                    dtype=storage_dtype(dtype, xp))
             self.group = KVGroup([self.blocks[:, :, layer] for layer in range(num_layers)],
                                  layout="NHD")

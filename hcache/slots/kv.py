@@ -12,7 +12,7 @@ from __future__ import annotations
 from .. import ops
 from .._checks import check_index, check_int
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import as_array, launch_scope, resolve_device
+from ..device import as_array, launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup, group_layers_by_head_dim
 from .kv_writes import KVWriter
@@ -49,7 +49,7 @@ class KVCacheManager:
         dtype = storage_dtype(config.dtype, xp)
         b, s = config.max_batch_size, config.max_sequence_length
         with launch_scope(self._device, stream):
-            self._caches = tuple(xp.zeros((b, 2, lc.num_kv_heads, s, lc.head_dim), dtype=dtype)
+            self._caches = tuple(zeros(self._device, (b, 2, lc.num_kv_heads, s, lc.head_dim), dtype)
                                  for lc in config.layer_configs)
             self._groups = tuple(
                 KVGroup([self._caches[a] for a in indices], layer_indices=indices)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .._checks import check_index
 from ..config.caches import LinearCacheConfig, MambaCacheConfig
-from ..device import launch_scope, resolve_device
+from ..device import launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
 from .batch import BatchAPI
@@ -53,9 +53,9 @@ class LinearKVCache(BatchAPI):
                                  ssm_dtype=c.ssm_dtype, conv_dtype=c.conv_dtype),
                 stream, device=device)
         with launch_scope(device, stream):
-            self._buffer = xp.zeros((c.num_attention_layers, c.max_batch_size, 2, c.num_kv_heads,
-                                     c.max_sequence_length, c.head_dim),
-                                    dtype=storage_dtype(c.dtype, xp))
+            self._buffer = zeros(device, (c.num_attention_layers, c.max_batch_size, 2,
+                                          c.num_kv_heads, c.max_sequence_length, c.head_dim),
+                                 storage_dtype(c.dtype, xp))
             self._layers = tuple(self._buffer[i] for i in range(c.num_attention_layers))
             self._groups = (KVGroup(list(self._layers)),) if self._layers else ()
             self._kv_writer = KVWriter(device, self._layers, self._groups, c.dtype,

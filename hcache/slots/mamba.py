@@ -14,7 +14,7 @@ import numpy as np
 from .. import ops
 from .._checks import check_index
 from ..config.caches import MambaCacheConfig
-from ..device import as_array, launch_scope, resolve_device
+from ..device import as_array, launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
 from ..ops.tables import SlotSet
 
@@ -45,10 +45,10 @@ class MambaCacheManager:
         xp = self._device.xp
         n, b = config.num_layers, config.max_batch_size
         with launch_scope(self._device, stream):
-            self._recurrent = xp.zeros((n, b) + config.recurrent_state_shape,
-                                       dtype=storage_dtype(config.ssm_dtype, xp))
-            self._conv = xp.zeros((n, b) + config.conv_state_shape,
-                                  dtype=storage_dtype(config.conv_dtype, xp))
+            self._recurrent = zeros(self._device, (n, b) + config.recurrent_state_shape,
+                                    storage_dtype(config.ssm_dtype, xp))
+            self._conv = zeros(self._device, (n, b) + config.conv_state_shape,
+                               storage_dtype(config.conv_dtype, xp))
             self._recurrent_views = tuple(self._recurrent[i] for i in range(n))
             self._conv_views = tuple(self._conv[i] for i in range(n))
             self._slot_idx = xp.zeros(1, dtype=np.int32)
