@@ -16,7 +16,7 @@ import numpy as np
 
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
            "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer",
-           "as_array", "host_array", "on_device", "ALIGNMENT", "zeros"]
+           "as_array", "host_array", "on_device", "ALIGNMENT", "zeros", "cuda_free_bytes"]
 
 
 @cache
@@ -238,6 +238,15 @@ def zeros(device: Device, shape, dtype):
     raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)   # calloc: untouched pages stay free
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def cuda_free_bytes(device: Device) -> int:
+    """Free memory of a CUDA ``device``, CuPy's pooled free blocks included (see
+    :func:`hcache.memory.available_bytes`)."""
+    cp = _cupy()
+    with cp.cuda.Device(device.index):
+        free, _ = cp.cuda.runtime.memGetInfo()
+        return int(free) + int(cp.get_default_memory_pool().free_bytes())
 
 
 def upload(dst, host: np.ndarray) -> None:

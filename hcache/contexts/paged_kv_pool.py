@@ -16,12 +16,33 @@ import numpy as np
 from .. import ops
 from .._checks import as_int, block_id_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
+from ..config.sizing import paged_pool_nbytes
 from ..device import as_array, launch_scope, on_device, resolve_device, upload_ints, zeros
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
+from ..memory import check_fits
 from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
 
 __all__ = ["PagedKVPool"]
+
+
+def _layer_configs(layer_configs) -> tuple:
+    """``layer_configs`` (a sequence of :class:`KVLayerConfig`, or a :class:`KVCacheConfig`)
+    as a tuple of two-component layer configs. Raises ``TypeError`` / ``ValueError``."""
+    if isinstance(layer_configs, KVCacheConfig):
+        layer_configs = layer_configs.layer_configs
+    if isinstance(layer_configs, (str, bytes)) or not hasattr(layer_configs, "__iter__"):
+        raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
+                        f"got {type(layer_configs).__name__}")
+    configs = tuple(layer_configs)
+    for i, lc in enumerate(configs):
+        if not isinstance(lc, KVLayerConfig):
+            raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
+                            f"got {type(lc).__name__}")
+        if lc.components != 2:  # latent (MLA) caches: issue 13, not wired yet
+            raise ValueError(f"layer_configs[{i}].components: expected 2 (latent MLA "
+                             f"caches are not supported yet), got {lc.components}")
+    return configs
 
 
 class PagedKVPool:
@@ -46,28 +67,26 @@ class PagedKVPool:
     groups : tuple of KVGroup
         One per distinct head dim, in first-seen order; ``groups[g].layer_indices`` are the
         attention indices of its layers.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument has the wrong type or value.
+    CacheCapacityError
+        The pool does not fit in the memory available on the device (:meth:`nbytes_for`);
+        nothing is allocated.
     """
 
     def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
                  device=None):
-        if isinstance(layer_configs, KVCacheConfig):
-            layer_configs = layer_configs.layer_configs
-        if isinstance(layer_configs, (str, bytes)) or not hasattr(layer_configs, "__iter__"):
-            raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
-                            f"got {type(layer_configs).__name__}")
-        configs = tuple(layer_configs)
-        for i, lc in enumerate(configs):
-            if not isinstance(lc, KVLayerConfig):
-                raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
-                                f"got {type(lc).__name__}")
-            if lc.components != 2:  # latent (MLA) caches: issue 13, not wired yet
-                raise ValueError(f"layer_configs[{i}].components: expected 2 (latent MLA "
-                                 f"caches are not supported yet), got {lc.components}")
+        configs = _layer_configs(layer_configs)
         self.layer_configs = configs
         self.num_blocks = as_int("num_blocks", num_blocks, 1)
         self.block_size = as_int("block_size", block_size, 1)
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
+        check_fits("num_blocks", paged_pool_nbytes(configs, self.num_blocks, self.block_size,
+                                                   self.dtype), self.device)
         xp = self.xp = self.device.xp
         self.storage_dtype = storage_dtype(self.dtype, xp)
         with self.device.scope():
@@ -86,6 +105,25 @@ class PagedKVPool:
         self._group_position = {a: (g, position) for g, indices in enumerate(members)
                                 for position, a in enumerate(indices)}
 
+    # --- sizing before allocation ---------------------------------------------------------
+
+    @staticmethod
+    def nbytes_for(layer_configs, num_blocks, block_size, dtype="float16") -> int:
+        """Device bytes a pool of these arguments allocates: its ``memory_report()
+        ["total_bytes"]``, known before any allocation. Raises as the constructor."""
+        return paged_pool_nbytes(_layer_configs(layer_configs),
+                                 as_int("num_blocks", num_blocks, 1),
+                                 as_int("block_size", block_size, 1), resolve_dtype(dtype))
+
+    @staticmethod
+    def num_blocks_for(layer_configs, block_size, budget, dtype="float16") -> int:
+        """The most blocks whose pool fits in ``budget`` bytes, or 0 if not even one.
+        ``TypeError`` / ``ValueError`` for a bad argument."""
+        configs, budget = _layer_configs(layer_configs), as_int("budget", budget, 0)
+        fixed = PagedKVPool.nbytes_for(configs, 1, block_size, dtype)
+        per_block = PagedKVPool.nbytes_for(configs, 2, block_size, dtype) - fixed
+        return max(0, (budget - fixed) // per_block + 1) if budget >= fixed else 0
+
     # --- derived values -----------------------------------------------------------------
 
     @property
@@ -99,6 +137,8 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the layers (the blocks); ``memory_report()["total_bytes"]`` adds the
+        metadata."""
         return sum(int(a.nbytes) for a in self.layers)
 
     def get_layer(self, i: int):
@@ -112,8 +152,15 @@ class PagedKVPool:
         """
         return self.layers[self._attention_index(i)]
 
+    @property
+    def metadata_nbytes(self) -> int:
+        """Device bytes besides the layers: the group and copy tables, the copy-id staging."""
+        slots = self._slots.device_infos.nbytes if self._slots is not None else 0
+        return int(sum(g.nbytes for g in self.groups) + slots + self._copy_ids.nbytes)
+
     def memory_report(self) -> dict:
-        """Sizes in bytes: total, per block, per layer, and the head-dim groups."""
+        """Sizes in bytes: ``total_bytes`` (layers and metadata: what :meth:`nbytes_for`
+        says), ``metadata_bytes``, per block (layers), per layer, and the head-dim groups."""
         return {
             "device": str(self.device),
             "dtype": dtype_name(self.dtype),
@@ -121,7 +168,8 @@ class PagedKVPool:
             "block_size": self.block_size,
             "num_layers": self.num_layers,
             "bytes_per_block": self.bytes_per_block,
-            "total_bytes": self.nbytes,
+            "total_bytes": self.nbytes + self.metadata_nbytes,
+            "metadata_bytes": self.metadata_nbytes,
             "layer_bytes": [int(a.nbytes) for a in self.layers],
             "groups": [{"head_dim": g.head_dim, "layers": list(g.layer_indices),
                         "bytes": sum(int(a.nbytes) for a in g.layers)} for g in self.groups],

@@ -82,6 +82,11 @@ class KVBlockStore:
         """Device bytes of ``lookup_table`` and ``cache_lengths``."""
         return int(self.lookup_table.nbytes + self.cache_lengths.nbytes)
 
+    @property
+    def metadata_nbytes(self) -> int:
+        """Device bytes besides ``blocks``: the index buffers and the group's layer tables."""
+        return self.index_nbytes + int(self.seq_offsets.nbytes) + self.group.nbytes
+
     def check_layer(self, layer) -> int:
         """``layer`` as a decoder layer in ``[0, num_layers)``.
 

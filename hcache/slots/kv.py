@@ -14,6 +14,7 @@ from .._checks import check_index, check_int
 from ..config.caches import KVCacheConfig, KVLayerConfig
 from ..device import as_array, launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
+from ..memory import check_fits
 from ..ops.tables import KVGroup, group_layers_by_head_dim
 from .kv_writes import KVWriter
 
@@ -34,6 +35,9 @@ class KVCacheManager:
     ------
     TypeError
         ``config`` is not a :class:`KVCacheConfig`.
+    CacheCapacityError
+        The caches do not fit in the memory available on the device
+        (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
 
     def __init__(self, config, stream=None, *, device=None):
@@ -45,6 +49,7 @@ class KVCacheManager:
                                  f"MLA caches are not supported yet), got {lc.components}")
         self._config = config
         self._device = resolve_device(device)
+        check_fits("config", config.nbytes, self._device)
         xp = self._device.xp
         dtype = storage_dtype(config.dtype, xp)
         b, s = config.max_batch_size, config.max_sequence_length

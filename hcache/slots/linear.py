@@ -14,6 +14,7 @@ from .._checks import check_index
 from ..config.caches import LinearCacheConfig, MambaCacheConfig
 from ..device import launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
+from ..memory import check_fits
 from ..ops.tables import KVGroup
 from .batch import BatchAPI
 from .kv_writes import KVWriter
@@ -36,6 +37,9 @@ class LinearKVCache(BatchAPI):
     ------
     TypeError
         ``config`` is not a :class:`LinearCacheConfig`.
+    CacheCapacityError
+        The caches do not fit in the memory available on the device
+        (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
 
     def __init__(self, config, stream=None, *, device=None):
@@ -43,6 +47,7 @@ class LinearKVCache(BatchAPI):
             raise TypeError(f"config: expected LinearCacheConfig, got {type(config).__name__}")
         self._config = config
         device = resolve_device(device)
+        check_fits("config", config.nbytes, device)
         xp = device.xp
         c = config
         self._mamba = None

@@ -16,6 +16,7 @@ from .._checks import check_index
 from ..config.caches import MambaCacheConfig
 from ..device import as_array, launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
+from ..memory import check_fits
 from ..ops.tables import SlotSet
 
 __all__ = ["MambaCacheManager"]
@@ -35,6 +36,9 @@ class MambaCacheManager:
     ------
     TypeError
         ``config`` is not a :class:`MambaCacheConfig`.
+    CacheCapacityError
+        The caches do not fit in the memory available on the device
+        (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
 
     def __init__(self, config, stream=None, *, device=None):
@@ -42,6 +46,7 @@ class MambaCacheManager:
             raise TypeError(f"config: expected MambaCacheConfig, got {type(config).__name__}")
         self._config = config
         self._device = resolve_device(device)
+        check_fits("config", config.nbytes, self._device)
         xp = self._device.xp
         n, b = config.num_layers, config.max_batch_size
         with launch_scope(self._device, stream):
@@ -92,19 +97,20 @@ class MambaCacheManager:
     @property
     def metadata_nbytes(self) -> int:
         """Device bytes of the slot indices and descriptor tables of the one-launch copies
-        (not in :meth:`memory_report`, which counts the states)."""
+        (``memory_report()["metadata"]``)."""
         tables = (list(self._capture_sets.values()) + [self._restore_set]
                   if self.num_layers else [])
         return int(self._slot_idx.nbytes + self._zero_idx.nbytes
                    + sum(t.device_infos.nbytes for t in tables))
 
     def memory_report(self) -> dict:
-        """Device bytes: ``recurrent``, ``conv``, ``total`` and ``layers`` (per layer)."""
+        """Device bytes: ``recurrent``, ``conv``, ``metadata`` (:attr:`metadata_nbytes`),
+        ``total`` (all three: ``config.nbytes``) and ``layers`` (states per layer)."""
         n = self.num_layers
-        per_layer = (self._recurrent.nbytes + self._conv.nbytes) // n if n else 0
+        states = int(self._recurrent.nbytes + self._conv.nbytes)
         return {"recurrent": int(self._recurrent.nbytes), "conv": int(self._conv.nbytes),
-                "total": int(self._recurrent.nbytes + self._conv.nbytes),
-                "layers": (int(per_layer),) * n}
+                "metadata": self.metadata_nbytes, "total": states + self.metadata_nbytes,
+                "layers": (states // n if n else 0,) * n}
 
     # --- commands ---------------------------------------------------------------------------
 
