@@ -226,7 +226,7 @@ class KVCacheManager:
             everything is checked before anything is written.
         """
         b = check_index("slot", b, self._config.max_batch_size)
-        saved = self._check_saved(saved)
+        saved = self._check_saved(saved, stream)
         if scales is not None:
             if not isinstance(scales, (tuple, list)) or len(scales) != 2:
                 raise TypeError(f"scales: expected a (k_scales, v_scales) pair, "
@@ -239,7 +239,7 @@ class KVCacheManager:
         if scales is not None:
             self._writer.set_scales(scales[0], scales[1], stream)
 
-    def _check_saved(self, saved) -> list:
+    def _check_saved(self, saved, stream) -> list:
         """``saved`` as a list of checked ``device.xp`` arrays (any array library)."""
         if isinstance(saved, (str, bytes)) or not hasattr(saved, "__len__"):
             raise TypeError(f"saved: expected a sequence of arrays, got {type(saved).__name__}")
@@ -247,7 +247,7 @@ class KVCacheManager:
             raise ValueError(f"saved: expected {self.num_layers} tensors, got {len(saved)}")
         n, out = None, []
         for i, (t, cache) in enumerate(zip(saved, self._caches, strict=True)):
-            t = as_array(f"saved[{i}]", t, self._device)
+            t = as_array(f"saved[{i}]", t, self._device, stream)
             out.append(t)
             heads, dim = cache.shape[2], cache.shape[4]
             if t.ndim != 4 or t.shape[0] != 2 or t.shape[1] != heads or t.shape[3] != dim:

@@ -180,8 +180,8 @@ class MambaCacheManager:
             checked before anything is written.
         """
         b = check_index("slot", b, self._config.max_batch_size)
-        saved = (self._check_saved("recurrent", recurrent, self._recurrent_views)
-                 + self._check_saved("conv", conv, self._conv_views))
+        saved = (self._check_saved("recurrent", recurrent, self._recurrent_views, stream)
+                 + self._check_saved("conv", conv, self._conv_views, stream))
         if not saved:
             return
         with launch_scope(self._device, stream):
@@ -190,7 +190,7 @@ class MambaCacheManager:
             self._slot_idx.fill(b)
             ops.slot_copy(self._restore_set, self._zero_idx, self._slot_idx, stream=stream)
 
-    def _check_saved(self, name, tensors, views) -> list:
+    def _check_saved(self, name, tensors, views, stream) -> list:
         if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__len__"):
             raise TypeError(f"{name}: expected a sequence of arrays, got "
                             f"{type(tensors).__name__}")
@@ -199,7 +199,7 @@ class MambaCacheManager:
         out = []
         for i, (t, view) in enumerate(zip(tensors, views, strict=True)):
             where = f"{name}[{i}]"
-            t = as_array(where, t, self._device)
+            t = as_array(where, t, self._device, stream)
             slot_shape = tuple(view.shape[1:])
             if tuple(t.shape) not in ((1,) + slot_shape, slot_shape):
                 raise ValueError(f"{where}: expected shape {(1,) + slot_shape}, "
