@@ -271,3 +271,27 @@ def test_cuda_views_device_arrays_of_any_protocol():
         assert view.shape == a.shape and view.dtype == a.dtype
     with pytest.raises(TypeError, match="k: expected a cupy array"):
         as_array("k", np.zeros(3, np.float32), device)
+
+
+@pytest.mark.parametrize("wrap", ALL_WRAPPERS)
+def test_context_takes_tokens_and_request_ids_from_any_library(wrap):
+    """The same requests admitted and extended with lists and with foreign arrays get the same
+    blocks, hashes and token counts."""
+    from hcache import DynamicInferenceContext
+    wrap = wrapper(wrap)
+
+    def run(convert):
+        ctx = DynamicInferenceContext(
+            kv_layer_configs=[KVLayerConfig(1, 4)], num_blocks=16, block_size_tokens=2,
+            max_requests=4, max_blocks_per_request=8, device="cpu")
+        ctx.add_request(7, convert(np.arange(5, dtype=np.int64)))
+        ctx.add_request(8, convert(np.array([0, 1, 2, 3, 9], np.int64)))
+        ctx.commit_step()
+        ctx.extend_requests(convert(np.array([7, 8], np.int64)),
+                            convert(np.array([11, 12], np.int64)))
+        ctx.commit_step()
+        ctx.release_requests(convert(np.array([8], np.int64)))
+        return (np.asarray(ctx.block_ids(7)).tolist(), ctx.num_computed_tokens(7),
+                ctx.kv_block_allocator.block_hashes.tolist())
+
+    assert run(wrap) == run(lambda a: a.tolist())

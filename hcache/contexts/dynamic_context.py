@@ -38,7 +38,7 @@ from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
 from .paged_kv_pool import PagedKVPool
 from .prefix_match import blocks_to_register, pending_blocks_overlap
-from .requests import RequestTable, batch_tokens, token_array
+from .requests import RequestTable, batch_tokens, id_list, token_array
 from .step_kv_writer import StepKVWriter
 from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan
 from .step_scheduler import StepScheduler
@@ -283,7 +283,8 @@ class DynamicInferenceContext:
         """
         rows = self._requests.rows(request_ids)
         flat, counts = batch_tokens("tokens", tokens, len(rows))
-        plan = self._scheduler.extend(list(request_ids), rows, flat, counts, single=False)
+        plan = self._scheduler.extend(id_list("request_ids", request_ids), rows, flat, counts,
+                                      single=False)
         self.stats.computed_tokens += len(flat)
         return plan
 
@@ -359,7 +360,7 @@ class DynamicInferenceContext:
         Raises ``ValueError`` (nothing changes) when an id is not active.
         """
         requests = self._requests
-        rows = list(dict.fromkeys(requests.row(rid) for rid in request_ids))
+        rows = list(dict.fromkeys(requests.row(r) for r in id_list("request_ids", request_ids)))
         if not rows:
             return
         self.kv_block_allocator.release_memory_blocks(

@@ -60,6 +60,12 @@ def token_array(name: str, tokens) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def id_list(name: str, request_ids) -> list:
+    """``request_ids`` as a list (an array of any library as Python scalars)."""
+    ids = host_view(name, request_ids)
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+
+
 def batch_tokens(name: str, tokens, n: int):
     """The new tokens of ``n`` requests, flattened: ``(flat int64 [total], counts)``.
 
@@ -221,6 +227,7 @@ class RequestTable:
         if type(request_ids) is list and distinct and request_ids == self._last_ids \
                 and self._last_version == self._version:
             return self._last_rows.copy()   # the previous batch again, no admission between
+        request_ids = host_view(name, request_ids)   # ids in an array of any library
         if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__len__"):
             raise TypeError(f"{name}: expected a sequence of request ids, "
                             f"got {type(request_ids).__name__}")
