@@ -349,6 +349,8 @@ def as_array(name: str, value, device: Device, stream=None):
     TypeError
         ``value`` is not an array, lives in the other kind of memory, or has a dtype the array
         module cannot import (the message says which).
+    TypeError, ValueError
+        On ``cuda``, for a foreign array: ``stream`` is not a stream (:func:`stream_handle`).
     """
     if not device.is_cuda:
         return host_array(name, value)
@@ -357,6 +359,7 @@ def as_array(name: str, value, device: Device, stream=None):
     if not on_device(value):
         raise TypeError(f"{name}: expected a cupy array (or an array on {device} with "
                         f"__cuda_array_interface__ or __dlpack__), got {type(value).__name__}")
+    stream_handle(stream)   # a bad stream is the stream's error, not the array's
     try:
         return _cuda_import(value, device, stream)
     except _FOREIGN_ERRORS as exc:
