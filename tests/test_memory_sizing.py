@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hcache import (
     CacheCapacityError,
     ContinuousBatchingKVCacheManager,
+    DynamicInferenceContext,
     HybridCacheConfig,
     HybridCacheManager,
     KVCacheConfig,
@@ -211,6 +212,11 @@ def _too_big_for_memory():
             "float16", KVCacheStaticParams(1, 64), 1, seq, 4, device="cpu"), None),
         ("num_blocks", lambda: PagedKVPool([KVLayerConfig(1, 64)] * 4, 1, seq, device="cpu"),
          None),
+        # a small pool, but live Mamba states of four layers that do not fit together
+        ("num_blocks", lambda: DynamicInferenceContext(
+            kv_layer_configs=[KVLayerConfig(1, 8)], num_blocks=4, block_size_tokens=4,
+            max_requests=1, max_blocks_per_request=2, num_mamba_layers=4,
+            conv_states_shape=(1,), ssm_states_shape=(heads, 64, 64), device="cpu"), None),
     ]
 
 
@@ -241,3 +247,26 @@ def test_an_absurd_size_is_a_capacity_error_not_a_memory_error(build):
         pytest.skip("the available memory of this host is unknown")
     with pytest.raises(CacheCapacityError):
         build()
+
+
+@pytest.mark.parametrize("slots", [0, 5])
+def test_context_states_bytes_are_the_context_buffers_besides_the_pool(slots):
+    """What a context checks with its pool: the live, cached and snapshot Mamba states and the
+    staging of a step's KV writes (oracle: the arrays themselves)."""
+    import numpy as np
+
+    from hcache.config.sizing import context_states_nbytes
+
+    ctx = DynamicInferenceContext(
+        kv_layer_configs=[KVLayerConfig(2, 16)], num_blocks=8, block_size_tokens=4,
+        max_requests=3, max_blocks_per_request=4, num_mamba_layers=2,
+        conv_states_shape=(16, 4), ssm_states_shape=(2, 4, 8), mamba_cache_slots=slots,
+        device="cpu")
+    arrays = [ctx.mamba_conv_states, ctx.mamba_ssm_states, ctx._kv_writer._table_dev,
+              ctx._kv_writer._offsets_dev, ctx._kv_writer._positions_dev]
+    alloc = ctx.mamba_slot_allocator
+    if slots:
+        arrays += [alloc.conv_states, alloc.ssm_states, alloc.intermediate_conv_out,
+                   alloc.intermediate_ssm_out]
+    assert context_states_nbytes(ctx, slots, (16, 4), (2, 4, 8), np.float16, np.float32) \
+        == sum(a.nbytes for a in arrays)

@@ -17,7 +17,7 @@ from ..ops.tables import compaction_plan_size
 
 __all__ = ["kv_manager_nbytes", "mamba_manager_nbytes", "hybrid_manager_nbytes",
            "linear_manager_nbytes", "continuous_manager_nbytes", "paged_pool_nbytes",
-           "largest_fitting"]
+           "context_states_nbytes", "largest_fitting"]
 
 _LAYER_TABLES = 2 * 16 + 4   # per KV layer: its KVLayerInfo row, pointer scratch row, int32 label
 _SLOT_INFO = 32              # one SlotTensorInfo row (four uint64)
@@ -117,6 +117,22 @@ def paged_pool_nbytes(layer_configs, num_blocks: int, block_size: int, dtype) ->
     item = _itemsize(dtype)
     layers = sum(_kv_layer_bytes(lc, num_blocks, block_size, item) for lc in layer_configs)
     return layers + len(layer_configs) * (_LAYER_TABLES + _SLOT_INFO) + 2 * num_blocks * _I32
+
+
+def context_states_nbytes(context, mamba_cache_slots: int, conv_shape, ssm_shape, conv_dtype,
+                          ssm_dtype, snapshots_per_request: int = 3) -> int:
+    """Device bytes of a :class:`~hcache.DynamicInferenceContext` besides its paged pool: the
+    live Mamba states, the cached ones and the per-step snapshots (when ``mamba_cache_slots``),
+    and the staging of a step's KV writes (descriptor tables of a few bytes per layer aside).
+    ``context`` gives the checked ``num_mamba_layers``, ``max_requests``,
+    ``max_blocks_per_request`` and ``max_step_tokens``."""
+    rows = context.max_requests
+    per_state = (int(np.prod(conv_shape)) * _itemsize(conv_dtype)
+                 + int(np.prod(ssm_shape)) * _itemsize(ssm_dtype))
+    states = rows + (mamba_cache_slots + snapshots_per_request * rows
+                     if mamba_cache_slots else 0)
+    staging = (rows * (context.max_blocks_per_request + 1) + 1 + context.max_step_tokens) * _I32
+    return context.num_mamba_layers * states * per_state + staging
 
 
 def largest_fitting(nbytes_of, budget: int, *, upper: int = 2**31 - 1) -> int:

@@ -59,6 +59,9 @@ class PagedKVPool:
     dtype : str or dtype
         One of the docs/design.md §2 dtypes. On CuPy, float8 is stored as ``uint8`` (same bytes).
     device : None, "cpu", "cuda" or "cuda:N"
+    extra_nbytes : int
+        Device bytes its owner allocates along with it (a context's states), checked with the
+        pool's before anything is allocated.
 
     Attributes
     ----------
@@ -78,15 +81,15 @@ class PagedKVPool:
     """
 
     def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
-                 device=None):
+                 device=None, extra_nbytes: int = 0):
         configs = _layer_configs(layer_configs)
         self.layer_configs = configs
         self.num_blocks = as_int("num_blocks", num_blocks, 1)
         self.block_size = as_int("block_size", block_size, 1)
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
-        check_fits("num_blocks", paged_pool_nbytes(configs, self.num_blocks, self.block_size,
-                                                   self.dtype), self.device)
+        check_fits("num_blocks", as_int("extra_nbytes", extra_nbytes) + paged_pool_nbytes(
+            configs, self.num_blocks, self.block_size, self.dtype), self.device)
         xp = self.xp = self.device.xp
         self.storage_dtype = storage_dtype(self.dtype, xp)
         with self.device.scope():
