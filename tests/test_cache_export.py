@@ -1,6 +1,7 @@
 """Cache buffers handed to other libraries without a copy (docs/design.md §2, "Views").
 
-On the cpu device every cache allocation starts on a 64-byte boundary (``device.zeros``), so
+On the cpu device every cache allocation starts on a 64-byte boundary (``device.zeros``; latent
+MLA planes and single-state Mamba layouts included), so
 an importer that insists on alignment (JAX) shares it instead of copying; bfloat16 and float8
 views leave through DLPack as their storage type (``dtypes.dlpack_view``). Oracles: the
 address of each buffer, ``numpy.shares_memory`` and a byte written through the cache seen in
@@ -39,6 +40,7 @@ CPU = resolve_device("cpu")
 # (Mamba states, the linear cache) start on a 64-byte boundary as well.
 KV_LAYERS = [KVLayerConfig(2, 16), KVLayerConfig(1, 32)]
 MAMBA = dict(num_heads=2, head_dim=4, state_size=8, conv_dim=16, conv_kernel=4)
+LATENT = KVLayerConfig(1, 32, components=1)   # an MLA layer: one latent plane, no V
 
 
 def _mamba(num_layers, batch):
@@ -78,6 +80,37 @@ def exported_buffers(dtype):
             ("context.scratch_conv", alloc.intermediate_conv_out),
             ("context.scratch_ssm", alloc.intermediate_ssm_out)]
     out += [(f"context.kv{i}", a) for i, a in enumerate(ctx.kv_pool.layers)]
+    return out + latent_and_conv_only_buffers(dtype)
+
+
+def latent_and_conv_only_buffers(dtype):
+    """The buffers of latent (MLA) layers (one plane) and of conv-only Mamba layers (no
+    recurrent state), which their managers allocate in their own shapes."""
+    out = []
+    layers = [LATENT, KV_LAYERS[0]]
+    kv = KVCacheManager(KVCacheConfig(2, 8, layers, dtype), device="cpu")
+    out += [("latent.kv0", kv.get_combined_kv_cache(0))]
+    conv_only = MambaCacheConfig(2, 2, 0, 0, 0, 16, 4)
+    out += [(f"conv_only.state{i}", t) for i, t in enumerate(
+        MambaCacheManager(conv_only, device="cpu").state_tensors)]
+    hybrid = HybridCacheManager(HybridCacheConfig(
+        [A, M, A], KVCacheConfig(2, 8, layers, dtype), MambaCacheConfig(1, 2, 0, 0, 0, 16, 4),
+        2), device="cpu")
+    out += [("hybrid.latent0", hybrid.get_combined_kv_cache(0)),
+            ("hybrid.conv_only1", hybrid.get_conv_state(1))]
+    cb = ContinuousBatchingKVCacheManager(dtype, KVCacheStaticParams(1, 32, is_mla=True), 2, 8,
+                                          2, device="cpu")
+    out += [("continuous.mla_blocks_buf", cb.blocks_buf)]
+    ctx = DynamicInferenceContext(
+        kv_layer_configs=layers, num_blocks=4, block_size_tokens=4, max_requests=4,
+        max_blocks_per_request=2, num_mamba_layers=1, conv_states_shape=(16, 4),
+        ssm_states_shape=None, mamba_cache_slots=2, kv_dtype=dtype, device="cpu")
+    alloc = ctx.mamba_slot_allocator
+    assert ctx.mamba_ssm_states is None and alloc.ssm_states is None
+    out += [("conv_context.live_conv", ctx.mamba_conv_states),
+            ("conv_context.cached_conv", alloc.conv_states),
+            ("conv_context.scratch_conv", alloc.intermediate_conv_out),
+            ("conv_context.latent_kv0", ctx.kv_pool.layers[0])]
     return out
 
 
@@ -87,7 +120,8 @@ DTYPES = ["float16", "bfloat16", "float8_e4m3fn"]
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_cache_buffer_is_64_byte_aligned(dtype):
     buffers = exported_buffers(dtype)
-    assert len(buffers) == 24
+    assert len(buffers) == 24 + 10
+    assert buffers[24][1].shape == (2, 1, 1, 8, 32)   # the latent layer's one plane
     misaligned = [name for name, a in buffers if a.ctypes.data % ALIGNMENT]
     assert not misaligned
 

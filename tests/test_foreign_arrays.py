@@ -295,3 +295,109 @@ def test_context_takes_tokens_and_request_ids_from_any_library(wrap):
                 ctx.kv_block_allocator.block_hashes.tolist())
 
     assert run(wrap) == run(lambda a: a.tolist())
+
+
+# --- latent (MLA) layers and single-state Mamba layers: None where there is no plane or state ---
+
+LATENT = KVLayerConfig(1, 16, components=1)   # one latent vector per token, no V plane
+
+
+def _same(wrap):
+    return (lambda a: a), wrapper(wrap)
+
+
+@pytest.mark.parametrize("wrap", ALL_WRAPPERS)
+def test_latent_writes_take_foreign_k_beside_v_none(wrap):
+    """A latent layer's rows are ``k`` (any library) and its ``v`` None: alone, in a list
+    beside foreign V rows of a K/V layer, and for a model of latent layers only (``v``
+    omitted). Oracle: the same calls with NumPy arrays."""
+    from hcache import HybridCacheConfig, HybridCacheManager, LayerType
+    A = LayerType.ATTENTION
+    kv = KVCacheConfig(2, 6, [LATENT, KVLayerConfig(2, 8)], "float16")
+    k0, k1, v1 = (rows(s, "float16", i) for i, s in
+                  enumerate([(2, 1, 1, 16), (2, 1, 2, 8), (2, 1, 2, 8)]))
+    latent, positions = rows((2, 2, 1, 16), "float16", 4), np.array([[3, 4], [4, 5]])
+    out = []
+    for w in _same(wrap):
+        m = HybridCacheManager(HybridCacheConfig([A, A], kv, None, 2), device="cpu")
+        m.reset_for_new_sequences([0, 0])
+        m.write_kv(None, [w(k0), w(k1)], [None, w(v1)])
+        m.write_kv(0, w(latent), positions=w(positions))
+        only = KVCacheManager(KVCacheConfig(2, 6, [LATENT], "float16"), device="cpu")
+        only.write_kv(None, [w(latent)], positions=w(positions))
+        out.append([m.get_combined_kv_cache(0), m.get_combined_kv_cache(1),
+                    only.get_combined_kv_cache(0)])
+    for a, b in zip(*out):
+        assert a.any() and np.array_equal(a, b)
+    assert np.array_equal(out[1][0][:, 0, 0, 0], k0[:, 0, 0])
+
+
+@pytest.mark.parametrize("wrap", ALL_WRAPPERS)
+def test_latent_pool_and_mla_continuous_writes_take_foreign_k(wrap):
+    table, lengths = np.array([[2, 0]], np.int32), np.array([1], np.int32)
+    k0, k1, v1 = (rows((3, h, d), "float32", i) for i, (h, d) in
+                  enumerate([(1, 16), (2, 8), (2, 8)]))
+    pools, blocks = [], []
+    for w in _same(wrap):
+        pool = PagedKVPool([LATENT, KVLayerConfig(2, 8)], 4, 2, "float8_e4m3fn", device="cpu")
+        args = dict(block_table=w(table), uniform_tokens=3, batch=1, cache_lengths=w(lengths))
+        pool.write_kv(w(k0), None, layer=0, k_scale=0.5, **args)
+        pool.write_kv([w(k0), w(k1)], [None, w(v1)], k_scale=2.0, v_scale=2.0, **args)
+        pools.append(pool)
+        m = ContinuousBatchingKVCacheManager("float16", KVCacheStaticParams(1, 16, is_mla=True),
+                                             2, 6, 2, device="cpu")
+        coll = m.fetch(m.claim(2))
+        coll.write_kv(1, w(rows((2, 3, 1, 16), "float16", 7)))
+        coll.write(0, w(rows((2, 2, 1, 16), "float16", 8)))
+        m.step([3, 3], coll)
+        blocks.append(m.blocks_buf)
+    for a, b in zip(pools[0].layers, pools[1].layers):
+        assert a.view(np.uint8).any() and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert blocks[0].shape[1] == 1 and blocks[0].any()
+    assert np.array_equal(blocks[0], blocks[1])
+
+
+@pytest.mark.parametrize("wrap", ALL_WRAPPERS)
+def test_a_foreign_v_for_a_latent_layer_is_refused_and_changes_nothing(wrap):
+    wrap = wrapper(wrap)
+    m = KVCacheManager(KVCacheConfig(2, 6, [LATENT, KVLayerConfig(2, 8)], "float16"),
+                       device="cpu")
+    k = rows((2, 1, 1, 16), "float16", 1)
+    with pytest.raises(ValueError, match=r"v: expected None \(attention layer 0 is a latent"):
+        m.write_kv(0, wrap(k), wrap(k), positions=[[0], [0]])
+    with pytest.raises(ValueError, match=r"v\[1\]: expected V rows .* got None"):
+        m.write_kv(None, [wrap(k), wrap(rows((2, 1, 2, 8), "float16", 2))], [None, None],
+                   positions=[[0], [0]])
+    pool = PagedKVPool([LATENT], 4, 2, device="cpu")
+    with pytest.raises(ValueError, match=r"v: expected None \(attention layer 0 is a latent"):
+        pool.write_kv(wrap(k[:, 0]), wrap(k[:, 0]), layer=0, block_table=np.zeros((1, 1),
+                      np.int32), uniform_tokens=2, batch=1, cache_lengths=np.zeros(1, np.int32))
+    assert not any(c.any() for c in (m.get_combined_kv_cache(0), m.get_combined_kv_cache(1),
+                                     pool.layers[0]))
+
+
+@pytest.mark.parametrize("wrap", ALL_WRAPPERS)
+def test_single_state_layers_restore_and_store_foreign_states(wrap):
+    """Conv-only layers (short convolutions): restore takes foreign conv states and no
+    recurrent ones; the prefix cache stores a foreign conv state beside ``ssm_state=None``."""
+    wrap = wrapper(wrap)
+    mm = [MambaCacheManager(MambaCacheConfig(2, 2, 0, 0, 0, 4, 3), device="cpu")
+          for _ in range(2)]
+    conv = [rows((1, 4, 3), "float16", s) for s in (1, 2)]
+    mm[0].restore_states([], conv, 1)
+    mm[1].restore_states([], [wrap(c) for c in conv], 1)
+    for a, b in zip(mm[0].state_tensors, mm[1].state_tensors):
+        assert a.any() and np.array_equal(a, b)
+    from hcache import DynamicInferenceContext
+    ctx = DynamicInferenceContext(
+        kv_layer_configs=[LATENT], num_blocks=8, block_size_tokens=2, max_requests=2,
+        max_blocks_per_request=4, num_mamba_layers=1, conv_states_shape=(4, 3),
+        ssm_states_shape=None, mamba_cache_slots=2, device="cpu")
+    alloc = ctx.mamba_slot_allocator
+    block = int(ctx.kv_block_allocator.allocate_memory_blocks(1)[0])
+    alloc.allocate_slots_batch([block])
+    state = rows((4, 3), "float16", 3)
+    alloc.store_from_tensors(block, 0, None, wrap(state))
+    assert np.array_equal(alloc.conv_states[0, alloc.get_slot(block)], state)
+    with pytest.raises(ValueError, match=r"ssm_state: expected None"):
+        alloc.store_from_tensors(block, 0, wrap(rows((1,), "float32", 4)), wrap(state))

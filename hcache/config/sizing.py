@@ -49,14 +49,22 @@ def _batch_state_bytes(max_batch: int, slot_tensors: int) -> int:
 
 
 def _mamba_states_bytes(c) -> int:
+    """Both states of every layer and slot; an absent state (its shape fields all 0) is 0."""
     per_slot = (int(np.prod(c.recurrent_state_shape)) * _itemsize(c.ssm_dtype)
                 + int(np.prod(c.conv_state_shape)) * _itemsize(c.conv_dtype))
     return c.num_layers * c.max_batch_size * per_slot
 
 
-def _mamba_copies_bytes(num_layers: int) -> int:
-    """Two int32 slot indices and the tables of the captures (recurrent, conv) and restore."""
-    return 2 * _I32 + 4 * num_layers * _SLOT_INFO
+def _state_kinds(recurrent_shape, conv_shape) -> int:
+    """How many of the two states (recurrent, conv) the layers have: a state whose shape
+    holds a 0 is not allocated, so no descriptor table moves it."""
+    return sum(1 for shape in (recurrent_shape, conv_shape) if all(int(n) for n in shape))
+
+
+def _mamba_copies_bytes(num_layers: int, kinds: int) -> int:
+    """Two int32 slot indices and the tables of the captures (one per state the layers have)
+    and of the restore (every state tensor)."""
+    return 2 * _I32 + 2 * kinds * num_layers * _SLOT_INFO
 
 
 def kv_manager_nbytes(config) -> int:
@@ -72,17 +80,19 @@ def kv_manager_nbytes(config) -> int:
 def mamba_manager_nbytes(config) -> int:
     """Bytes a :class:`~hcache.MambaCacheManager` of ``config`` allocates (states and the
     tables of its slot copies)."""
-    return _mamba_states_bytes(config) + _mamba_copies_bytes(config.num_layers)
+    kinds = _state_kinds(config.recurrent_state_shape, config.conv_state_shape)
+    return _mamba_states_bytes(config) + _mamba_copies_bytes(config.num_layers, kinds)
 
 
 def hybrid_manager_nbytes(config) -> int:
     """Bytes a :class:`~hcache.HybridCacheManager` of ``config`` allocates: its KV and Mamba
     sub-managers and the batch state."""
     mamba = config.mamba
-    mamba_layers = mamba.num_layers if mamba is not None else 0
+    state_tensors = 0 if mamba is None else mamba.num_layers * _state_kinds(
+        mamba.recurrent_state_shape, mamba.conv_state_shape)
     return (kv_manager_nbytes(config.kv)
             + (mamba_manager_nbytes(mamba) if mamba is not None else 0)
-            + _batch_state_bytes(config.max_batch_size, 2 * mamba_layers))
+            + _batch_state_bytes(config.max_batch_size, state_tensors))
 
 
 def linear_manager_nbytes(config) -> int:
@@ -93,21 +103,26 @@ def linear_manager_nbytes(config) -> int:
           * c.max_sequence_length * c.head_dim * item)
     kv += c.num_attention_layers * _LAYER_TABLES + _kv_writer_bytes(
         c.max_batch_size, c.num_attention_layers, c.num_kv_heads, c.dtype)
-    mamba = 0
-    if c.num_mamba_layers:
-        per_slot = (c.mamba_num_heads * c.mamba_head_dim * c.ssm_state_size
-                    * _itemsize(c.ssm_dtype) + c.conv_dim * c.conv_kernel * _itemsize(c.conv_dtype))
+    mamba = state_tensors = 0
+    if c.num_mamba_layers:   # a state whose fields are 0 is absent: 0 bytes, no table rows
+        recurrent = (c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size)
+        conv = (c.conv_dim, c.conv_kernel)
+        kinds = _state_kinds(recurrent, conv)
+        per_slot = (int(np.prod(recurrent)) * _itemsize(c.ssm_dtype)
+                    + int(np.prod(conv)) * _itemsize(c.conv_dtype))
         mamba = c.num_mamba_layers * c.max_batch_size * per_slot \
-            + _mamba_copies_bytes(c.num_mamba_layers)
-    return kv + mamba + _batch_state_bytes(c.max_batch_size, 2 * c.num_mamba_layers)
+            + _mamba_copies_bytes(c.num_mamba_layers, kinds)
+        state_tensors = kinds * c.num_mamba_layers
+    return kv + mamba + _batch_state_bytes(c.max_batch_size, state_tensors)
 
 
 def continuous_manager_nbytes(dtype, num_heads: int, head_size: int, max_batch_size: int,
-                              max_seq_len: int, num_layers: int) -> int:
-    """Bytes a :class:`~hcache.ContinuousBatchingKVCacheManager` allocates: ``blocks_buf``,
-    the lookup table, lengths and row offsets of the batch in flight, the layer tables."""
+                              max_seq_len: int, num_layers: int, components: int = 2) -> int:
+    """Bytes a :class:`~hcache.ContinuousBatchingKVCacheManager` allocates: ``blocks_buf``
+    (``components`` planes: 2, or 1 for an MLA cache), the lookup table, lengths and row
+    offsets of the batch in flight, the layer tables."""
     n = max_batch_size
-    blocks = n * 2 * num_layers * max_seq_len * num_heads * head_size * _itemsize(dtype)
+    blocks = n * components * num_layers * max_seq_len * num_heads * head_size * _itemsize(dtype)
     return blocks + (n + n + n + 1) * _I32 + num_layers * _LAYER_TABLES
 
 
@@ -124,11 +139,12 @@ def context_states_nbytes(context, mamba_cache_slots: int, conv_shape, ssm_shape
     """Device bytes of a :class:`~hcache.DynamicInferenceContext` besides its paged pool: the
     live Mamba states, the cached ones and the per-step snapshots (when ``mamba_cache_slots``),
     and the staging of a step's KV writes (descriptor tables of a few bytes per layer aside).
+    A state whose shape is ``None`` (the layers have no such state) counts 0 bytes.
     ``context`` gives the checked ``num_mamba_layers``, ``max_requests``,
     ``max_blocks_per_request`` and ``max_step_tokens``."""
     rows = context.max_requests
-    per_state = (int(np.prod(conv_shape)) * _itemsize(conv_dtype)
-                 + int(np.prod(ssm_shape)) * _itemsize(ssm_dtype))
+    per_state = sum(int(np.prod(shape)) * _itemsize(dt) for shape, dt in
+                    ((conv_shape, conv_dtype), (ssm_shape, ssm_dtype)) if shape is not None)
     states = rows + (mamba_cache_slots + snapshots_per_request * rows
                      if mamba_cache_slots else 0)
     staging = (rows * (context.max_blocks_per_request + 1) + 1 + context.max_step_tokens) * _I32

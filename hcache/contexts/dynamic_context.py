@@ -26,7 +26,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, int_shape
+from .._checks import as_int
 from ..config.sizing import context_states_nbytes
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
@@ -34,6 +34,7 @@ from .block_hashing import compute_block_hashes
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
+from .mamba_state_copies import state_shapes
 from .paged_kv_pool import PagedKVPool
 from .prefix_match import blocks_to_register, pending_blocks_overlap
 from .requests import RequestTable, batch_tokens, id_list, token_array
@@ -58,8 +59,8 @@ class DynamicInferenceContext:
         ``max_blocks_per_request * block_size_tokens`` tokens).
     num_mamba_layers : int
         0 for an attention-only model.
-    conv_states_shape, ssm_states_shape : tuple of int
-        Per-request Mamba state shapes (ignored without Mamba layers).
+    conv_states_shape, ssm_states_shape : tuple of int or None
+        Per-request state shapes (ignored without Mamba layers); ``None``: no such state.
     kv_dtype, conv_states_dtype, ssm_states_dtype : str or dtype
     mamba_cache_slots : int
         Durable Mamba cache slots; 0 disables state caching (KV blocks are still shared).
@@ -78,7 +79,7 @@ class DynamicInferenceContext:
     kv_block_allocator : KVBlockAllocator
     mamba_slot_allocator : MambaSlotAllocator or None
     mamba_conv_states, mamba_ssm_states : arrays [num_mamba_layers, max_requests, *shape]
-        Live per-request states (views for the model).
+        Live per-request states (views for the model); ``None`` for a state with shape None.
     request_to_kv_block_ids : int32 [max_requests, max_blocks_per_request]
         Host block table; -1 = none.
     request_to_mamba_state_idx : int32 [max_requests]
@@ -109,8 +110,7 @@ class DynamicInferenceContext:
         self.max_step_tokens = as_int("max_step_tokens", self.max_requests
                                     * self.max_sequence_length if max_step_tokens is None
                                     else max_step_tokens, 1)
-        conv_shape = int_shape("conv_states_shape", conv_states_shape)
-        ssm_shape = int_shape("ssm_states_shape", ssm_states_shape)
+        conv_shape, ssm_shape = state_shapes(conv_states_shape, ssm_states_shape)
         L, R, configs = self.num_mamba_layers, self.max_requests, list(kv_layer_configs)
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
@@ -287,7 +287,7 @@ class DynamicInferenceContext:
         self.stats.computed_tokens += len(flat)
         return plan
 
-    def write_kv(self, request_ids, k, v, *, layer=None, k_scale=None, v_scale=None,
+    def write_kv(self, request_ids, k, v=None, *, layer=None, k_scale=None, v_scale=None,
                  stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of ``request_ids`` into the paged pool.
 
@@ -296,7 +296,8 @@ class DynamicInferenceContext:
         request_ids : sequence
             Requests with a scheduled step; their tokens are concatenated in this order.
         k, v : arrays [total_tokens, H_i, D_i], or lists of them (one per layer)
-            As in :meth:`PagedKVPool.write_kv`; rows of positions in shared blocks are skipped.
+            As in :meth:`PagedKVPool.write_kv` (a latent layer's ``v`` is None); rows of
+            positions in shared blocks are skipped.
         layer, k_scale, v_scale : optional
             As in :meth:`PagedKVPool.write_kv` (an FP8 pool quantizes float rows with scales).
 

@@ -36,26 +36,40 @@ def manager_arguments(dtype, kv_params, max_batch_size, max_seq_len, num_layers)
 class KVCacheStaticParams:
     """Per-layer KV geometry: ``num_heads`` KV heads of ``head_size`` elements, both >= 1.
 
+    ``is_mla`` (MAX's flag for multi-head latent attention): the cache stores only K, one
+    latent vector per token (``num_heads = 1``, ``head_size = kv_lora_rank +
+    qk_rope_head_dim``, ``c_kv`` then ``k_pe``), and no V.
+
     Raises
     ------
     TypeError, ValueError
-        A field is not an int >= 1.
+        A field is not an int >= 1, or ``is_mla`` is not a bool.
     """
 
     num_heads: int
     head_size: int
+    is_mla: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "num_heads", as_int("num_heads", self.num_heads, 1))
         object.__setattr__(self, "head_size", as_int("head_size", self.head_size, 1))
+        if not isinstance(self.is_mla, bool):
+            raise TypeError(f"is_mla: expected a bool, got {type(self.is_mla).__name__}")
+
+    @property
+    def components(self) -> int:
+        """Cache planes per layer: 2 (K and V), or 1 with ``is_mla``."""
+        return 1 if self.is_mla else 2
 
     def nbytes(self, dtype, max_batch_size, max_seq_len, num_layers) -> int:
         """Device bytes a :class:`~hcache.ContinuousBatchingKVCacheManager` of this geometry
-        and these arguments allocates (its ``memory_report()["total_bytes"]``), known before
-        any allocation. Raises as the manager's constructor for a bad argument."""
+        and these arguments allocates (its ``memory_report()["total_bytes"]``; one plane per
+        layer with ``is_mla``), known before any allocation. Raises as the manager's
+        constructor for a bad argument."""
         dtype, n, s, layers = manager_arguments(dtype, self, max_batch_size, max_seq_len,
                                                 num_layers)
-        return continuous_manager_nbytes(dtype, self.num_heads, self.head_size, n, s, layers)
+        return continuous_manager_nbytes(dtype, self.num_heads, self.head_size, n, s, layers,
+                                         self.components)
 
     def max_batch_size_for(self, budget, dtype, max_seq_len, num_layers) -> int:
         """The largest ``max_batch_size`` (blocks) whose manager fits in ``budget`` bytes, or

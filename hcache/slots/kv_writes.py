@@ -2,8 +2,9 @@
 :class:`~hcache.slots.kv.KVCacheManager`, :class:`~hcache.slots.hybrid.HybridCacheManager` and
 :class:`~hcache.slots.linear.LinearKVCache` (docs/design.md §4.9).
 
-A :class:`KVWriter` belongs to one set of per-attention-layer caches ``[max_batch, 2, H_a, S,
-D_a]`` and their head-dim groups. It validates a call completely, then stages its index arrays in
+A :class:`KVWriter` belongs to one set of per-attention-layer caches ``[max_batch, C_a, H_a, S,
+D_a]`` (``C_a`` = 2 for K and V, 1 for a latent MLA cache written from ``k`` alone) and their
+head-dim groups. It validates a call completely, then stages its index arrays in
 buffers allocated at construction (ragged row offsets, host positions) and launches
 :func:`hcache.ops.kv_write` (rows of the cache dtype) or :func:`hcache.ops.kv_write_fp8` (float
 rows into an FP8 cache) once per head-dim group. Row ``b`` of a batch is slot ``b``; its tokens
@@ -45,8 +46,9 @@ class KVWriter:
     Parameters
     ----------
     device : Device
-    caches : sequence of arrays ``[max_batch, 2, H_a, S, D_a]``
-        One per attention layer (its attention index is its position), C-contiguous.
+    caches : sequence of arrays ``[max_batch, C_a, H_a, S, D_a]``
+        One per attention layer (its attention index is its position), C-contiguous; ``C_a`` is
+        2 (K and V) or 1 (a latent cache: no V rows).
     groups : sequence of KVGroup
         The caches by head dim; ``layer_indices`` are attention indices.
     dtype : str or dtype
@@ -149,7 +151,10 @@ class KVWriter:
         stream_handle(stream)
         layers = list(range(self.num_layers)) if index is None else [index]
         ks = self._per_layer("k", k, index, stream)
-        vs = self._per_layer("v", v, index, stream)
+        if v is None and index is None and all(self._latent(a) for a in layers):
+            vs = [None] * len(layers)   # a model of latent layers only: no V anywhere
+        else:
+            vs = self._per_layer("v", v, index, stream)
         if not layers:
             return
         ragged = seq_lengths is not None
@@ -182,6 +187,9 @@ class KVWriter:
         if quantize:
             scales = [self._check_scale(n, s, layers)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
+            if v_scale is not None and all(self._latent(a) for a in layers):
+                raise ValueError(f"v_scale: expected None (latent layers have no V), "
+                                 f"got {type(v_scale).__name__}")
         else:
             for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
                 if s is not None:
@@ -209,16 +217,27 @@ class KVWriter:
 
     # --- internals --------------------------------------------------------------------------
 
+    def _latent(self, index) -> bool:
+        """Attention layer ``index`` caches one latent vector per token (no V plane)."""
+        return int(self._caches[index].shape[1]) == 1
+
     def _per_layer(self, name, arrays, index, stream) -> list:
-        """The K (or V) arrays of the layers written, each as a ``device.xp`` array."""
+        """The K (or V) arrays of the layers written, each as a ``device.xp`` array; a V
+        entry that is None or belongs to a latent layer stays as given (:meth:`_check_rows`
+        requires it to be None exactly when the layer is latent)."""
         if index is not None:
-            return [as_array(name, arrays, self._device, stream)]
+            return [self._coerce(name, name, arrays, index, stream)]
         if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
-            return [as_array(f"{name}[{j}]", a, self._device, stream)
+            return [self._coerce(name, f"{name}[{j}]", a, j, stream)
                     for j, a in enumerate(arrays)]
         got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per "
                          f"attention layer), got {got}")
+
+    def _coerce(self, kind, name, a, index, stream):
+        if a is None or (kind == "v" and self._latent(index)):
+            return a
+        return as_array(name, a, self._device, stream)
 
     def _lead(self, a, ragged) -> tuple:
         want = 3 if ragged else 4
@@ -228,12 +247,22 @@ class KVWriter:
         return tuple(int(n) for n in a.shape[:want - 2])
 
     def _check_rows(self, ks, vs, layers, lead, single):
-        """Every K/V array; returns the float dtype of a quantizing write, or None."""
+        """Every K/V array (a latent layer's ``v`` must be None, any other layer's an array);
+        returns the float dtype of a quantizing write, or None."""
         dtype = ks[0].dtype
         for kind, arrays in (("k", ks), ("v", vs)):
             for j, (a, index) in enumerate(zip(arrays, layers)):
                 name = kind if single else f"{kind}[{j}]"
                 cache = self._caches[index]
+                if kind == "v" and self._latent(index):
+                    if a is not None:
+                        raise ValueError(f"{name}: expected None (attention layer {index} is a "
+                                         f"latent cache: its rows go in k), "
+                                         f"got {type(a).__name__}")
+                    continue
+                if kind == "v" and a is None:
+                    raise ValueError(f"{name}: expected V rows (attention layer {index} has a "
+                                     f"V plane), got None")
                 want = lead + (int(cache.shape[2]), int(cache.shape[4]))
                 if tuple(a.shape) != want:
                     raise ValueError(f"{name}: expected shape {list(want)}, "
@@ -357,7 +386,7 @@ class KVWriter:
         op = ops.kv_write_fp8 if quantize else ops.kv_write
 
         def rows(a, cache):
-            return a.reshape(total, cache.shape[2], cache.shape[4])
+            return None if a is None else a.reshape(total, cache.shape[2], cache.shape[4])
 
         if index is not None:
             g, p = self._where[index]
