@@ -123,6 +123,12 @@ class CupyRuntime:
         memory = self.cp.cuda.UnownedMemory(ptr, span, obj)   # its device from the pointer
         return self.cp.ndarray(shape, dtype, self.cp.cuda.MemoryPointer(memory, 0), strides)
 
+    def from_dlpack(self, obj):
+        """``cupy.from_dlpack(obj)``: a view of a DLPack producer's device memory, imported on
+        the current stream (``obj.__dlpack__(stream=current)``: the producer orders its
+        pending work before the current stream, on the device; no host wait)."""
+        return self.cp.from_dlpack(obj)
+
     # --- streams and capture ----------------------------------------------------------------
 
     def current_stream(self) -> int:
@@ -156,6 +162,18 @@ class CupyRuntime:
         return int(self.cp.cuda.runtime.streamIsCapturing(handle)) != 0
 
     # --- memory -----------------------------------------------------------------------------
+
+    def zeros(self, shape: tuple, dtype) -> object:
+        """``cudaMalloc`` (CuPy's pool: 256-byte aligned) on the current device, then
+        ``cudaMemsetAsync(0)`` on the current stream."""
+        return self.cp.zeros(shape, dtype=dtype)
+
+    def free_bytes(self, index: int) -> int:
+        """``cudaMemGetInfo`` free bytes of device ``index``, plus the free blocks CuPy's
+        memory pool holds there (an allocation reuses them first)."""
+        with self.cp.cuda.Device(index):
+            free, _ = self.cp.cuda.runtime.memGetInfo()
+            return int(free) + int(self.cp.get_default_memory_pool().free_bytes())
 
     def pinned_empty(self, nbytes: int) -> np.ndarray:
         """``cudaHostAlloc``: page-locked host memory as a NumPy ``uint8 [nbytes]``."""

@@ -19,7 +19,8 @@ from . import _cuda
 from .staging import StagingRing
 
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
-           "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer"]
+           "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer",
+           "ALIGNMENT", "zeros", "cuda_free_bytes"]
 
 
 def _runtime():
@@ -269,6 +270,35 @@ def _staging(rt, index: int) -> StagingRing:
             with rt.device_scope(index):
                 ring = per_device[index] = StagingRing(rt)
         return ring
+
+
+ALIGNMENT = 64   # bytes: the first byte of every cache buffer (DLPack importers copy less)
+
+
+def zeros(device: Device, shape, dtype):
+    """A zeroed C-contiguous array of ``device``'s module whose first byte is
+    :data:`ALIGNMENT`-aligned: the allocator of every cache buffer.
+
+    On ``cpu`` the buffer is over-allocated by ``ALIGNMENT`` bytes and the array starts at the
+    first aligned byte (``numpy.zeros`` gives only 16 bytes, and JAX copies a less than
+    64-byte aligned buffer that it imports). On ``cuda`` the runtime allocates on the current
+    device (256-byte aligned) and queues the zero fill on the current stream: call it inside
+    the construction's launch scope, which ends with :func:`settle`.
+    """
+    dtype = np.dtype(dtype)
+    shape = tuple(int(n) for n in shape)
+    if device.is_cuda:
+        return _runtime().zeros(shape, dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)   # calloc: untouched pages stay free
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def cuda_free_bytes(device: Device) -> int:
+    """Free memory of a CUDA ``device``, the runtime's pooled free blocks included (see
+    :func:`hcache.memory.available_bytes`); no device work is queued or waited for."""
+    return _runtime().free_bytes(device.index)
 
 
 def upload(dst, host: np.ndarray) -> None:

@@ -103,6 +103,24 @@ class EmuArray:
                 "data": (int(self._v.ctypes.data), False), "strides": self.strides,
                 "stream": None}
 
+    def __dlpack_device__(self):
+        return (2, self._alloc.device)   # kDLCUDA
+
+    def __dlpack__(self, stream=None, **kwargs):
+        """An :class:`EmuCapsule` of this array; a consumer ``stream`` (a handle; 1: the legacy
+        default stream) is ordered after this device's current stream, as CuPy's export does."""
+        rt, device = self._rt, self._alloc.device
+        if stream is not None and stream != -1:
+            with rt.lock, rt.device_scope(device):
+                event = rt.event()
+                rt.record(event)
+                consumer = rt.defaults[device] if stream in (1, 2) else \
+                    rt.stream_scope(stream, stream, device)
+                if consumer is not rt.current():
+                    with consumer:
+                        rt.wait(event)
+        return EmuCapsule(self)
+
     def _wrap(self, view):
         return EmuArray(self._rt, self._alloc, view, self if self._root is None else self._root)
 
@@ -361,3 +379,10 @@ class _Borrowed:
 
     def __init__(self, entry, start, owner):
         self.nbytes, self.device, self.ptr, self.owner = entry[0] - start, entry[1], start, owner
+
+
+class EmuCapsule:
+    """What an emulated array's ``__dlpack__`` hands out (a DLPack capsule stands for this)."""
+
+    def __init__(self, array):
+        self.array = array

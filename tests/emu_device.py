@@ -22,6 +22,11 @@ Semantics (each a rule the CUDA path must respect on a GPU):
   another device, or a kernel given memory of another device, raises :class:`EmuError`.
 - **Freed memory** is poisoned (bytes ``0xDD``), ordered on the stream it was allocated on;
   new allocations hold garbage (``0xBE``) until written; a launch naming freed memory raises.
+- **Capacity.** Each device holds ``capacity`` bytes: :meth:`EmuRuntime.free_bytes` is what
+  live allocations leave, and an allocation past it raises :class:`EmuError`
+  (``cudaErrorMemoryAllocation``).
+- **DLPack.** An array's ``__dlpack__(stream=s)`` orders its device's current stream before
+  ``s`` (an event, no host wait); :meth:`EmuRuntime.from_dlpack` imports on the current stream.
 """
 
 from __future__ import annotations
@@ -140,9 +145,10 @@ class EmuRuntime:
     cache_key = "emulated"
     version = "emulated"
 
-    def __init__(self, num_devices: int = 2):
+    def __init__(self, num_devices: int = 2, capacity: int = 2**32):
         self.lock = threading.RLock()
-        self.num_devices = num_devices
+        self.num_devices, self.capacity = num_devices, int(capacity)
+        self.live_bytes = [0] * num_devices
         self._handles = {}
         self.defaults = [self._make_stream(d, False, 0) for d in range(num_devices)]
         self._local = threading.local()
@@ -291,7 +297,12 @@ class EmuRuntime:
         """``cudaMalloc`` on the current device (refused during capture)."""
         self.refuse_in_capture("cudaMalloc")
         with self.lock:
-            a = _Alloc(self, self.current_device(), int(nbytes))
+            device = self.current_device()
+            if int(nbytes) > self.free_bytes(device):
+                raise EmuError(f"cudaMalloc({int(nbytes)}) on device {device}: out of memory "
+                               "(cudaErrorMemoryAllocation)")
+            a = _Alloc(self, device, int(nbytes))
+            self.live_bytes[device] += a.nbytes
             i = bisect.bisect(self._starts, a.ptr)
             self._starts.insert(i, a.ptr)
             self._ranges[a.ptr] = [a.ptr + a.nbytes, a.device, True]
@@ -301,6 +312,7 @@ class EmuRuntime:
     def on_free(self, ptr: int, buf: np.ndarray, stream: EmuStream) -> None:
         with self.lock:
             self._ranges[ptr][2] = False
+            self.live_bytes[self._ranges[ptr][1]] -= buf.nbytes
             self._keep.append(buf)
             self.enqueue(lambda: buf.fill(POISON), "poison freed memory", stream, replay=True)
 
@@ -311,6 +323,15 @@ class EmuRuntime:
             return None
         end, device, live = self._ranges[self._starts[i]]
         return (device, live) if ptr < end else None
+
+    def zeros(self, shape: tuple, dtype):
+        """``cudaMalloc`` (garbage until the fill runs) + ``cudaMemsetAsync`` on the current
+        stream."""
+        return self.xp.zeros(shape, dtype)
+
+    def free_bytes(self, index: int) -> int:
+        """``cudaMemGetInfo``: what the live allocations of device ``index`` leave."""
+        return max(self.capacity - self.live_bytes[index], 0)
 
     def pinned_empty(self, nbytes: int) -> np.ndarray:
         self.refuse_in_capture("cudaHostAlloc")
@@ -369,6 +390,16 @@ class EmuRuntime:
 
     def adopt(self, obj):
         return self.xp.view_interface(obj)
+
+    def from_dlpack(self, obj):
+        """Import on the current stream: ``obj.__dlpack__(stream=...)`` orders the producer's
+        work before it (1 names the legacy default stream, as DLPack does)."""
+        handle = self.current_stream()
+        capsule = obj.__dlpack__(stream=handle if handle else 1)
+        if not isinstance(capsule, emu_array.EmuCapsule):
+            raise BufferError(f"from_dlpack: expected a DLPack tensor of the emulated device, "
+                              f"got {type(capsule).__name__}")
+        return capsule.array
 
     # --- events -----------------------------------------------------------------------------
 

@@ -17,15 +17,14 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, index_array, int_shape
+from ..arrays import as_array, host_array, on_device
 from ..device import (
-    adopt,
     array_module_of,
-    check_device,
     launch_scope,
     to_host,
     upload,
     upload_ints,
-    wait_for_producer,
+    zeros,
 )
 from ..ops.tables import SlotSet
 from ..stream_order import StreamOrder
@@ -116,7 +115,7 @@ class MambaStateCopies:
         xp, L, S = device.xp, self.num_mamba_layers, pool.max_slots
         with device.scope():
             self.conv_states, self.ssm_states = (
-                None if x is None else xp.zeros((L, S, *x.shape[2:]), dtype=dt)
+                None if x is None else zeros(device, (L, S, *x.shape[2:]), dt)
                 for x, dt in ((live_conv, conv_dtype), (live_ssm, ssm_dtype)))
             # Staged index arrays: lanes (src, dst) for two launches per call. Every launch
             # writes distinct destination slots, so no call needs more than this many pairs.
@@ -184,22 +183,20 @@ class MambaStateCopies:
                     raise ValueError(f"{name}: expected None (the layers have no such state), "
                                      f"got {type(value).__name__}")
                 continue
-            states.append((value, cache))
-            if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-                raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
+            # device memory of this device (viewed; the call's stream waits for its producer
+            # on the device), or host memory (uploaded through the staging ring)
+            value = (as_array(name, value, self.device, stream) if on_device(value)
+                     else host_array(name, value))
             if tuple(value.shape) != cache.shape[2:] or value.dtype != cache.dtype:
                 raise ValueError(f"{name}: expected {cache.dtype}{cache.shape[2:]}, "
                                  f"got {value.dtype}{tuple(value.shape)}")
-            if self.device.is_cuda and array_module_of(value) is not np:
-                check_device(name, adopt(value), self.device)
+            states.append((value, cache))
         with launch_scope(self.device, stream, self.order):
             for value, cache in states:
-                if array_module_of(value) is np and not hasattr(value,
-                                                                "__cuda_array_interface__"):
-                    upload(cache[mamba_index, slot], np.asarray(value))   # pinned, no alloc
-                else:   # a device array: viewed (no host sync), after its producer stream
-                    wait_for_producer(value, self.device)
-                    cache[mamba_index, slot] = adopt(value)
+                if isinstance(value, np.ndarray):
+                    upload(cache[mamba_index, slot], value)   # pinned, no alloc
+                else:   # a device array of this device, ordered after its producer
+                    cache[mamba_index, slot] = value
 
     def store_from_live(self, slots, request_indices, *, stream=None) -> None:
         """``cache[:, slots[i]] = live[:, live slot of request_indices[i]]`` (one launch).

@@ -63,8 +63,9 @@ class StepKVWriter:
         if (requests.pending_end[rows] < 0).any():
             raise ValueError("request_ids: expected requests with a scheduled step")
         stream_handle(stream)
-        checked = self.kv_pool.check_write(k, v, layer=layer, k_scale=k_scale,
-                                           v_scale=v_scale)
+        with launch_scope(self.kv_pool.device, stream):   # foreign arrays: after producers
+            checked = self.kv_pool.check_write(k, v, layer=layer, k_scale=k_scale,
+                                               v_scale=v_scale)
         starts = requests.computed[rows]
         lengths = requests.pending_end[rows] - starts
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)

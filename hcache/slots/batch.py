@@ -24,16 +24,8 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_int, host_ints
-from ..device import (
-    adopt,
-    array_module_of,
-    check_device,
-    launch_scope,
-    settle,
-    to_host,
-    upload_ints,
-    wait_for_producer,
-)
+from ..arrays import as_array, on_device
+from ..device import launch_scope, settle, to_host, upload_ints
 from ..stream_order import StreamOrder
 from .batch_compaction import BatchCompaction
 
@@ -206,8 +198,7 @@ class BatchAPI:
             raise TypeError("increment: expected an int or an int array, got bool")
         if isinstance(increment, (int, np.integer)):
             self._commit_uniform(check_int("increment", increment, 0, self._max_len), stream)
-        elif self._device.is_cuda and (array_module_of(increment) is not np
-                                       or hasattr(increment, "__cuda_array_interface__")):
+        elif self._device.is_cuda and on_device(increment):
             self._commit_device(increment, stream)
         else:
             inc = host_ints("increment", increment, n)
@@ -273,8 +264,7 @@ class BatchAPI:
             self._all_empty = False
 
     def _commit_device(self, increment, stream) -> None:
-        producer, increment = increment, adopt(increment)   # a view: no host sync
-        check_device("increment", increment, self._device)
+        increment = as_array("increment", increment, self._device, stream)
         n = self._active
         if increment.dtype != np.int32:
             raise ValueError(f"increment: expected dtype int32, got {increment.dtype}")
@@ -283,7 +273,6 @@ class BatchAPI:
         if not increment.flags.c_contiguous:
             raise ValueError("increment: expected a C-contiguous array")
         with launch_scope(self._device, stream, self._order):
-            wait_for_producer(producer, self._device)
             ops.lengths_add(self._lengths, n, increment, self._max_len, status=self._status,
                             stream=stream)
         self._known[:n] = False
@@ -374,9 +363,8 @@ class BatchAPI:
             raise ValueError(f"old_batch: expected the active batch size {self._active}, "
                              f"got {old}")
         new = check_int("new_batch", new_batch, 0, self._max_batch)
-        mapping = self._compaction.check_mapping(batch_mapping, old, new)
+        mapping = self._compaction.check_mapping(batch_mapping, old, new, stream)
         with launch_scope(self._device, stream, self._order):
-            wait_for_producer(batch_mapping, self._device)
             self._compaction.run(mapping, old, new, stream)
         if not isinstance(mapping, np.ndarray):   # a device mapping: lengths now unknown
             self._known[:new] = False

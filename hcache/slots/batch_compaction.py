@@ -14,7 +14,8 @@ import numpy as np
 
 from .. import ops
 from .._checks import host_ints
-from ..device import adopt, array_module_of, check_device, to_host, upload_ints
+from ..arrays import as_array, on_device
+from ..device import to_host, upload_ints
 from ..ops.tables import SlotSet
 
 __all__ = ["BatchCompaction"]
@@ -55,8 +56,9 @@ class BatchCompaction:
         """Device bytes of the mapping and plan buffers and of the slot descriptor table."""
         return int(self._mapping.nbytes + self._plan.nbytes + self._slots.device_infos.nbytes)
 
-    def check_mapping(self, batch_mapping, old: int, new: int):
-        """``batch_mapping`` in the form :meth:`run` takes; changes nothing.
+    def check_mapping(self, batch_mapping, old: int, new: int, stream=None):
+        """``batch_mapping`` in the form :meth:`run` takes; changes nothing (a foreign device
+        mapping orders ``stream``, the compaction's, after its producer).
 
         Returns
         -------
@@ -72,10 +74,8 @@ class BatchCompaction:
             A device mapping that is not C-contiguous int32 ``[>= old]``; a host mapping with
             other than ``old`` entries, an entry out of range, or a slot named twice.
         """
-        if self._device.is_cuda and (array_module_of(batch_mapping) is not np or
-                                     hasattr(batch_mapping, "__cuda_array_interface__")):
-            mapping = adopt(batch_mapping)   # a view: no host sync
-            check_device("batch_mapping", mapping, self._device)
+        if self._device.is_cuda and on_device(batch_mapping):
+            mapping = as_array("batch_mapping", batch_mapping, self._device, stream)
             if mapping.dtype != np.int32 or mapping.ndim != 1 or mapping.shape[0] < old \
                     or not mapping.flags.c_contiguous:
                 raise ValueError(f"batch_mapping: expected a C-contiguous int32 [>= {old}] "

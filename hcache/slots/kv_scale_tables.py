@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..device import array_module_of, check_device
+from ..arrays import as_array
 
 __all__ = ["KVScaleTables"]
 
@@ -49,14 +49,15 @@ class KVScaleTables:
     def nbytes(self) -> int:
         return int(self.tables[0].nbytes + self.tables[1].nbytes)
 
-    def check(self, name, scale, layers):
+    def check(self, name, scale, layers, stream=None):
         """A scale argument for attention layers ``layers`` as ``None`` (the recorded tables),
-        a float or a device table.
+        a float or a device table (an array of any library on this device,
+        :func:`hcache.arrays.as_array`: a foreign one orders ``stream`` after its producer).
 
         Raises
         ------
         TypeError
-            Not a float, a bool, or not an array of this device's module.
+            Not a float, a bool, or not an array of this device's memory.
         ValueError
             A float that is not finite and > 0, or a table not float32 ``[num_layers]`` or
             ``[num_layers, >= max heads of layers]``, or on another device.
@@ -71,11 +72,8 @@ class KVScaleTables:
                 raise ValueError(f"{name}: expected a finite scale > 0 (as float32), "
                                  f"got {scale}")
             return value
-        xp, n = self._device.xp, len(self._caches)
-        if array_module_of(scale) is not xp or not hasattr(scale, "shape"):
-            raise TypeError(f"{name}: expected a float or a {xp.__name__} float32 array, "
-                            f"got {type(scale).__name__}")
-        check_device(name, scale, self._device)
+        n = len(self._caches)
+        scale = as_array(name, scale, self._device, stream)
         heads = max((int(self._caches[a].shape[2]) for a in layers), default=0)
         ok = scale.dtype == np.float32 and scale.ndim in (1, 2) \
             and scale.shape[0] == n and (scale.ndim == 1 or scale.shape[1] >= heads)

@@ -21,9 +21,8 @@ import numpy as np
 
 from .. import ops
 from .._checks import token_counts
+from ..arrays import as_array, host_array, on_device
 from ..device import (
-    array_module_of,
-    check_device,
     launch_scope,
     stream_handle,
     upload,
@@ -104,11 +103,11 @@ class KVWriter:
             raise ValueError(f"kv scales: expected an FP8 cache, got {self.dtype}")
         return self._scales.tables
 
-    def check_scale(self, name, scale):
+    def check_scale(self, name, scale, stream=None):
         """``scale`` checked for every layer, as :meth:`set_scales` would take it (FP8 caches
         only). Raises ``ValueError`` / ``TypeError``."""
         self.scales()
-        return self._scales.check(name, scale, list(range(self.num_layers)))
+        return self._scales.check(name, scale, list(range(self.num_layers)), stream)
 
     def skipped_count(self, stream=None) -> int:
         """Tokens the kernels skipped as out of range so far. **Synchronizes** ``stream``."""
@@ -126,7 +125,7 @@ class KVWriter:
         stream_handle(stream)
         self.scales()
         layers = list(range(self.num_layers))
-        checked = [self._scales.check(name, s, layers)
+        checked = [self._scales.check(name, s, layers, stream)
                    for name, s in (("k_scale", k_scale), ("v_scale", v_scale))]
         with launch_scope(self._device, stream, self.order):
             for kv, s in enumerate(checked):
@@ -143,11 +142,11 @@ class KVWriter:
         """
         stream_handle(stream)
         layers = list(range(self.num_layers)) if index is None else [index]
-        ks = self._per_layer("k", k, index)
+        ks = self._per_layer("k", k, index, stream)
         if v is None and index is None and all(self._latent(a) for a in layers):
             vs = [None] * len(layers)   # a model of latent layers only: no V anywhere
         else:
-            vs = self._per_layer("v", v, index)
+            vs = self._per_layer("v", v, index, stream)
         if not layers:
             return
         ragged = seq_lengths is not None
@@ -170,7 +169,7 @@ class KVWriter:
             raise ValueError(f"k: expected {batch} sequences (the active batch), got {lead[0]}")
         total = lead[0] if ragged else lead[0] * lead[1]
         staged = self._check_positions(positions, lead, batch,
-                                       counts if ragged else lead[1])
+                                       counts if ragged else lead[1], stream)
         if positions is None:
             if batch_state is None:
                 raise ValueError("positions: expected explicit positions (a KVCacheManager "
@@ -178,7 +177,7 @@ class KVWriter:
             self._check_room(batch_state, counts if ragged else lead[1])
         scales = [None, None]
         if quantize:
-            scales = [self._scales.check(n, s, layers)
+            scales = [self._scales.check(n, s, layers, stream)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
             if v_scale is not None and all(self._latent(a) for a in layers):
                 raise ValueError(f"v_scale: expected None (latent layers have no V), "
@@ -216,20 +215,25 @@ class KVWriter:
         """Attention layer ``index`` caches one latent vector per token (no V plane)."""
         return int(self._caches[index].shape[1]) == 1
 
-    def _per_layer(self, name, arrays, index) -> list:
+    def _per_layer(self, name, arrays, index, stream) -> list:
+        """The K (or V) arrays of the layers written, each as a ``device.xp`` array; a V
+        entry that is None or belongs to a latent layer stays as given (:meth:`_check_rows`
+        requires it to be None exactly when the layer is latent)."""
         if index is not None:
-            return [arrays]
+            return [self._coerce(name, name, arrays, index, stream)]
         if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
-            return list(arrays)
+            return [self._coerce(name, f"{name}[{j}]", a, j, stream)
+                    for j, a in enumerate(arrays)]
         got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per "
                          f"attention layer), got {got}")
 
+    def _coerce(self, kind, name, a, index, stream):
+        if a is None or (kind == "v" and self._latent(index)):
+            return a
+        return as_array(name, a, self._device, stream)
+
     def _lead(self, a, ragged) -> tuple:
-        xp = self._device.xp
-        if array_module_of(a) is not xp or not hasattr(a, "shape"):
-            raise TypeError(f"k: expected a {xp.__name__} array, got {type(a).__name__}")
-        check_device("k", a, self._device)
         want = 3 if ragged else 4
         if a.ndim != want:
             form = "[total_tokens, H, D]" if ragged else "[batch, new_tokens, H, D]"
@@ -239,7 +243,7 @@ class KVWriter:
     def _check_rows(self, ks, vs, layers, lead, single):
         """Every K/V array (a latent layer's ``v`` must be None, any other layer's an array);
         returns the float dtype of a quantizing write, or None."""
-        xp, dtype = self._device.xp, ks[0].dtype
+        dtype = ks[0].dtype
         for kind, arrays in (("k", ks), ("v", vs)):
             for j, (a, index) in enumerate(zip(arrays, layers)):
                 name = kind if single else f"{kind}[{j}]"
@@ -253,10 +257,6 @@ class KVWriter:
                 if kind == "v" and a is None:
                     raise ValueError(f"{name}: expected V rows (attention layer {index} has a "
                                      f"V plane), got None")
-                if array_module_of(a) is not xp or not hasattr(a, "shape"):
-                    raise TypeError(f"{name}: expected a {xp.__name__} array, "
-                                    f"got {type(a).__name__}")
-                check_device(name, a, self._device)
                 want = lead + (int(cache.shape[2]), int(cache.shape[4]))
                 if tuple(a.shape) != want:
                     raise ValueError(f"{name}: expected shape {list(want)}, "
@@ -288,20 +288,21 @@ class KVWriter:
             raise ValueError(f"k: expected at most {self._max_len - have} new tokens for slot "
                              f"{b} (length {have}), got {int(new[b]) - have}")
 
-    def _check_positions(self, positions, lead, batch, counts):
+    def _check_positions(self, positions, lead, batch, counts, stream):
         """Host positions, checked and flattened (int64), or the device array as it is."""
         if positions is None:
             return None
         xp = self._device.xp
-        if xp is not np and array_module_of(positions) is xp:   # device data: not read
-            check_device("positions", positions, self._device)
+        if xp is not np and on_device(positions):   # device data: not read
+            positions = as_array("positions", positions, self._device, stream)
             if positions.dtype != np.int32 or tuple(positions.shape) != lead \
                     or not positions.flags.c_contiguous:
                 raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
                                  f"{list(lead)}, got {positions.dtype} "
                                  f"{list(positions.shape)}")
             return positions.reshape(-1)
-        pos = np.asarray(positions)
+        pos = np.asarray(positions if isinstance(positions, (list, tuple))
+                         else host_array("positions", positions))
         if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
             raise TypeError(f"positions: expected integers, got dtype {pos.dtype}")
         if tuple(pos.shape) != lead:
