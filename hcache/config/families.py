@@ -242,10 +242,23 @@ def _plain(c: _Cfg) -> _Layout:
     names = _names(c, ("layer_types",), ("full_attention", "sliding_attention",
                                          "chunked_attention", "attention"))
     if names is None:
-        names = ["sliding_attention" if window else "full_attention"] * c.int("num_hidden_layers")
+        names = [("sliding_attention" if window and _default_sliding(c, i) else "full_attention")
+                 for i in range(c.int("num_hidden_layers"))]
     kv = {i: KVLayerConfig(heads, head_dim, window if n == "sliding_attention" else None)
           for i, n in enumerate(names)}
     return _Layout([A] * len(names), kv)
+
+
+def _default_sliding(c: _Cfg, i: int) -> bool:
+    """Whether layer ``i`` slides when a windowed config has no ``layer_types`` (the rule of the
+    model's transformers config class): Gemma 2 and gpt-oss alternate, even layers sliding;
+    Qwen2 / Qwen3 slide from ``max_window_layers`` on; every other model slides everywhere
+    (Mistral). A ring buffer for a full-attention layer would lose tokens, so this matters."""
+    if str(c.raw.get("model_type", "")).lower() in ("gemma2", "gpt_oss"):
+        return i % 2 == 0
+    if c.raw.get("max_window_layers") is not None:
+        return i >= as_int("max_window_layers", c.raw["max_window_layers"], 0)
+    return True
 
 
 _ATTENTION_BUILDERS = {"gemma3": _gemma3, "gemma4": _gemma4, "plain": _plain}

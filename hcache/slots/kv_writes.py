@@ -44,6 +44,10 @@ class KVWriter:
     dtype : str or dtype
         The caches' dtype (a float8 dtype makes quantizing writes and scale tables possible).
     max_sequence_length : int
+    ring_windows : sequence of int, optional
+        Per attention layer its ring window (0: unbounded); host positions are checked to be
+        distinct modulo a written ring's window among each row's last ``W`` tokens (the ones
+        that land, docs/design.md §3.8).
 
     Notes
     -----
@@ -51,12 +55,14 @@ class KVWriter:
     construction's launch scope.
     """
 
-    def __init__(self, device, caches, groups, dtype, max_sequence_length: int):
+    def __init__(self, device, caches, groups, dtype, max_sequence_length: int, *,
+                 ring_windows=None):
         xp = device.xp
         self._device, self._caches, self._groups = device, tuple(caches), tuple(groups)
         self.dtype = resolve_dtype(dtype)
         self._storage = storage_dtype(self.dtype, xp)
         self._max_len = int(max_sequence_length)
+        self._rings = tuple(ring_windows) if ring_windows is not None else (0,) * len(caches)
         self._max_batch = int(caches[0].shape[0]) if caches else 0
         self._where = {a: (g, p) for g, group in enumerate(groups)
                        for p, a in enumerate(group.layer_indices)}
@@ -163,7 +169,7 @@ class KVWriter:
             raise ValueError(f"k: expected {batch} sequences (the active batch), got {lead[0]}")
         total = lead[0] if ragged else lead[0] * lead[1]
         staged = self._check_positions(positions, lead, batch,
-                                       counts if ragged else lead[1])
+                                       counts if ragged else lead[1], layers)
         if positions is None:
             if batch_state is None:
                 raise ValueError("positions: expected explicit positions (a KVCacheManager "
@@ -260,7 +266,7 @@ class KVWriter:
             raise ValueError(f"k: expected at most {self._max_len - have} new tokens for slot "
                              f"{b} (length {have}), got {int(new[b]) - have}")
 
-    def _check_positions(self, positions, lead, batch, counts):
+    def _check_positions(self, positions, lead, batch, counts, layers):
         """Host positions, checked and flattened (int64), or the device array as it is."""
         if positions is None:
             return None
@@ -288,6 +294,18 @@ class KVWriter:
         if np.unique(keys).size != keys.size:
             raise ValueError("positions: expected distinct positions within each sequence, "
                              "got a repeated one")
+        windows = sorted({self._rings[a] for a in layers} - {0})
+        if windows:
+            per_row = np.broadcast_to(np.asarray(counts, np.int64), (batch,))
+            row_len = np.repeat(per_row, per_row)
+            index = np.arange(flat.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+            for w in windows:   # the tokens that land in a ring must hit distinct entries
+                lands = live & (row_len - index <= w)
+                keys = rows[lands] * w + flat[lands] % w
+                if np.unique(keys).size != keys.size:
+                    raise ValueError(f"positions: expected positions distinct modulo {w} (a "
+                                     f"ring window) among the last {w} tokens of each "
+                                     f"sequence, got a repeated entry")
         return flat
 
     def _check_scale(self, name, scale, layers):
