@@ -40,6 +40,7 @@ import numpy as np
 from .._checks import INT32_MAX, as_int, exact_int, token_counts
 from ..device import resolve_device, stream_handle, to_host
 from ..dtypes import dtype_name, resolve_dtype
+from ..rings import ring_start
 from .collection import ContinuousBatchingKVCacheCollection
 from .params import KVCacheStaticParams
 from .sequences import SequenceBlocks, seq_id_list, token_count_array
@@ -64,6 +65,12 @@ class ContinuousBatchingKVCacheManager:
     max_batch_size, max_seq_len, num_layers : int
         Each >= 1; ``max_seq_len`` below 2**31.
     device : None, "cpu", "cuda" or "cuda:N"
+    sliding_window : int, optional
+        A window ``W`` for every layer (a model whose layers all attend locally, e.g.
+        Mistral 7B v0.1): when ``W < max_seq_len`` each block holds a ring of ``W`` tokens per
+        layer, position ``p`` at entry ``p mod W`` (``blocks_buf`` is ``[num_blocks, 2,
+        num_layers, W, num_heads, head_size]``); lengths stay absolute, up to ``max_seq_len``,
+        and :meth:`ring_start` gives the oldest valid entry. Default: unbounded blocks.
 
     Raises
     ------
@@ -72,7 +79,7 @@ class ContinuousBatchingKVCacheManager:
     """
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
-                 device=None):
+                 device=None, sliding_window=None):
         if not isinstance(kv_params, KVCacheStaticParams):
             raise TypeError(f"kv_params: expected KVCacheStaticParams, "
                             f"got {type(kv_params).__name__}")
@@ -83,10 +90,13 @@ class ContinuousBatchingKVCacheManager:
         if self._max_seq_len > INT32_MAX:
             raise ValueError(f"max_seq_len: expected at most {INT32_MAX}, got {max_seq_len}")
         self._num_layers = as_int("num_layers", num_layers, 1)
+        window = None if sliding_window is None else as_int("sliding_window", sliding_window, 1)
+        self._ring_window = window if window is not None and window < self._max_seq_len else 0
         self._device = resolve_device(device)
         n = self._num_blocks
         self._store = KVBlockStore(self._device, self._dtype, n, self._num_layers,
-                                   self._max_seq_len, kv_params.num_heads, kv_params.head_size)
+                                   self._max_seq_len, kv_params.num_heads, kv_params.head_size,
+                                   self._ring_window)
         self._cond = self._store.lock                  # one lock for the manager and its batch
         self._sequences = SequenceBlocks(n, self._max_seq_len)
         self._inflight: ContinuousBatchingKVCacheCollection | None = None
@@ -99,14 +109,24 @@ class ContinuousBatchingKVCacheManager:
     device = property(lambda self: self._device, doc="The resolved device.")
     num_blocks = property(lambda self: self._num_blocks, doc="Blocks (= max_batch_size).")
     max_batch_size = property(lambda self: self._num_blocks, doc="Most live sequences.")
-    max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per block.")
+    max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per sequence.")
+    ring_window = property(lambda self: self._ring_window,
+                           doc="Tokens a block holds per layer when it is a ring, else 0.")
     num_layers = property(lambda self: self._num_layers, doc="Decoder layers per block.")
 
     @property
     def blocks_buf(self):
-        """The cache, ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]``
-        (K at ``[:, 0]``, V at ``[:, 1]``), allocated once; zero-copy on both devices."""
+        """The cache, ``[num_blocks, 2, num_layers, T, num_heads, head_size]`` (K at
+        ``[:, 0]``, V at ``[:, 1]``; ``T`` = ``max_seq_len``, or ``ring_window`` for rings),
+        allocated once; zero-copy on both devices."""
         return self._store.blocks
+
+    def ring_start(self, lengths):
+        """Entry of the oldest valid token of a ring block for sequences of ``lengths``
+        tokens (an int or an int array, e.g. a collection's ``cache_lengths``): ``length %
+        W`` once ``length > W``, else 0; always 0 without rings. Valid entries are
+        ``min(length, W)``, in rotated order from here."""
+        return ring_start(lengths, self._ring_window)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -343,7 +363,8 @@ class ContinuousBatchingKVCacheManager:
         """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``,
         ``total_bytes``, ``bytes_per_block``, ``bytes_per_token`` (K and V, all layers),
         ``num_blocks``, ``free_blocks``, ``live_sequences``, ``committed_tokens``,
-        ``capacity_tokens``, ``token_utilization``, ``dtype``, ``device``."""
+        ``capacity_tokens``, ``token_utilization``, ``dtype``, ``device``; ``ring_window``
+        (0 without rings; ``bytes_per_token`` is then per held token)."""
         with self._cond:
             blocks = int(self.blocks_buf.nbytes)
             per_block = blocks // self._num_blocks
@@ -354,7 +375,8 @@ class ContinuousBatchingKVCacheManager:
                     "blocks_buf_bytes": blocks, "index_buffer_bytes": index,
                     "total_bytes": blocks + index,
                     "bytes_per_block": per_block,
-                    "bytes_per_token": per_block // self._max_seq_len,
+                    "bytes_per_token": per_block // (self._ring_window or self._max_seq_len),
+                    "ring_window": self._ring_window,
                     "num_blocks": self._num_blocks, "free_blocks": len(self._sequences.free),
                     "live_sequences": len(self._sequences.block_of), "committed_tokens": committed,
                     "capacity_tokens": capacity, "token_utilization": committed / capacity}

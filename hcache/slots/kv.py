@@ -18,6 +18,7 @@ from ..device import array_module_of, launch_scope, resolve_device
 from ..dtypes import storage_dtype
 from ..ops.kv_capture import prefix_length
 from ..ops.tables import KVGroup, group_layers_by_head_dim
+from ..rings import ring_start
 from .kv_writes import KVWriter
 
 __all__ = ["KVCacheManager"]
@@ -127,16 +128,7 @@ class KVCacheManager:
         -------
         int or array of the same shape and module (int32 for a device array)
         """
-        w = self.get_ring_window(i)
-        if isinstance(lengths, (int,)) and not isinstance(lengths, bool):
-            return lengths % w if w and lengths > w else 0
-        if not hasattr(lengths, "dtype") or lengths.dtype.kind not in "iu":
-            raise TypeError(f"lengths: expected an int or an int array, "
-                            f"got {type(lengths).__name__}")
-        xp = array_module_of(lengths)
-        if not w:
-            return xp.zeros_like(lengths)
-        return xp.where(lengths > w, lengths % w, 0).astype(lengths.dtype)
+        return ring_start(lengths, self.get_ring_window(i))
 
     def get_layer_config(self, i) -> KVLayerConfig:
         """Layer ``i``'s :class:`KVLayerConfig`. Raises ``IndexError``."""

@@ -1,0 +1,47 @@
+"""Ring buffers of sliding-window layers (docs/design.md §3.8): where a ring's oldest valid
+token sits.
+
+A ring of window ``W`` holds the last ``min(length, W)`` tokens of a sequence of ``length``
+tokens, position ``p`` at entry ``p mod W``; lengths stay absolute. Read in entry order the
+tokens are rotated, which an attention over all of them may ignore (softmax-weighted sums do not
+depend on the order); a kernel that needs position order starts at :func:`ring_start`.
+"""
+
+from __future__ import annotations
+
+from .device import array_module_of
+
+__all__ = ["ring_start"]
+
+
+def ring_start(lengths, window: int):
+    """The entry of the oldest valid token of a ring of ``window`` tokens (0: unbounded).
+
+    Parameters
+    ----------
+    lengths : int or int array (NumPy or CuPy)
+        Absolute sequence lengths.
+    window : int
+        The ring's window ``W``, or 0 for an unbounded cache.
+
+    Returns
+    -------
+    int or array of ``lengths``' shape, dtype and module
+        ``length % W`` once ``length > W``, else 0 (always 0 when ``window`` is 0). Entries
+        ``start, ..., W - 1, 0, ..., start - 1`` hold positions ``length - min(length, W)``
+        onward, in order.
+
+    Raises
+    ------
+    TypeError
+        ``lengths`` is neither an int nor an integer array.
+    """
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        return lengths % window if window and lengths > window else 0
+    if not hasattr(lengths, "dtype") or lengths.dtype.kind not in "iu":
+        raise TypeError(f"lengths: expected an int or an int array, "
+                        f"got {type(lengths).__name__}")
+    xp = array_module_of(lengths)
+    if not window:
+        return xp.zeros_like(lengths)
+    return xp.where(lengths > window, lengths % window, 0).astype(lengths.dtype)
