@@ -4,9 +4,12 @@
 Attention layer ``i`` (an ``attention_index``: its position among the layers that own a KV cache)
 owns ``[num_blocks, 2, H_i, block_size, D_i]`` (HND: K at ``[:, 0]``, V at ``[:, 1]``). Block ids
 are shared by all layers (one :class:`KVBlockAllocator` hands them out), so a block table row
-addresses every layer. Layers of one head dim form a :class:`KVGroup` (groups in first-seen
-order; a layer's row in its group is its ``group_position``), the unit of one write launch; a
-:class:`SlotSet` of all layers is the unit of one copy-on-write launch.
+addresses every layer. With ``num_local_blocks``, the sliding-window layers (``sliding_window``
+set) form a second block space of that many blocks, addressed by a second block table: blocks
+that left every window are freed there while the full layers keep theirs (docs/design.md §6.7).
+Layers of one head dim and block space form a :class:`KVGroup` (groups in first-seen order; a
+layer's row in its group is its ``group_position``), the unit of one write launch; a
+:class:`SlotSet` of a space's layers is the unit of one copy-on-write launch.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from ..config.caches import KVCacheConfig, KVLayerConfig
 from ..device import array_module_of, launch_scope, resolve_device, upload_ints
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
-from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
+from ..ops.tables import KVGroup, SlotSet
 
 __all__ = ["PagedKVPool"]
 
@@ -38,18 +41,23 @@ class PagedKVPool:
     dtype : str or dtype
         One of the docs/design.md §2 dtypes. On CuPy, float8 is stored as ``uint8`` (same bytes).
     device : None, "cpu", "cuda" or "cuda:N"
+    num_local_blocks : int, optional
+        Blocks of the sliding-window layers' own block space (docs/design.md §6.7); default
+        None: one space for every layer.
 
     Attributes
     ----------
-    layers : tuple of arrays [num_blocks, 2, H_i, block_size, D_i]
+    layers : tuple of arrays [num_blocks or num_local_blocks, 2, H_i, block_size, D_i]
         Zero-initialised at construction; zero-copy views for a runtime's attention kernels.
     groups : tuple of KVGroup
-        One per distinct head dim, in first-seen order; ``groups[g].layer_indices`` are the
-        attention indices of its layers.
+        One per distinct (block space, head dim), in first-seen order;
+        ``groups[g].layer_indices`` are the attention indices of its layers.
+    local_layers : tuple of bool
+        Per attention layer: addressed through the local block space.
     """
 
     def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
-                 device=None):
+                 device=None, num_local_blocks=None):
         if isinstance(layer_configs, KVCacheConfig):
             layer_configs = layer_configs.layer_configs
         if isinstance(layer_configs, (str, bytes)) or not hasattr(layer_configs, "__iter__"):
@@ -70,17 +78,32 @@ class PagedKVPool:
         self.device = resolve_device(device)
         xp = self.xp = self.device.xp
         self.storage_dtype = storage_dtype(self.dtype, xp)
+        self.num_local_blocks = (None if num_local_blocks is None
+                                 else as_int("num_local_blocks", num_local_blocks, 1))
+        self.local_layers = tuple(self.num_local_blocks is not None
+                                  and lc.sliding_window is not None for lc in configs)
         with self.device.scope():
             self.layers = tuple(
-                xp.zeros((self.num_blocks, 2, lc.num_kv_heads, self.block_size, lc.head_dim),
-                         dtype=self.storage_dtype) for lc in configs)
-            members = group_layers_by_head_dim([lc.head_dim for lc in configs])
+                xp.zeros((self.num_local_blocks if local else self.num_blocks, 2,
+                          lc.num_kv_heads, self.block_size, lc.head_dim),
+                         dtype=self.storage_dtype)
+                for lc, local in zip(configs, self.local_layers))
+            by_key: dict = {}   # (head dim, block space) -> attention indices, first-seen order
+            for a, (lc, local) in enumerate(zip(configs, self.local_layers)):
+                by_key.setdefault((lc.head_dim, local), []).append(a)
+            members = list(by_key.values())
             self.groups = tuple(KVGroup([self.layers[a] for a in indices], layout="HND",
                                         layer_indices=indices) for indices in members)
-            # None without attention layers (a pure-Mamba model): blocks carry only hashes.
-            self._slots = SlotSet([(a, a) for a in self.layers]) if self.layers else None
+            # One copy set per block space; None without layers there (a pure-Mamba model:
+            # blocks carry only hashes).
+            self._slots, self._local_slots = (
+                SlotSet(pairs) if pairs else None
+                for pairs in ([(a, a) for a, loc in zip(self.layers, self.local_layers)
+                               if not loc],
+                              [(a, a) for a, loc in zip(self.layers, self.local_layers) if loc]))
             # Host id lists for copy_blocks are uploaded here, so copies allocate nothing.
-            self._copy_ids = xp.empty((2, self.num_blocks), dtype=np.int32)
+            self._copy_ids = xp.empty((2, max(self.num_blocks, self.num_local_blocks or 0)),
+                                      dtype=np.int32)
         # attention_index -> (group index, group_position)
         self._group_position = {a: (g, position) for g, indices in enumerate(members)
                                 for position, a in enumerate(indices)}
@@ -92,9 +115,23 @@ class PagedKVPool:
         return len(self.layers)
 
     @property
+    def has_local_space(self) -> bool:
+        """Whether some layer lives in the local (sliding-window) block space."""
+        return any(self.local_layers)
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes one block id occupies across all layers (K and V)."""
-        return sum(int(a.nbytes) for a in self.layers) // self.num_blocks
+        """Bytes one block id of the full space occupies across its layers (K and V)."""
+        return sum(int(a.nbytes) for a, loc in zip(self.layers, self.local_layers)
+                   if not loc) // self.num_blocks
+
+    @property
+    def bytes_per_local_block(self) -> int:
+        """Bytes one local block id occupies across the sliding-window layers (0 without)."""
+        if not self.has_local_space:
+            return 0
+        return sum(int(a.nbytes) for a, loc in zip(self.layers, self.local_layers)
+                   if loc) // self.num_local_blocks
 
     @property
     def nbytes(self) -> int:
@@ -120,6 +157,8 @@ class PagedKVPool:
             "block_size": self.block_size,
             "num_layers": self.num_layers,
             "bytes_per_block": self.bytes_per_block,
+            "num_local_blocks": self.num_local_blocks or 0,
+            "bytes_per_local_block": self.bytes_per_local_block,
             "total_bytes": self.nbytes,
             "layer_bytes": [int(a.nbytes) for a in self.layers],
             "groups": [{"head_dim": g.head_dim, "layers": list(g.layer_indices),
@@ -130,7 +169,7 @@ class PagedKVPool:
 
     def write_kv(self, k, v, *, block_table, layer=None, seq_offsets=None, uniform_tokens=0,
                  batch=None, cache_lengths=None, positions=None, k_scale=None, v_scale=None,
-                 status=None, stream=None):
+                 status=None, stream=None, local_block_table=None):
         """Write new tokens' K and V through a block table (in place); ``write`` is an alias.
 
         Parameters
@@ -143,6 +182,9 @@ class PagedKVPool:
         block_table : int32 [batch, max_blocks_per_seq]
             Position ``p`` of row ``b`` goes to block ``block_table[b, p // block_size]`` at
             offset ``p % block_size``; -1 entries are skipped.
+        local_block_table : int32 [batch, max_blocks_per_seq], optional
+            The same for the local block space (required when the pool has one): its -1
+            entries are blocks that left the window.
         seq_offsets, uniform_tokens, batch, cache_lengths, positions, status, stream
             As in :func:`hcache.ops.kv_write` (ragged rows, first position of each row, explicit
             positions with -1 padding, count of skipped out-of-range tokens).
@@ -168,7 +210,8 @@ class PagedKVPool:
                                  f"rows, got {rows}")
         self.launch_write(checked, block_table=block_table, seq_offsets=seq_offsets,
                           uniform_tokens=uniform_tokens, batch=batch, cache_lengths=cache_lengths,
-                          positions=positions, status=status, stream=stream)
+                          positions=positions, status=status, stream=stream,
+                          local_block_table=local_block_table)
 
     write = write_kv
 
@@ -195,31 +238,39 @@ class PagedKVPool:
                   for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
         return attention_index, ks, vs, src, scales
 
-    def launch_write(self, checked, *, block_table, stream=None, **rows) -> None:
+    def launch_write(self, checked, *, block_table, stream=None, local_block_table=None,
+                     **rows) -> None:
         """Launch a write checked by :meth:`check_write`; ``rows``: the index arguments of
         :meth:`write_kv` (checked by the op before its first launch)."""
         if block_table is None:
             raise TypeError("block_table: expected an int32 [batch, max_blocks] array, got None")
+        if self.has_local_space and local_block_table is None:
+            raise TypeError("local_block_table: expected an int32 [batch, max_blocks] array "
+                            "(the pool has a local block space), got None")
         if checked is None:
             return
         attention_index, ks, vs, src, scales = checked
         op = ops.kv_write if src is None else ops.kv_write_fp8
-        kwargs = dict(rows, block_table=block_table, stream=stream)
+        kwargs = dict(rows, stream=stream)
+        tables = (block_table, local_block_table)
         if src is not None:
             kwargs.update(k_scale=scales[0], v_scale=scales[1], fp8_dtype=self.dtype,
                           src_dtype=src)
         with launch_scope(self.device, stream):
             if attention_index is not None:
                 g, group_position = self._group_position[attention_index]
-                op(self.groups[g], ks, vs, layers=group_position, **kwargs)
+                op(self.groups[g], ks, vs, layers=group_position,
+                   block_table=tables[self.local_layers[attention_index]], **kwargs)
                 return
             # ops validates the shared index arrays on the first launch, before any write.
             for group in self.groups:
                 indices = group.layer_indices
-                op(group, [ks[a] for a in indices], [vs[a] for a in indices], **kwargs)
+                op(group, [ks[a] for a in indices], [vs[a] for a in indices],
+                   block_table=tables[self.local_layers[indices[0]]], **kwargs)
 
-    def copy_blocks(self, src_ids, dst_ids, *, status=None, stream=None) -> None:
-        """Copy whole blocks of every layer, ``dst[i] <- src[i]`` (copy-on-write), one launch.
+    def copy_blocks(self, src_ids, dst_ids, *, status=None, stream=None, local=False) -> None:
+        """Copy whole blocks of every layer of a block space (the full one, or with ``local``
+        the sliding-window layers'), ``dst[i] <- src[i]`` (copy-on-write), one launch.
 
         Parameters
         ----------
@@ -237,7 +288,11 @@ class PagedKVPool:
         TypeError, ValueError
             Wrong types or lengths, repeated destinations, or a block both read and written.
         """
-        src, dst = self._copy_index("src_ids", src_ids), self._copy_index("dst_ids", dst_ids)
+        if local and not self.has_local_space:
+            raise ValueError("local: expected a pool with a local block space, got none")
+        space = self.num_local_blocks if local else self.num_blocks
+        src = self._copy_index("src_ids", src_ids, space)
+        dst = self._copy_index("dst_ids", dst_ids, space)
         if src.shape[0] != dst.shape[0]:
             raise ValueError(f"dst_ids: expected {src.shape[0]} ids (one per source), "
                              f"got {dst.shape[0]}")
@@ -253,15 +308,16 @@ class PagedKVPool:
             if both.any():
                 raise ValueError(f"dst_ids: expected no block that is also a source, got "
                                  f"{int(dst[both][0])}")
+        slots = self._local_slots if local else self._slots
         with launch_scope(self.device, stream):
-            if self._slots is None:
-                return  # no attention layer: blocks hold no data
+            if slots is None:
+                return  # no attention layer in the space: blocks hold no data
             if host_ids:
                 n = src.shape[0]   # <= num_blocks: destinations are distinct
                 upload_ints(self._copy_ids[0], src)
                 upload_ints(self._copy_ids[1], dst)
                 src, dst = self._copy_ids[0, :n], self._copy_ids[1, :n]
-            ops.slot_copy(self._slots, src, dst, status=status, stream=stream)
+            ops.slot_copy(slots, src, dst, status=status, stream=stream)
 
     # --- internals ----------------------------------------------------------------------
 
@@ -297,10 +353,10 @@ class PagedKVPool:
             raise ValueError(f"{name}: expected a C-contiguous array")
         return n
 
-    def _copy_index(self, name, ids):
+    def _copy_index(self, name, ids, space):
         if self.xp is not np and array_module_of(ids) is self.xp:
             if ids.dtype != np.int32 or ids.ndim != 1:
                 raise ValueError(f"{name}: expected a 1-D int32 array, got {ids.dtype} "
                                  f"{tuple(ids.shape)}")
             return ids
-        return block_id_array(name, ids, self.num_blocks, padding=True).astype(np.int32)
+        return block_id_array(name, ids, space, padding=True).astype(np.int32)
