@@ -153,3 +153,70 @@ def test_pool_with_a_local_block_space():
     assert plain.local_layers == (False, False) and not plain.has_local_space
     with pytest.raises(ValueError, match="local: expected a pool with a local block space"):
         plain.copy_blocks([1], [0], local=True)
+
+
+# --- random runs: every live request's blocks hold its K/V ------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hcache.errors import CacheCapacityError  # noqa: E402
+
+BASE = list(range(1, 60))   # prompts share prefixes of this sequence, so prefixes hit
+
+
+def _check_data(ctx, tokens_of):
+    """Full layer: positions [0, computed) of every live request; local layer: positions from
+    the first live local column on. Rows of K are token * 1000 + position."""
+    for rid, tokens in tokens_of.items():
+        computed = ctx.num_computed_tokens(rid)
+        full_ids, local_ids = ctx.block_ids(rid), ctx.local_block_ids(rid)
+        for layer, ids in ((0, full_ids), (1, local_ids)):
+            for p in range(computed):
+                block = ids[p // BS]
+                if block < 0:
+                    assert layer == 1 and p < computed - W + 1   # only out-of-window ones
+                    continue
+                got = np.asarray(ctx.kv_pool.layers[layer][block, 0, 0, p % BS, 0])
+                assert got == tokens[p] * 1000 + p, (rid, layer, p)
+
+
+@settings(max_examples=30)
+@given(ops_=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.booleans(),
+                               st.integers(0, 4)), min_size=1, max_size=25),
+       local_blocks=st.integers(6, 14), mamba=st.booleans())
+def test_random_runs_keep_every_window(ops_, local_blocks, mamba):
+    """Random admissions (shared prefixes, so hits across the window), extensions and releases
+    with a small local space (refusals allowed): after every step the invariants hold and every
+    live request's full blocks and live local blocks hold its K/V; released local columns are
+    all out of the window."""
+    ctx = DynamicInferenceContext(
+        kv_layer_configs=LAYERS, num_blocks=40, block_size_tokens=BS, max_requests=4,
+        max_blocks_per_request=16, kv_dtype="float32", num_local_blocks=local_blocks,
+        num_mamba_layers=1 if mamba else 0, conv_states_shape=(2, 2), ssm_states_shape=(2,),
+        mamba_cache_slots=4 if mamba else 0, device="cpu")
+    tokens_of: dict = {}
+    for i, (rid, n, private, what) in enumerate(ops_):
+        try:
+            if rid not in tokens_of:     # admit a prefix of BASE (plus a private token)
+                prompt = BASE[:n] + ([1000 + i] if private else [])
+                plan = ctx.add_request(rid, prompt)
+                tokens_of[rid] = prompt
+            elif what == 0:
+                ctx.release_requests([rid])
+                del tokens_of[rid]
+                ctx.check_invariants()
+                continue
+            else:                        # extend by 1..6 tokens (decode or a chunk)
+                k = min(n % 6 + 1, 64 - len(tokens_of[rid]))
+                if k < 1:
+                    continue
+                new = [2000 + i + j for j in range(k)]
+                plan = ctx.extend_request(rid, new)
+                tokens_of[rid] = tokens_of[rid] + new
+        except CacheCapacityError:
+            ctx.check_invariants()
+            continue
+        _run(ctx, rid, tokens_of[rid], plan.start, plan.end)
+        ctx.check_invariants()
+        _check_data(ctx, tokens_of)
