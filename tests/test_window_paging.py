@@ -207,6 +207,20 @@ def test_random_runs_keep_every_window(ops_, local_blocks, mamba):
                 del tokens_of[rid]
                 ctx.check_invariants()
                 continue
+            elif what == 4:              # a batched decode step of every live request
+                rids = [r for r, t in tokens_of.items() if len(t) < 64]
+                if not rids:
+                    continue
+                batch = ctx.extend_requests(rids, [3000 + i] * len(rids))
+                for r in rids:
+                    tokens_of[r] = tokens_of[r] + [3000 + i]
+                rows = [_rows(tokens_of[r], p.start, p.end) for r, p in zip(rids, batch)]
+                k = [np.concatenate([r[a] for r in rows]) for a in range(len(LAYERS))]
+                ctx.write_kv(rids, k, k)
+                ctx.commit_step()
+                ctx.check_invariants()
+                _check_data(ctx, tokens_of)
+                continue
             else:                        # extend by 1..6 tokens (decode or a chunk)
                 k = min(n % 6 + 1, 64 - len(tokens_of[rid]))
                 if k < 1:

@@ -171,8 +171,7 @@ class DynamicInferenceContext:
         return self._requests.blocks(self._requests.row(request_id))
 
     def local_block_ids(self, request_id) -> np.ndarray:
-        """The request's local block-table row (int32, -1: out of the window; a copy; empty
-        without a local space)."""
+        """The request's local block-table row (int32, -1: out of the window; a copy)."""
         row = self._requests.row(request_id)
         return self.window_blocks.row_blocks(row) if self.window_blocks else np.zeros(0, np.int32)
 
@@ -348,7 +347,8 @@ class DynamicInferenceContext:
 
     def step(self) -> int:
         """Advance the LRU clock by one step (both block spaces'); returns the new clock."""
-        _ = self.window_blocks and self.window_blocks.allocator.advance_clock()
+        if self.window_blocks is not None:
+            self.window_blocks.allocator.advance_clock()
         return self.kv_block_allocator.advance_clock()
 
     def release_requests(self, request_ids) -> None:
