@@ -347,3 +347,91 @@ def test_from_hf_config_windows(cfg, windows):
     off = HybridCacheConfig.from_hf_config(cfg, max_batch_size=1, max_sequence_length=256,
                                            ring_windows=False)
     assert off.kv.layer_ring_windows == (0,) * len(windows)
+
+
+# --- random operation sequences: rings against unbounded caches ---------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def ring_programs(draw):
+    """A list of operations on a 4-slot batch: ("write", per-row counts), ("compact",
+    mapping, new batch), ("copy", src, dst)."""
+    ops_, batch = [], 4
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["write", "write", "write", "compact", "copy"]))
+        if kind == "write":
+            ops_.append(("write", draw(st.lists(st.integers(0, 2 * W + 2), min_size=batch,
+                                                max_size=batch))))
+        elif kind == "compact" and batch > 1:
+            new = draw(st.integers(1, batch))
+            keep = draw(st.permutations(range(batch)))[:new]
+            mapping = np.full(batch, -1, np.int32)
+            mapping[keep] = draw(st.permutations(range(new)))
+            ops_.append(("compact", mapping, new))
+            batch = new
+        elif kind == "copy" and batch > 1:
+            src, dst = draw(st.permutations(range(batch)))[:2]
+            ops_.append(("copy", src, dst))
+    return ops_
+
+
+def _apply(program, seed):
+    rng = np.random.default_rng(seed)
+    ring, flat = (HybridCacheManager(_config(r), device="cpu") for r in (True, False))
+    for m in (ring, flat):
+        m.reset_for_new_sequences([0] * 4)
+    lengths = [0] * 4
+    for op in program:
+        if op[0] == "write":
+            counts = [min(c, S - n) for c, n in zip(op[1], lengths)]
+            k = [rng.standard_normal((sum(counts), h, d)).astype(np.float32)
+                 for h, d, _ in LAYERS]
+            for m in (ring, flat):
+                m.write_kv(None, k, k, seq_lengths=counts)
+                m.commit_sequence_length(np.asarray(counts, np.int32))
+            lengths = [n + c for n, c in zip(lengths, counts)]
+        elif op[0] == "compact":
+            _, mapping, new = op
+            for m in (ring, flat):
+                m.compact_batch(mapping, len(lengths), new)
+            moved = [0] * new
+            for old, dst in enumerate(mapping):
+                if dst >= 0:
+                    moved[dst] = lengths[old]
+            lengths = moved
+        else:   # a prompt cache of slot src (a wrapped ring: its last W, in order) into dst
+            _, src, dst = op
+            saved = [m.capture_kv_cache(src, lengths[src]) for m in (ring, flat)]
+            for a, layer in enumerate(Engine.ATTN):
+                w = ring.get_ring_window(layer)
+                want = saved[1][a][:, :, max(0, lengths[src] - w):] if w else saved[1][a]
+                assert np.array_equal(saved[0][a], want)
+            lengths[dst] = lengths[src]
+            for m, s in zip((ring, flat), saved):
+                m.restore_kv_cache(s, dst)
+                m.reset_for_new_sequences(lengths)
+        _check_rings_equal_window(ring, flat, lengths)
+
+
+@settings(max_examples=25)
+@given(program=ring_programs(), seed=st.integers(0, 2**32 - 1))
+def test_random_programs_keep_rings_equal_to_the_window(program, seed):
+    """Ragged writes past the window, any injective compaction, prompt caches of wrapped rings
+    restored into other slots: after every operation each ring equals the unbounded cache
+    restricted to its window (cpu device)."""
+    _apply(program, seed)
+
+
+@pytest.mark.emu
+@settings(max_examples=8)
+@given(program=ring_programs(), seed=st.integers(0, 2**32 - 1))
+def test_random_programs_on_rings_emulated(program, seed):
+    """The same on the real kernels compiled for the host."""
+    emu = pytest.importorskip("emu")
+    if not emu.have_compiler():
+        pytest.skip("no host C++ compiler")
+    with ops.host_backend(emu.EmuLauncher(reverse=True, wide_index=True)):
+        _apply(program, seed)
