@@ -109,7 +109,7 @@ class WindowBlocks:
             ids = [cached.get(h) for h in hashes[lo:m]]
             if None not in ids:
                 return m, skip, lo, ids
-        raise AssertionError("unreachable: an empty match needs no local block")
+        raise RuntimeError("unreachable: an empty match needs no local block")
 
     def check_admit(self, local_ids: list, need: int) -> None:
         """Raise ``CacheCapacityError`` unless ``need`` new local blocks fit after pinning
