@@ -1,4 +1,4 @@
-"""Ring buffers of sliding-window layers (docs/design.md §3.8): where a ring's oldest valid
+"""Ring buffers of sliding-window layers (docs/design.md §3.9): where a ring's oldest valid
 token sits.
 
 A ring of window ``W`` holds the last ``min(length, W)`` tokens of a sequence of ``length``

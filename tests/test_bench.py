@@ -31,7 +31,7 @@ def test_bench_on_cpu_writes_every_family(tmp_path, capsys):
     assert "reference" in report["note"] and report["backend"] == "cpu"
     assert {r["family"] for r in report["rows"]} == KERNEL_FAMILIES
     models = {r["model"] for r in report["rows"] if r["family"] != "lengths"}
-    assert models == {"nemotron-h-like", "gemma-like"}
+    assert models == {"nemotron-h-like", "gemma-like", "deepseek-v3-like"}
     for r in report["rows"]:
         assert r["us"] > 0 and r["bytes"] >= 0 and r["launches"] >= 1
         assert r["vs_copy"] > 0 and r["speedup_vs_naive"] > 0

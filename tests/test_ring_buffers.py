@@ -349,6 +349,25 @@ def test_from_hf_config_windows(cfg, windows):
     assert off.kv.layer_ring_windows == (0,) * len(windows)
 
 
+
+def test_sliding_layers_follow_the_family_not_the_stated_model_type():
+    """Which layers of a plain model slide is the family's rule, also for a config recognised
+    by its architectures only (gpt-oss: even layers); a Qwen config with a window and no
+    layer_types must say where the window starts (strict reading: no guessed default)."""
+    gpt_oss = {"architectures": ["GptOssForCausalLM"], "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+               "sliding_window": 16}
+    hc = HybridCacheConfig.from_hf_config(gpt_oss, max_batch_size=1, max_sequence_length=64)
+    assert hc.kv.layer_ring_windows == (16, 0, 16, 0)
+    qwen = {"model_type": "qwen3", "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 32,
+            "use_sliding_window": True}
+    with pytest.raises(ValueError, match="^max_window_layers: expected an int, got nothing"):
+        HybridCacheConfig.from_hf_config(qwen, max_batch_size=1, max_sequence_length=64)
+    typed = {**qwen, "layer_types": ["full_attention", "sliding_attention"]}
+    hc = HybridCacheConfig.from_hf_config(typed, max_batch_size=1, max_sequence_length=64)
+    assert hc.kv.layer_ring_windows == (0, 32)
+
 # --- random operation sequences: rings against unbounded caches ---------------------------------
 
 from hypothesis import given, settings  # noqa: E402

@@ -1,6 +1,7 @@
-"""Ring-buffer layers in the kernels (docs/design.md §3.8): ``kv_write``, ``kv_write_fp8``,
+"""Ring-buffer layers in the kernels (docs/design.md §3.9): ``kv_write``, ``kv_write_fp8``,
 ``kv_capture`` / ``kv_restore`` / ``kv_prefix_copy`` and ``kv_compact`` on head-dim groups that
-mix ring layers (``ring_windows[l] = W``, token axis ``W``) with unbounded ones.
+mix ring layers (``ring_windows[l] = W``, token axis ``W``) with unbounded ones, K/V groups
+(two components) and latent MLA groups (one component, ``v=None``) alike.
 
 Oracles: a naive model written here (position ``p`` at ring entry ``p mod W``; only a row's last
 ``W`` tokens land; a capture of ``n`` tokens is positions ``n - min(n, W) .. n - 1`` in order),
@@ -33,8 +34,10 @@ from kernel_cases import (
 
 
 def _layers(arena, c, fill="random"):
-    """One cache per entry of ``c["windows"]`` (0: unbounded, token axis ``c["seq"]``)."""
-    return [arena.array((c["slots"], 2, h, w or c["seq"], c["head_dim"]), c["dtype"],
+    """One cache ``[slots, C, H, S, D]`` per entry of ``c["windows"]`` (0: unbounded, token
+    axis ``c["seq"]``), ``C = c["components"]``."""
+    return [arena.array((c["slots"], c["components"], h, w or c["seq"], c["head_dim"]),
+                        c["dtype"],
                         misalign=c["misalign"] * c["dtype"].itemsize, fill=fill)
             for h, w in zip(c["heads"], c["windows"])]
 
@@ -49,7 +52,8 @@ def group_shapes(draw, max_slots=4):
     return dict(dtype=draw(dtypes), head_dim=draw(st.sampled_from(HEAD_DIMS)), seq=seq,
                 slots=draw(st.integers(1, max_slots)),
                 heads=draw(st.lists(st.integers(1, 3), min_size=n, max_size=n)),
-                windows=windows, misalign=draw(misaligns), seed=draw(st.integers(0, 2**32 - 1)))
+                windows=windows, components=draw(st.sampled_from([2, 1])),
+                misalign=draw(misaligns), seed=draw(st.integers(0, 2**32 - 1)))
 
 
 # --- kv_write --------------------------------------------------------------------------------
@@ -73,7 +77,8 @@ def write_cases(draw):
 
 def _write_model(layers, c, k, v):
     """Token ``i`` of row ``b`` (of ``n_b``) at position ``starts[b] + i`` (or -1, skipped)
-    lands in a ring of window W only if ``n_b - i <= W``, at entry ``pos mod W``."""
+    lands in a ring of window W only if ``n_b - i <= W``, at entry ``pos mod W`` (a latent
+    layer, one component: the ``k`` row only)."""
     t = 0
     for b, n in enumerate(c["counts"]):
         slot = c["row_to_slot"][b]
@@ -86,7 +91,8 @@ def _write_model(layers, c, k, v):
                     if not w and pos >= c["seq"]:
                         continue
                     layer[slot, 0, :, pos % w if w else pos] = kk[t]
-                    layer[slot, 1, :, pos % w if w else pos] = vv[t]
+                    if c["components"] == 2:
+                        layer[slot, 1, :, pos % w if w else pos] = vv[t]
             t += 1
 
 
@@ -94,8 +100,8 @@ def _write_model(layers, c, k, v):
 @given(c=write_cases())
 def test_kv_write_into_rings_matches_model(kind, c):
     """Uniform and ragged writes (rows longer than a window included), at committed lengths or
-    explicit positions with padding, through a row-to-slot map: the reference equals the model
-    and the kernel equals the reference, status and canaries included."""
+    explicit positions with padding, through a row-to-slot map, K/V or latent: the reference
+    equals the model and the kernel equals the reference, status and canaries included."""
     xp, backend = kernel_env(kind)
     ra, ka = twins(c["seed"], xp)
     total = sum(c["counts"])
@@ -107,7 +113,8 @@ def test_kv_write_into_rings_matches_model(kind, c):
     def run(arena, backend=None):
         layers = _layers(arena, c)
         k = [arena.array((total, h, c["head_dim"]), c["dtype"]) for h in c["heads"]]
-        v = [arena.array((total, h, c["head_dim"]), c["dtype"]) for h in c["heads"]]
+        v = ([arena.array((total, h, c["head_dim"]), c["dtype"]) for h in c["heads"]]
+             if c["components"] == 2 else None)
         status = arena.array((1,), np.int32, fill="zeros")
         kw = dict(batch=len(c["counts"]), status=status,
                   row_to_slot=arena.int32(c["row_to_slot"]))
@@ -126,7 +133,7 @@ def test_kv_write_into_rings_matches_model(kind, c):
 
     rl, rk, rv, rstat, before = run(ra)
     kl, _, _, kstat, _ = run(ka, backend)
-    _write_model(before, c, rk, rv)
+    _write_model(before, c, rk, rv or [None] * len(rk))
     for r, m in zip(rl, before):
         assert_same_bytes(m, r)
     for r, k in zip(rl, kl):
@@ -187,7 +194,7 @@ def capture_cases(draw):
 def test_capture_restore_on_rings_match_model(kind, to_cache, c):
     """A capture of n tokens gives each ring's last min(n, W) positions in order (compact
     token j = ring entry (n - m + j) mod W); a restore puts them back there; an unbounded
-    layer moves tokens [0, n)."""
+    layer moves tokens [0, n); every component (one plane for a latent group)."""
     xp, backend = kernel_env(kind)
     ra, ka = twins(c["seed"], xp)
     n = c["n"]
@@ -195,7 +202,7 @@ def test_capture_restore_on_rings_match_model(kind, to_cache, c):
 
     def state(arena):
         layers = _layers(arena, c)
-        compact = [arena.array((2, h, m, c["head_dim"]), c["dtype"])
+        compact = [arena.array((c["components"], h, m, c["head_dim"]), c["dtype"])
                    for h, m in zip(c["heads"], held)]
         return layers, compact
 

@@ -100,28 +100,33 @@ class Mamba:
 
 @dataclass(frozen=True)
 class Model:
-    """A benchmark model: ``attention`` is ``(kv heads, head dim)`` per attention layer."""
+    """A benchmark model: ``attention`` is ``(kv heads, head dim)`` per attention layer;
+    ``components`` is 2 (K and V) or 1 (latent MLA caches, one plane per layer)."""
 
     name: str
     attention: tuple[tuple[int, int], ...]
     mamba: Mamba | None
+    components: int = 2
 
 
 def models(scale: int) -> list[Model]:
-    """A Nemotron-H-like hybrid (4 attention layers of 8 KV heads × 128, 24 Mamba-2 layers) and
-    a Gemma-like heterogeneous model (5 sliding layers of head dim 256, 1 full layer of 512)."""
+    """A Nemotron-H-like hybrid (4 attention layers of 8 KV heads × 128, 24 Mamba-2 layers), a
+    Gemma-like heterogeneous model (5 sliding layers of head dim 256, 1 full layer of 512) and
+    a DeepSeek-V3-like MLA model (61 latent layers of 512 + 64, one head; fewer on the CPU)."""
     nemotron = Model("nemotron-h-like", ((8, 128),) * 4,
                      Mamba(24, (128 // scale, 64, 128 // scale), (8192 // scale, 4)))
     gemma = Model("gemma-like", ((16, 256),) * 5 + ((4, 512),), None)
-    return [nemotron, gemma]
+    deepseek = Model("deepseek-v3-like", ((1, 576),) * max(61 // scale, 1), None, components=1)
+    return [nemotron, gemma, deepseek]
 
 
 def kv_groups(xp, model: Model, slots: int, seq: int) -> list[tuple[KVGroup, list]]:
-    """Zeroed HND caches ``[slots, 2, H, seq, D]`` of ``model``'s attention layers, one
-    ``(KVGroup, layers)`` per head dim (one launch each)."""
+    """Zeroed HND caches ``[slots, C, H, seq, D]`` (``C = model.components``) of ``model``'s
+    attention layers, one ``(KVGroup, layers)`` per head dim (one launch each)."""
     by_dim: dict[int, list] = {}
     for heads, dim in model.attention:
-        by_dim.setdefault(dim, []).append(xp.zeros((slots, 2, heads, seq, dim), DTYPE))
+        by_dim.setdefault(dim, []).append(xp.zeros((slots, model.components, heads, seq, dim),
+                                                   DTYPE))
     return [(KVGroup(layers), layers) for layers in by_dim.values()]
 
 

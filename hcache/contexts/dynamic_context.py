@@ -24,13 +24,15 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, int_shape
+from .._checks import as_int
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
+from .context_invariants import broken_invariants
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
+from .mamba_state_copies import state_shapes
 from .paged_kv_pool import PagedKVPool
 from .prefix_match import blocks_to_register, pending_blocks_overlap
 from .requests import RequestTable, batch_tokens, token_array
@@ -56,8 +58,8 @@ class DynamicInferenceContext:
         ``max_blocks_per_request * block_size_tokens`` tokens).
     num_mamba_layers : int
         0 for an attention-only model.
-    conv_states_shape, ssm_states_shape : tuple of int
-        Per-request Mamba state shapes (ignored without Mamba layers).
+    conv_states_shape, ssm_states_shape : tuple of int or None
+        Per-request state shapes (ignored without Mamba layers); ``None``: no such state.
     kv_dtype, conv_states_dtype, ssm_states_dtype : str or dtype
     mamba_cache_slots : int
         Durable Mamba cache slots; 0 disables state caching (KV blocks are still shared).
@@ -79,7 +81,7 @@ class DynamicInferenceContext:
     window_blocks : WindowBlocks or None (the local block space: ``allocator``, ``table``)
     mamba_slot_allocator : MambaSlotAllocator or None
     mamba_conv_states, mamba_ssm_states : arrays [num_mamba_layers, max_requests, *shape]
-        Live per-request states (views for the model).
+        Live per-request states (views for the model); ``None`` for a state with shape None.
     request_to_kv_block_ids : int32 [max_requests, max_blocks_per_request]
         Host block table; -1 = none.
     request_to_mamba_state_idx : int32 [max_requests]
@@ -119,8 +121,7 @@ class DynamicInferenceContext:
         self.window_blocks = WindowBlocks.for_pool(pool, self.max_requests,
                                                    self.max_blocks_per_request,
                                                    self.kv_block_allocator)
-        conv_shape = int_shape("conv_states_shape", conv_states_shape)
-        ssm_shape = int_shape("ssm_states_shape", ssm_states_shape)
+        conv_shape, ssm_shape = state_shapes(conv_states_shape, ssm_states_shape)
         L, R = self.num_mamba_layers, self.max_requests
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
@@ -283,7 +284,7 @@ class DynamicInferenceContext:
         self.stats.computed_tokens += len(flat)
         return plan
 
-    def write_kv(self, request_ids, k, v, *, layer=None, k_scale=None, v_scale=None,
+    def write_kv(self, request_ids, k, v=None, *, layer=None, k_scale=None, v_scale=None,
                  stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of ``request_ids`` into the paged pool.
 
@@ -292,7 +293,8 @@ class DynamicInferenceContext:
         request_ids : sequence
             Requests with a scheduled step; their tokens are concatenated in this order.
         k, v : arrays [total_tokens, H_i, D_i], or lists of them (one per layer)
-            As in :meth:`PagedKVPool.write_kv`; rows of positions in shared blocks are skipped.
+            As in :meth:`PagedKVPool.write_kv` (a latent layer's ``v`` is None); rows of
+            positions in shared blocks are skipped.
         layer, k_scale, v_scale : optional
             As in :meth:`PagedKVPool.write_kv` (an FP8 pool quantizes float rows with scales).
 
@@ -379,22 +381,11 @@ class DynamicInferenceContext:
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` listing every broken invariant of the request table, the KV
-        allocator and the Mamba slot allocator (and of their agreement: each active request
-        holds one reference on each of its blocks). For tests: it rehashes every request."""
-        problems = self._requests.broken_invariants()
-        held = np.zeros(self.kv_block_allocator.num_blocks, np.int64)
-        for rid in self._requests.ids:
-            np.add.at(held, self.block_ids(rid), 1)
-        if (held > self.kv_block_allocator.block_ref_counts).any():
-            problems.append("a request holds a block without a reference")
-        if self.window_blocks is not None:
-            problems += self.window_blocks.broken_invariants(self._requests)
-        for owner in (self.kv_block_allocator, self.mamba_slot_allocator):
-            try:
-                if owner is not None:
-                    owner.check_invariants()
-            except RuntimeError as exc:
-                problems.append(str(exc))
+        allocator, the local block space and the Mamba slot allocator, and of their agreement
+        (:func:`~hcache.contexts.context_invariants.broken_invariants`). For tests: it rehashes
+        every request."""
+        problems = broken_invariants(self._requests, self.kv_block_allocator,
+                                     self.window_blocks, self.mamba_slot_allocator)
         if problems:
             raise RuntimeError("DynamicInferenceContext invariants broken: "
                                + "; ".join(problems))

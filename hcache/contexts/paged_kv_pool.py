@@ -2,14 +2,16 @@
 (docs/design.md §6).
 
 Attention layer ``i`` (an ``attention_index``: its position among the layers that own a KV cache)
-owns ``[num_blocks, 2, H_i, block_size, D_i]`` (HND: K at ``[:, 0]``, V at ``[:, 1]``). Block ids
-are shared by all layers (one :class:`KVBlockAllocator` hands them out), so a block table row
-addresses every layer. With ``num_local_blocks``, the sliding-window layers (``sliding_window``
-set) form a second block space of that many blocks, addressed by a second block table: blocks
-that left every window are freed there while the full layers keep theirs (docs/design.md §6.7).
-Layers of one head dim and block space form a :class:`KVGroup` (groups in first-seen order; a
-layer's row in its group is its ``group_position``), the unit of one write launch; a
-:class:`SlotSet` of a space's layers is the unit of one copy-on-write launch.
+owns ``[num_blocks, C_i, H_i, block_size, D_i]`` (HND: K at ``[:, 0]``, V at ``[:, 1]``; a latent
+MLA layer has ``C_i = 1``: ``[num_blocks, 1, 1, block_size, kv_lora_rank + qk_rope_head_dim]``, no
+V). Block ids are shared by all layers (one :class:`KVBlockAllocator` hands them out), so a block
+table row addresses every layer. With ``num_local_blocks``, the sliding-window layers
+(``sliding_window`` set) form a second block space of that many blocks, addressed by a second
+block table: blocks that left every window are freed there while the full layers keep theirs
+(docs/design.md §6.7). Layers of one head dim, component count and block space form a
+:class:`KVGroup` (groups in first-seen order; a layer's row in its group is its
+``group_position``), the unit of one write launch; a :class:`SlotSet` of a space's layers is the
+unit of one copy-on-write launch.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class PagedKVPool:
     Parameters
     ----------
     layer_configs : sequence of KVLayerConfig, or KVCacheConfig
-        One entry per attention layer (its ``num_kv_heads`` and ``head_dim``).
+        One entry per attention layer (its ``num_kv_heads``, ``head_dim`` and ``components``).
     num_blocks : int
         Blocks per layer (>= 1).
     block_size : int
@@ -47,10 +49,10 @@ class PagedKVPool:
 
     Attributes
     ----------
-    layers : tuple of arrays [num_blocks or num_local_blocks, 2, H_i, block_size, D_i]
+    layers : tuple of arrays [num_blocks or num_local_blocks, C_i, H_i, block_size, D_i]
         Zero-initialised at construction; zero-copy views for a runtime's attention kernels.
     groups : tuple of KVGroup
-        One per distinct (block space, head dim), in first-seen order;
+        One per distinct (head dim, components, block space), in first-seen order;
         ``groups[g].layer_indices`` are the attention indices of its layers.
     local_layers : tuple of bool
         Per attention layer: addressed through the local block space.
@@ -68,9 +70,6 @@ class PagedKVPool:
             if not isinstance(lc, KVLayerConfig):
                 raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
                                 f"got {type(lc).__name__}")
-            if lc.components != 2:  # latent (MLA) caches: issue 13, not wired yet
-                raise ValueError(f"layer_configs[{i}].components: expected 2 (latent MLA "
-                                 f"caches are not supported yet), got {lc.components}")
         self.layer_configs = configs
         self.num_blocks = as_int("num_blocks", num_blocks, 1)
         self.block_size = as_int("block_size", block_size, 1)
@@ -84,13 +83,14 @@ class PagedKVPool:
                                   and lc.sliding_window is not None for lc in configs)
         with self.device.scope():
             self.layers = tuple(
-                xp.zeros((self.num_local_blocks if local else self.num_blocks, 2,
+                xp.zeros((self.num_local_blocks if local else self.num_blocks, lc.components,
                           lc.num_kv_heads, self.block_size, lc.head_dim),
                          dtype=self.storage_dtype)
                 for lc, local in zip(configs, self.local_layers))
-            by_key: dict = {}   # (head dim, block space) -> attention indices, first-seen order
+            # (head dim, components, block space) -> attention indices, first-seen order
+            by_key: dict = {}
             for a, (lc, local) in enumerate(zip(configs, self.local_layers)):
-                by_key.setdefault((lc.head_dim, local), []).append(a)
+                by_key.setdefault((lc.head_dim, lc.components, local), []).append(a)
             members = list(by_key.values())
             self.groups = tuple(KVGroup([self.layers[a] for a in indices], layout="HND",
                                         layer_indices=indices) for indices in members)
@@ -121,7 +121,8 @@ class PagedKVPool:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block id of the full space occupies across its layers (K and V)."""
+        """Bytes one block id of the full space occupies across its layers (K and V, or a
+        latent layer's one component)."""
         return sum(int(a.nbytes) for a, loc in zip(self.layers, self.local_layers)
                    if not loc) // self.num_blocks
 
@@ -138,7 +139,7 @@ class PagedKVPool:
         return sum(int(a.nbytes) for a in self.layers)
 
     def get_layer(self, i: int):
-        """The cache of attention layer ``i``, ``[num_blocks, 2, H_i, block_size, D_i]`` (a
+        """The cache of attention layer ``i``, ``[num_blocks, C_i, H_i, block_size, D_i]`` (a
         view; writes through it are writes to the pool).
 
         Raises
@@ -161,13 +162,14 @@ class PagedKVPool:
             "bytes_per_local_block": self.bytes_per_local_block,
             "total_bytes": self.nbytes,
             "layer_bytes": [int(a.nbytes) for a in self.layers],
-            "groups": [{"head_dim": g.head_dim, "layers": list(g.layer_indices),
+            "groups": [{"head_dim": g.head_dim, "components": g.components,
+                        "layers": list(g.layer_indices),
                         "bytes": sum(int(a.nbytes) for a in g.layers)} for g in self.groups],
         }
 
     # --- commands -----------------------------------------------------------------------
 
-    def write_kv(self, k, v, *, block_table, layer=None, seq_offsets=None, uniform_tokens=0,
+    def write_kv(self, k, v=None, *, block_table, layer=None, seq_offsets=None, uniform_tokens=0,
                  batch=None, cache_lengths=None, positions=None, k_scale=None, v_scale=None,
                  status=None, stream=None, local_block_table=None):
         """Write new tokens' K and V through a block table (in place); ``write`` is an alias.
@@ -178,7 +180,9 @@ class PagedKVPool:
             With ``layer=None``, one array per attention layer (one launch per head-dim group);
             with ``layer=i``, layer ``i``'s arrays (one launch). One dtype: the pool's storage
             dtype, or for an FP8 pool float32, float16 or bfloat16 rows quantized on write
-            (``fp8(x / scale)``, docs/design.md §3.7).
+            (``fp8(x / scale)``, docs/design.md §3.7). A latent layer's rows are ``k`` and its
+            ``v`` is None (None in its place in a list, or ``v=None`` when every layer is
+            latent).
         block_table : int32 [batch, max_blocks_per_seq]
             Position ``p`` of row ``b`` goes to block ``block_table[b, p // block_size]`` at
             offset ``p % block_size``; -1 entries are skipped.
@@ -191,7 +195,8 @@ class PagedKVPool:
         k_scale, v_scale : float or float32 array, optional
             Scales of a quantizing write: a float, or a device table ``[num_layers]`` (per
             attention layer) or ``[num_layers, >= max H_i]`` (per head); None means 1.0 (the
-            pool records no scales). Must be None for any other write.
+            pool records no scales). Must be None for any other write; ``v_scale`` must be None
+            when every written layer is latent.
 
         Raises
         ------
@@ -215,23 +220,31 @@ class PagedKVPool:
 
     write = write_kv
 
-    def check_write(self, k, v, *, layer=None, k_scale=None, v_scale=None):
+    def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None):
         """The row and scale checks of :meth:`write_kv` (nothing else is read); returns the
         checked call for :meth:`launch_write`. Raises as :meth:`write_kv`."""
         if layer is None:
-            ks, vs = self._per_layer("k", k), self._per_layer("v", v)
+            written = list(range(self.num_layers))
+            ks = self._per_layer("k", k)
+            vs = [None] * self.num_layers if v is None and all(
+                self.layer_configs[a].components == 1 for a in written) else \
+                self._per_layer("v", v)
             if not self.num_layers:
                 return None  # no attention layer: nothing to write
             num_tokens = self._check_rows("k[0]", ks[0], 0, None, ks[0])
-            for a in range(self.num_layers):
+            for a in written:
                 self._check_rows(f"k[{a}]", ks[a], a, num_tokens, ks[0])
-                self._check_rows(f"v[{a}]", vs[a], a, num_tokens, ks[0])
+                self._check_v(f"v[{a}]", vs[a], a, num_tokens, ks[0])
             attention_index, first = None, ks[0]
         else:
             attention_index = self._attention_index(layer, "layer")
+            written = [attention_index]
             num_tokens = self._check_rows("k", k, attention_index, None, k)
-            self._check_rows("v", v, attention_index, num_tokens, k)
+            self._check_v("v", v, attention_index, num_tokens, k)
             ks, vs, first = k, v, k
+        if v_scale is not None and all(self.layer_configs[a].components == 1 for a in written):
+            raise ValueError(f"v_scale: expected None (latent layers have no V), "
+                             f"got {type(v_scale).__name__}")
         src = source_dtype("k", first.dtype, self.dtype, self.xp)
         heads = max(lc.num_kv_heads for lc in self.layer_configs)
         scales = [check_scale(n, s, src is not None, self.xp, self.num_layers, heads)
@@ -335,6 +348,18 @@ class PagedKVPool:
         got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per layer), "
                          f"got {got}")
+
+    def _check_v(self, name, a, attention_index, num_tokens, first) -> None:
+        """V rows of a layer with a V plane, or None for a latent layer."""
+        if self.layer_configs[attention_index].components == 1:
+            if a is not None:
+                raise ValueError(f"{name}: expected None (attention layer {attention_index} is "
+                                 f"a latent cache: its rows go in k), got {type(a).__name__}")
+            return
+        if a is None:
+            raise ValueError(f"{name}: expected V rows (attention layer {attention_index} has "
+                             f"a V plane), got None")
+        self._check_rows(name, a, attention_index, num_tokens, first)
 
     def _check_rows(self, name, a, attention_index, num_tokens, first) -> int:
         lc = self.layer_configs[attention_index]

@@ -42,7 +42,7 @@ class StepKVWriter:
             self._local_dev = (None if window is None else
                                xp.full((max_requests, max_blocks_per_request), -1, np.int32))
 
-    def write(self, requests, rows: np.ndarray, k, v, *, layer=None, k_scale=None,
+    def write(self, requests, rows: np.ndarray, k, v=None, *, layer=None, k_scale=None,
               v_scale=None, stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of request ``rows`` (concatenated in
         order). Everything is checked before the index arrays are staged.

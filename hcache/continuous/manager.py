@@ -3,8 +3,9 @@
 After MAX's Mojo ``ContinuousBatchingKVCacheManager``. ``blocks_buf`` is
 ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]`` with ``num_blocks =
 max_batch_size``: block ``b`` holds one sequence's K (``[:, 0]``) and V (``[:, 1]``) of every
-layer. The call order of a request is ``claim`` -> (``fetch`` -> ``write`` per layer -> ``step``)
-for the prompt and then per generated token -> ``release``.
+layer; with ``kv_params.is_mla`` it is ``[num_blocks, 1, ...]``, latent vectors as K and no V.
+The call order of a request is ``claim`` -> (``fetch`` -> ``write`` per layer -> ``step``) for
+the prompt and then per generated token -> ``release``.
 
 Design decisions (where the reference is silent or not thread-safe):
 
@@ -68,7 +69,7 @@ class ContinuousBatchingKVCacheManager:
     sliding_window : int, optional
         A window ``W`` for every layer (a model whose layers all attend locally, e.g.
         Mistral 7B v0.1): when ``W < max_seq_len`` each block holds a ring of ``W`` tokens per
-        layer, position ``p`` at entry ``p mod W`` (``blocks_buf`` is ``[num_blocks, 2,
+        layer, position ``p`` at entry ``p mod W`` (``blocks_buf`` is ``[num_blocks, C,
         num_layers, W, num_heads, head_size]``); lengths stay absolute, up to ``max_seq_len``,
         and :meth:`ring_start` gives the oldest valid entry. Default: unbounded blocks.
 
@@ -96,7 +97,8 @@ class ContinuousBatchingKVCacheManager:
         n = self._num_blocks
         self._store = KVBlockStore(self._device, self._dtype, n, self._num_layers,
                                    self._max_seq_len, kv_params.num_heads, kv_params.head_size,
-                                   self._ring_window)
+                                   ring_window=self._ring_window,
+                                   components=kv_params.components)
         self._cond = self._store.lock                  # one lock for the manager and its batch
         self._sequences = SequenceBlocks(n, self._max_seq_len)
         self._inflight: ContinuousBatchingKVCacheCollection | None = None
@@ -117,8 +119,9 @@ class ContinuousBatchingKVCacheManager:
     @property
     def blocks_buf(self):
         """The cache, ``[num_blocks, 2, num_layers, T, num_heads, head_size]`` (K at
-        ``[:, 0]``, V at ``[:, 1]``; ``T`` = ``max_seq_len``, or ``ring_window`` for rings),
-        allocated once; zero-copy on both devices."""
+        ``[:, 0]``, V at ``[:, 1]``; ``[num_blocks, 1, ...]``, K only, for an MLA
+        ``kv_params``; ``T`` = ``max_seq_len``, or ``ring_window`` for rings), allocated once;
+        zero-copy on both devices."""
         return self._store.blocks
 
     def ring_start(self, lengths):
@@ -384,6 +387,7 @@ class ContinuousBatchingKVCacheManager:
     def __repr__(self) -> str:
         return (f"ContinuousBatchingKVCacheManager(dtype={dtype_name(self._dtype)}, "
                 f"num_heads={self._kv_params.num_heads}, head_size={self._kv_params.head_size}, "
+                f"is_mla={self._kv_params.is_mla}, "
                 f"max_batch_size={self._num_blocks}, max_seq_len={self._max_seq_len}, "
                 f"num_layers={self._num_layers}, device={self._device}, "
                 f"live={self.num_live_sequences})")

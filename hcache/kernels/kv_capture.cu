@@ -1,17 +1,18 @@
 // Prompt-cache capture and restore (docs/design.md §3.5): the first n tokens of slot `slot` of
-// every layer of a head-dim group, to or from compact per-layer tensors [2, H_l, n, D].
+// every layer of a head-dim group, to or from compact per-layer tensors [C, H_l, n, D] (C =
+// components: 2 for K and V, 1 for a latent cache).
 // A ring layer (KVLayerInfo.ring_window > 0, W = its max_seq_len) holds only the last
-// m = min(n, W) of them, position p at p mod W: its compact tensor is [2, H_l, >= m, D] and holds
+// m = min(n, W) of them, position p at p mod W: its compact tensor is [C, H_l, >= m, D] and holds
 // positions n - m .. n - 1 in order (compact token j <-> ring entry (n - m + j) mod W).
 //
 // hc_kv_capture: one kernel for both directions (its to_cache argument). The ops kv_capture and
 // kv_restore (hcache/ops/kv_capture.py) launch it with to_cache = 0 and 1 after checking the slot
 // and the length; kv_prefix_copy launches it unchecked (the kernel skips and counts).
-// cache:   KVLayerInfo [num_layers], caches [num_slots, 2, H_l, S, D]
+// cache:   KVLayerInfo [num_layers], caches [num_slots, C, H_l, S, D]
 // compact: KVLayerInfo [num_layers], data = compact tensor, num_kv_heads = H_l, max_seq_len = n
 // to_cache != 0 restores (compact -> cache); 0 captures (cache -> compact).
 // A slot outside [0, num_slots), n > S, or a head-count mismatch skips the layer and counts it.
-// Launch: grid (2 * max_kv_heads, num_layers, z), block (B).
+// Launch: grid (C * max_kv_heads, num_layers, z), block (B).
 
 #include "common.cuh"
 
@@ -36,12 +37,12 @@ __device__ void hc_kv_capture_body(char* cache_span, char* compact_span, hc_i64 
 
 extern "C" __global__ void hc_kv_capture(const KVLayerInfo* __restrict__ cache,
                                          const KVLayerInfo* __restrict__ compact, int slot,
-                                         int num_tokens, int row_bytes, int num_slots,
-                                         int to_cache, int* status) {
+                                         int num_tokens, int components, int row_bytes,
+                                         int num_slots, int to_cache, int* status) {
     const KVLayerInfo info = cache[blockIdx.y];
     const KVLayerInfo saved = compact[blockIdx.y];
     const int kvh = blockIdx.x;
-    if (kvh >= 2 * info.num_kv_heads) return;
+    if (kvh >= components * info.num_kv_heads) return;
     const bool ring = info.ring_window > 0;
     // m: tokens held (the last min(n, W) of a ring); first: ring entry of the oldest of them
     const int m = ring && num_tokens > info.max_seq_len ? info.max_seq_len : num_tokens;
@@ -54,7 +55,8 @@ extern "C" __global__ void hc_kv_capture(const KVLayerInfo* __restrict__ cache,
     const hc_i64 head_span = (hc_i64)info.max_seq_len * row_bytes;
     const hc_i64 saved_span = (hc_i64)saved.max_seq_len * row_bytes;
     char* cache_span = reinterpret_cast<char*>(info.data) +
-                       slot * (2 * (hc_i64)info.num_kv_heads * head_span) + kvh * head_span;
+                       slot * (components * (hc_i64)info.num_kv_heads * head_span) +
+                       kvh * head_span;
     char* compact_span = reinterpret_cast<char*>(saved.data) + kvh * saved_span;
     const hc_i64 first_bytes = (hc_i64)first * row_bytes;
     const int w = hc_vec_width(info.data | saved.data | (hc_u64)head_span | (hc_u64)saved_span |

@@ -217,13 +217,13 @@ def _slot_records(slots) -> list:
 
 def kv_capture(group, slot, num_tokens, out):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer into ``out[l]``
-    (``[2, H_l, m_l, D]``, ``m_l = group.held_tokens(l, num_tokens)``: a ring layer gives the
-    last ``min(num_tokens, W)`` in order)."""
+    (``[C, H_l, m_l, D]``, ``C = group.components``, ``m_l = group.held_tokens(l, num_tokens)``:
+    a ring layer gives the last ``min(num_tokens, W)`` in order)."""
     kv_prefix_copy(group, slot, num_tokens, out, to_cache=False)
 
 
 def kv_restore(group, saved, slot, *, num_tokens=None):
-    """Copy every ``saved[l]`` (``[2, H_l, m_l, D]``, as :func:`kv_capture` gives them for an
+    """Copy every ``saved[l]`` (``[C, H_l, m_l, D]``, as :func:`kv_capture` gives them for an
     ``n``-token prefix; ``n`` defaults to ``saved[0]``'s token count) back into ``slot``."""
     n = int(saved[0].shape[2]) if num_tokens is None and saved else int(num_tokens or 0)
     kv_prefix_copy(group, slot, n, saved, to_cache=True)
@@ -231,7 +231,7 @@ def kv_restore(group, saved, slot, *, num_tokens=None):
 
 def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer to (``to_cache=False``) or from
-    (``to_cache=True``) compact tensors ``[2, H_l, n, D]``; a layer with bad arguments is
+    (``to_cache=True``) compact tensors ``[C, H_l, n, D]``; a layer with bad arguments is
     skipped and counted. ``num_tokens == 0`` does nothing (no launch on the device). A ring
     layer (window ``W``) copies the ``m = min(num_tokens, W)`` positions ``num_tokens - m ..
     num_tokens - 1`` it holds, from ring entries ``p mod W``, to compact tokens ``0..m-1``."""

@@ -2,8 +2,9 @@
 :class:`~hcache.slots.kv.KVCacheManager`, :class:`~hcache.slots.hybrid.HybridCacheManager` and
 :class:`~hcache.slots.linear.LinearKVCache` (docs/design.md §4.9).
 
-A :class:`KVWriter` belongs to one set of per-attention-layer caches ``[max_batch, 2, H_a, S,
-D_a]`` and their head-dim groups. It validates a call completely, then stages its index arrays in
+A :class:`KVWriter` belongs to one set of per-attention-layer caches ``[max_batch, C_a, H_a, S,
+D_a]`` (``C_a`` = 2 for K and V, 1 for a latent MLA cache written from ``k`` alone) and their
+head-dim groups. It validates a call completely, then stages its index arrays in
 buffers allocated at construction (ragged row offsets, host positions) and launches
 :func:`hcache.ops.kv_write` (rows of the cache dtype) or :func:`hcache.ops.kv_write_fp8` (float
 rows into an FP8 cache) once per head-dim group. Row ``b`` of a batch is slot ``b``; its tokens
@@ -25,6 +26,7 @@ from .. import ops
 from .._checks import token_counts
 from ..device import array_module_of, launch_scope, stream_handle, upload, upload_ints
 from ..dtypes import is_fp8, resolve_dtype, storage_dtype
+from .write_positions import check_positions
 
 __all__ = ["KVWriter"]
 
@@ -37,8 +39,9 @@ class KVWriter:
     Parameters
     ----------
     device : Device
-    caches : sequence of arrays ``[max_batch, 2, H_a, S, D_a]``
-        One per attention layer (its attention index is its position), C-contiguous.
+    caches : sequence of arrays ``[max_batch, C_a, H_a, S, D_a]``
+        One per attention layer (its attention index is its position), C-contiguous; ``C_a`` is
+        2 (K and V) or 1 (a latent cache: no V rows).
     groups : sequence of KVGroup
         The caches by head dim; ``layer_indices`` are attention indices.
     dtype : str or dtype
@@ -47,7 +50,7 @@ class KVWriter:
     ring_windows : sequence of int, optional
         Per attention layer its ring window (0: unbounded); host positions are checked to be
         distinct modulo a written ring's window among each row's last ``W`` tokens (the ones
-        that land, docs/design.md §3.8).
+        that land, docs/design.md §3.9).
 
     Notes
     -----
@@ -146,7 +149,11 @@ class KVWriter:
         """
         stream_handle(stream)
         layers = list(range(self.num_layers)) if index is None else [index]
-        ks, vs = self._per_layer("k", k, index), self._per_layer("v", v, index)
+        ks = self._per_layer("k", k, index)
+        if v is None and index is None and all(self._latent(a) for a in layers):
+            vs = [None] * len(layers)   # a model of latent layers only: no V anywhere
+        else:
+            vs = self._per_layer("v", v, index)
         if not layers:
             return
         ragged = seq_lengths is not None
@@ -179,6 +186,9 @@ class KVWriter:
         if quantize:
             scales = [self._check_scale(n, s, layers)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
+            if v_scale is not None and all(self._latent(a) for a in layers):
+                raise ValueError(f"v_scale: expected None (latent layers have no V), "
+                                 f"got {type(v_scale).__name__}")
         else:
             for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
                 if s is not None:
@@ -206,6 +216,10 @@ class KVWriter:
 
     # --- internals --------------------------------------------------------------------------
 
+    def _latent(self, index) -> bool:
+        """Attention layer ``index`` caches one latent vector per token (no V plane)."""
+        return int(self._caches[index].shape[1]) == 1
+
     def _per_layer(self, name, arrays, index) -> list:
         if index is not None:
             return [arrays]
@@ -226,12 +240,22 @@ class KVWriter:
         return tuple(int(n) for n in a.shape[:want - 2])
 
     def _check_rows(self, ks, vs, layers, lead, single):
-        """Every K/V array; returns the float dtype of a quantizing write, or None."""
+        """Every K/V array (a latent layer's ``v`` must be None, any other layer's an array);
+        returns the float dtype of a quantizing write, or None."""
         xp, dtype = self._device.xp, ks[0].dtype
         for kind, arrays in (("k", ks), ("v", vs)):
             for j, (a, index) in enumerate(zip(arrays, layers)):
                 name = kind if single else f"{kind}[{j}]"
                 cache = self._caches[index]
+                if kind == "v" and self._latent(index):
+                    if a is not None:
+                        raise ValueError(f"{name}: expected None (attention layer {index} is a "
+                                         f"latent cache: its rows go in k), "
+                                         f"got {type(a).__name__}")
+                    continue
+                if kind == "v" and a is None:
+                    raise ValueError(f"{name}: expected V rows (attention layer {index} has a "
+                                     f"V plane), got None")
                 if array_module_of(a) is not xp or not hasattr(a, "shape"):
                     raise TypeError(f"{name}: expected a {xp.__name__} array, "
                                     f"got {type(a).__name__}")
@@ -268,45 +292,9 @@ class KVWriter:
 
     def _check_positions(self, positions, lead, batch, counts, layers):
         """Host positions, checked and flattened (int64), or the device array as it is."""
-        if positions is None:
-            return None
-        xp = self._device.xp
-        if xp is not np and array_module_of(positions) is xp:   # device data: not read
-            if positions.dtype != np.int32 or tuple(positions.shape) != lead \
-                    or not positions.flags.c_contiguous:
-                raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
-                                 f"{list(lead)}, got {positions.dtype} "
-                                 f"{list(positions.shape)}")
-            return positions.reshape(-1)
-        pos = np.asarray(positions)
-        if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
-            raise TypeError(f"positions: expected integers, got dtype {pos.dtype}")
-        if tuple(pos.shape) != lead:
-            raise ValueError(f"positions: expected shape {list(lead)}, got {list(pos.shape)}")
-        flat = pos.reshape(-1).astype(np.int64)
-        bad = np.flatnonzero((flat < -1) | (flat >= self._max_len))
-        if bad.size:
-            raise ValueError(f"positions[{int(bad[0])}]: expected a position in [-1, "
-                             f"{self._max_len}) (-1 skips the token), got {int(flat[bad[0]])}")
-        rows = np.repeat(np.arange(batch, dtype=np.int64), counts)
-        live = flat >= 0
-        keys = rows[live] * self._max_len + flat[live]
-        if np.unique(keys).size != keys.size:
-            raise ValueError("positions: expected distinct positions within each sequence, "
-                             "got a repeated one")
         windows = sorted({self._rings[a] for a in layers} - {0})
-        if windows:
-            per_row = np.broadcast_to(np.asarray(counts, np.int64), (batch,))
-            row_len = np.repeat(per_row, per_row)
-            index = np.arange(flat.size) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-            for w in windows:   # the tokens that land in a ring must hit distinct entries
-                lands = live & (row_len - index <= w)
-                keys = rows[lands] * w + flat[lands] % w
-                if np.unique(keys).size != keys.size:
-                    raise ValueError(f"positions: expected positions distinct modulo {w} (a "
-                                     f"ring window) among the last {w} tokens of each "
-                                     f"sequence, got a repeated entry")
-        return flat
+        return check_positions(positions, lead, batch, counts, self._max_len, windows,
+                               self._device.xp)
 
     def _check_scale(self, name, scale, layers):
         """A scale argument as ``None`` (the recorded tables), a float or a device table."""
@@ -371,7 +359,7 @@ class KVWriter:
         op = ops.kv_write_fp8 if quantize else ops.kv_write
 
         def rows(a, cache):
-            return a.reshape(total, cache.shape[2], cache.shape[4])
+            return None if a is None else a.reshape(total, cache.shape[2], cache.shape[4])
 
         if index is not None:
             g, p = self._where[index]

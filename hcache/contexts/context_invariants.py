@@ -1,0 +1,45 @@
+"""The invariants a :class:`~hcache.contexts.dynamic_context.DynamicInferenceContext` keeps
+across its collaborators (docs/design.md §6): each one's own (the request table, the KV block
+allocator, the local block space of sliding-window layers, the Mamba slot allocator) and their
+agreement, every active request holding one reference on each block of its block-table row.
+Checked by ``DynamicInferenceContext.check_invariants`` (for tests: it rehashes every request).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["broken_invariants"]
+
+
+def broken_invariants(requests, kv_block_allocator, window_blocks=None,
+                      mamba_slot_allocator=None) -> list[str]:
+    """Every broken invariant, in words (empty when all hold).
+
+    Parameters
+    ----------
+    requests : RequestTable
+    kv_block_allocator : KVBlockAllocator
+    window_blocks : WindowBlocks or None
+        The local block space, when the pool has one.
+    mamba_slot_allocator : MambaSlotAllocator or None
+
+    Returns
+    -------
+    list of str
+    """
+    problems = requests.broken_invariants()
+    held = np.zeros(kv_block_allocator.num_blocks, np.int64)
+    for rid in requests.ids:
+        np.add.at(held, requests.blocks(requests.row(rid)), 1)
+    if (held > kv_block_allocator.block_ref_counts).any():
+        problems.append("a request holds a block without a reference")
+    if window_blocks is not None:
+        problems += window_blocks.broken_invariants(requests)
+    for owner in (kv_block_allocator, mamba_slot_allocator):
+        try:
+            if owner is not None:
+                owner.check_invariants()
+        except RuntimeError as exc:
+            problems.append(str(exc))
+    return problems
