@@ -13,14 +13,35 @@ import operator
 
 import numpy as np
 
-from .device import array_module_of
+from .device import host_array, on_device
 
 __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host_ints",
            "index_array", "block_id_array", "hash_array", "int_shape", "int32_array",
-           "exact_int", "token_counts", "token_list"]
+           "exact_int", "token_counts", "token_list", "host_view"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1   # the C ``int`` of the kernels, int32 lengths
 _INT64_MAX = np.iinfo(np.int64).max
+
+
+_ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__array_struct__",
+                    "__cuda_array_interface__")
+
+
+def host_view(name: str, values):
+    """An array of any library as a NumPy array (zero-copy where its producer allows, see
+    :func:`hcache.device.host_array`); any other value (a list, a tuple, a scalar) as it is.
+
+    Raises
+    ------
+    TypeError
+        ``values`` is device memory, or an array NumPy cannot import.
+    """
+    if isinstance(values, np.ndarray) or not any(hasattr(values, p) for p in _ARRAY_PROTOCOLS):
+        return values
+    if on_device(values):
+        raise TypeError(f"{name}: expected host integers, got device memory "
+                        f"({type(values).__name__})")
+    return host_array(name, values)
 
 
 def _exact_int(name: str, value) -> int:
@@ -67,8 +88,7 @@ def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
     ValueError
         Not 1-D, not ``length`` entries, or a ``uint64`` value that int64 cannot hold.
     """
-    if array_module_of(values) is not np or hasattr(values, "__cuda_array_interface__"):
-        raise TypeError(f"{name}: expected host integers, got {type(values).__name__}")
+    values = host_view(name, values)
     if isinstance(values, (list, tuple)) and any(isinstance(v, (bool, np.bool_))
                                                  for v in values):
         # np.asarray([1, True]) is an int array: a bool entry would pass as 0 or 1.
@@ -90,6 +110,7 @@ def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
 
 def index_array(name: str, values, upper: int) -> np.ndarray:
     """``values`` as host ``int64 [n]``, every entry in ``[0, upper)``."""
+    values = host_view(name, values)
     arr = values if isinstance(values, np.ndarray) else np.asarray(list(values))
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
@@ -106,7 +127,7 @@ def index_array(name: str, values, upper: int) -> np.ndarray:
 
 def block_id_array(name: str, ids, num_blocks: int, *, padding: bool = False) -> np.ndarray:
     """Block ids as host ``int64 [n]`` in ``[0, num_blocks)`` (``-1`` too if ``padding``)."""
-    arr = np.asarray(ids)
+    arr = np.asarray(host_view(name, ids))
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
@@ -123,7 +144,7 @@ def block_id_array(name: str, ids, num_blocks: int, *, padding: bool = False) ->
 
 def hash_array(name: str, values, length: int) -> np.ndarray:
     """Block hashes as host ``int64 [length]``."""
-    arr = np.asarray(values)
+    arr = np.asarray(host_view(name, values))
     if arr.size == 0:
         arr = np.zeros(0, dtype=np.int64)
     elif arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) \
@@ -184,6 +205,7 @@ def token_counts(values, batch: int, name: str = "valid_lengths") -> list[int]:
     ValueError
         Not ``batch`` entries, or a negative entry.
     """
+    values = host_view(name, values)
     if isinstance(values, np.ndarray):
         if values.dtype.kind not in "iu" or values.ndim != 1:
             raise TypeError(f"{name}: expected a 1-D integer array, "
@@ -210,7 +232,7 @@ def token_list(name: str, tokens) -> list:
     ValueError
         Not 1-D.
     """
-    arr = np.asarray(tokens)
+    arr = np.asarray(host_view(name, tokens))
     if arr.size == 0:
         return []
     if arr.ndim == 0 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):

@@ -9,20 +9,24 @@ depend on the order); a kernel that needs position order starts at :func:`ring_s
 
 from __future__ import annotations
 
-from .device import array_module_of
+from ._checks import host_view
+from .device import array_module_of, as_array, on_device
 
 __all__ = ["ring_start"]
 
 
-def ring_start(lengths, window: int):
+def ring_start(lengths, window: int, device=None):
     """The entry of the oldest valid token of a ring of ``window`` tokens (0: unbounded).
 
     Parameters
     ----------
-    lengths : int or int array (NumPy or CuPy)
+    lengths : int or int array (host memory, or ``device``'s memory: any array library)
         Absolute sequence lengths.
     window : int
         The ring's window ``W``, or 0 for an unbounded cache.
+    device : Device, optional
+        The caches' device: device arrays of another library are viewed as its module
+        (``device.as_array``); host arrays of any library as NumPy arrays.
 
     Returns
     -------
@@ -34,10 +38,15 @@ def ring_start(lengths, window: int):
     Raises
     ------
     TypeError
-        ``lengths`` is neither an int nor an integer array.
+        ``lengths`` is neither an int nor an integer array (of a library ``device`` can
+        import).
     """
     if isinstance(lengths, int) and not isinstance(lengths, bool):
         return lengths % window if window and lengths > window else 0
+    if device is not None and on_device(lengths):
+        lengths = as_array("lengths", lengths, device)
+    else:
+        lengths = host_view("lengths", lengths)
     if not hasattr(lengths, "dtype") or lengths.dtype.kind not in "iu":
         raise TypeError(f"lengths: expected an int or an int array, "
                         f"got {type(lengths).__name__}")

@@ -267,7 +267,8 @@ def _kv_bytes(kv: KVCacheConfig) -> int:
 
 def test_gemma3_at_128k_allocates_under_a_quarter():
     """Gemma 3 27B at 128k context: 52 of 62 layers become 1024-token rings, ~16.8 % of the
-    unbounded KV bytes (<= 25 %); ring_windows=False keeps the unbounded layout."""
+    unbounded bytes (<= 25 %, as ``nbytes`` reports them: what the manager allocates, metadata
+    included); ring_windows=False keeps the unbounded layout."""
     ring = HybridCacheConfig.from_hf_config(GEMMA3_27B, max_batch_size=1,
                                             max_sequence_length=131072, kv_dtype="bfloat16")
     flat = HybridCacheConfig.from_hf_config(GEMMA3_27B, max_batch_size=1,
@@ -279,6 +280,10 @@ def test_gemma3_at_128k_allocates_under_a_quarter():
     per_token_layer = 2 * 16 * 128 * 2
     assert _kv_bytes(ring.kv) == per_token_layer * (52 * 1024 + 10 * 131072)
     assert _kv_bytes(ring.kv) <= 0.25 * _kv_bytes(flat.kv)
+    # nbytes: the manager's whole allocation; only the ring layers' caches differ
+    assert ring.nbytes <= 0.25 * flat.nbytes
+    assert flat.nbytes - ring.nbytes == per_token_layer * 52 * (131072 - 1024)
+    assert ring.kv.nbytes - _kv_bytes(ring.kv) == flat.kv.nbytes - _kv_bytes(flat.kv) > 0
     with pytest.raises(TypeError, match="ring_windows: expected a bool, got str"):
         HybridCacheConfig.from_hf_config(GEMMA3_27B, max_batch_size=1,
                                          max_sequence_length=128, ring_windows="yes")
@@ -290,8 +295,10 @@ def test_gemma3_manager_memory_report_shows_the_saving():
     cfg = {"model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 2,
            "num_key_value_heads": 1, "head_dim": 32, "sliding_window": 256,
            "sliding_window_pattern": 6}
-    ring = HybridCacheManager(HybridCacheConfig.from_hf_config(
-        cfg, max_batch_size=2, max_sequence_length=4096), device="cpu").memory_report()
+    ring_config = HybridCacheConfig.from_hf_config(cfg, max_batch_size=2,
+                                                   max_sequence_length=4096)
+    ring = HybridCacheManager(ring_config, device="cpu").memory_report()
+    assert ring["total"] == ring_config.nbytes
     flat = HybridCacheManager(HybridCacheConfig.from_hf_config(
         cfg, max_batch_size=2, max_sequence_length=4096, ring_windows=False),
         device="cpu").memory_report()

@@ -7,60 +7,19 @@ tuples and dtypes by their docs/design.md §2 names, so configs are hashable and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .._checks import INT32_MAX, as_int
+from .._checks import as_int
 from ..dtypes import dtype_name, resolve_dtype
+from . import sizing
+from .fields import _dtype, _FrozenMapping, _largest_batch, _seq_len, _state_fields
 from .hf import read_hf_layout
 from .layers import KVLayerConfig, LayerType, _set
 
 __all__ = ["LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
            "HybridCacheConfig", "LinearCacheConfig", "hybrid_config_from_hf"]
-
-
-def _seq_len(value) -> int:
-    value = as_int("max_sequence_length", value, 1)
-    if value > INT32_MAX:
-        raise ValueError(f"max_sequence_length: expected an int <= {INT32_MAX} (int32 "
-                         f"lengths), got {value}")
-    return value
-
-
-def _dtype(obj, name):
-    try:
-        _set(obj, name, dtype_name(getattr(obj, name)))
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{name}: {str(exc).split(': ', 1)[-1]}") from None
-
-
-class _FrozenMapping(Mapping):
-    """A read-only, hashable mapping that pickles and deep-copies (unlike ``mappingproxy``)."""
-
-    __slots__ = ("_data",)
-
-    def __init__(self, data=()):
-        self._data = dict(data)
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __hash__(self):
-        return hash(tuple(sorted(self._data.items())))
-
-    def __repr__(self) -> str:
-        return repr(self._data)
-
-    def __reduce__(self):
-        return (type(self), (self._data,))
 
 
 @dataclass(frozen=True)
@@ -121,6 +80,18 @@ class KVCacheConfig:
         are ``max_batch_size * components * num_kv_heads * length * head_dim * itemsize``."""
         return tuple(w or self.max_sequence_length for w in self.layer_ring_windows)
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes a :class:`~hcache.KVCacheManager` of this config allocates: caches
+        and metadata, its ``memory_report()["total"]``, known before any allocation."""
+        return sizing.kv_manager_nbytes(self)
+
+    def max_batch_size_for(self, budget) -> int:
+        """The largest ``max_batch_size`` whose :class:`~hcache.KVCacheManager` fits in
+        ``budget`` bytes (the other fields as they are), or 0 if not even one slot fits.
+        ``TypeError`` / ``ValueError`` unless ``budget`` is an int >= 0."""
+        return _largest_batch(budget, lambda b: replace(self, max_batch_size=b))
+
 
 @dataclass(frozen=True)
 class MambaCacheConfig:
@@ -169,22 +140,17 @@ class MambaCacheConfig:
         """``(conv_dim, conv_kernel)``; both 0 without a conv state."""
         return (self.conv_dim, self.conv_kernel)
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes a :class:`~hcache.MambaCacheManager` of this config allocates: caches
+        and metadata, its ``memory_report()["total"]``, known before any allocation."""
+        return sizing.mamba_manager_nbytes(self)
 
-def _state_fields(obj, recurrent: tuple, conv: tuple) -> None:
-    """Checks the shape fields of the two states: each state's fields are all 0 (no such state)
-    or all >= 1, and at least one state exists."""
-    for names in (recurrent, conv):
-        for name in names:
-            _set(obj, name, as_int(name, getattr(obj, name), 0))
-        zero = [name for name in names if getattr(obj, name) == 0]
-        if zero and len(zero) != len(names):
-            given = [n for n in names if n not in zero]
-            raise ValueError(f"{zero[0]}: expected >= 1 since {' and '.join(given)} "
-                             f"{'is' if len(given) == 1 else 'are'} set (0 for all of "
-                             f"{', '.join(names)}: no such state), got 0")
-    if all(getattr(obj, name) == 0 for name in recurrent + conv):
-        raise ValueError(f"{recurrent[-1]}: expected a recurrent state or a conv state, got "
-                         f"neither (every shape field is 0)")
+    def max_batch_size_for(self, budget) -> int:
+        """The largest ``max_batch_size`` whose :class:`~hcache.MambaCacheManager` fits in
+        ``budget`` bytes (the other fields as they are), or 0 if not even one slot fits.
+        ``TypeError`` / ``ValueError`` unless ``budget`` is an int >= 0."""
+        return _largest_batch(budget, lambda b: replace(self, max_batch_size=b))
 
 
 @dataclass(frozen=True)
@@ -255,6 +221,23 @@ class HybridCacheConfig:
     def num_layers(self) -> int:
         return len(self.layer_types)
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes a :class:`~hcache.HybridCacheManager` of this config allocates: caches
+        and metadata, its ``memory_report()["total"]``, known before any allocation."""
+        return sizing.hybrid_manager_nbytes(self)
+
+    def max_batch_size_for(self, budget) -> int:
+        """The largest ``max_batch_size`` whose :class:`~hcache.HybridCacheManager` fits in
+        ``budget`` bytes (the other fields as they are), or 0 if not even one slot fits.
+        ``TypeError`` / ``ValueError`` unless ``budget`` is an int >= 0."""
+        return _largest_batch(budget, lambda b: self._with_batch(b))
+
+    def _with_batch(self, b: int) -> HybridCacheConfig:
+        mamba = None if self.mamba is None else replace(self.mamba, max_batch_size=b)
+        return replace(self, kv=replace(self.kv, max_batch_size=b), mamba=mamba,
+                       max_batch_size=b)
+
     @classmethod
     def from_hf_config(cls, config_dict, *, max_batch_size, max_sequence_length,
                        kv_dtype="float16", ssm_dtype="float32", conv_dtype=None,
@@ -302,6 +285,18 @@ class LinearCacheConfig:
             _set(self, name, as_int(name, getattr(self, name), 0))
         for name in ("dtype", "ssm_dtype", "conv_dtype"):
             _dtype(self, name)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes a :class:`~hcache.LinearKVCache` of this config allocates: caches
+        and metadata, its ``memory_report()["total"]``, known before any allocation."""
+        return sizing.linear_manager_nbytes(self)
+
+    def max_batch_size_for(self, budget) -> int:
+        """The largest ``max_batch_size`` whose :class:`~hcache.LinearKVCache` fits in
+        ``budget`` bytes (the other fields as they are), or 0 if not even one slot fits.
+        ``TypeError`` / ``ValueError`` unless ``budget`` is an int >= 0."""
+        return _largest_batch(budget, lambda b: replace(self, max_batch_size=b))
 
 
 def hybrid_config_from_hf(config_dict, *, max_batch_size, max_sequence_length,

@@ -16,7 +16,7 @@ import hashlib
 
 import numpy as np
 
-from .._checks import as_int
+from .._checks import as_int, host_view
 from ..device import array_module_of
 
 __all__ = ["compute_block_hashes", "chain_block_hashes", "DIGEST_BYTES"]
@@ -52,7 +52,7 @@ def compute_block_hashes(tokens, block_size: int) -> list[int]:
     if array_module_of(tokens) is not np:
         tokens = tokens.get()   # host copy of a CuPy array (synchronizes)
     try:
-        arr = np.asarray(tokens)
+        arr = np.asarray(host_view("tokens", tokens))
     except (OverflowError, ValueError) as exc:
         raise TypeError(f"tokens: expected int64 token ids, got {exc}") from None
     if arr.ndim != 1:

@@ -1,7 +1,8 @@
-"""The cache-owning part of a serving context for hybrid models with prefix caching (§6):
-:class:`DynamicInferenceContext` owns the paged KV pool and its :class:`KVBlockAllocator`, the
-live Mamba states, the :class:`MambaSlotAllocator`, request rows and block tables, and the prefix
-match. An engine drives it one step at a time::
+"""The cache-owning part of a serving context for hybrid models, prefix caching (docs/design.md §6).
+
+:class:`DynamicInferenceContext` owns the paged KV pool and its :class:`KVBlockAllocator`, the live
+per-request Mamba states, the :class:`MambaSlotAllocator`, request rows and block tables, and the
+prefix match. An engine drives it one step at a time::
 
     plan = ctx.add_request(rid, prompt)        # or ctx.extend_request(rid, new_tokens)
     plans = ctx.extend_requests(rids, tokens)  # a decode batch: one token each, one call
@@ -12,10 +13,12 @@ match. An engine drives it one step at a time::
     ctx.commit_step()                          # register blocks, keep Mamba snapshots, tick
     ctx.release_requests([rid])
 
-Collaborators: the request table (``RequestTable``: per-row tokens, counters, hashes, block
-tables; steps are vectorised over requests), the ``StepScheduler`` (with the policy of
-``prefix_match``), the live Mamba states, the ``StepKVWriter`` and, with ``num_local_blocks``,
-the sliding-window layers' block space (``WindowBlocks``).
+The context drives its collaborators: the request table (:class:`~.requests.RequestTable`: per-row
+tokens, counters, block hashes, live slots, host block tables; a step is vectorised over requests),
+the scheduler (:class:`~.step_scheduler.StepScheduler`, with the prefix-match policy of
+:mod:`~.prefix_match`), the live Mamba states (:class:`~.live_states.LiveMambaStates`), the
+step's KV writes (:class:`~.step_kv_writer.StepKVWriter`) and, with ``num_local_blocks``, the
+sliding-window layers' block space (:class:`~.window_blocks.WindowBlocks`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int
+from ..config.sizing import context_states_nbytes
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
@@ -35,7 +39,7 @@ from .mamba_slot_allocator import MambaSlotAllocator
 from .mamba_state_copies import state_shapes
 from .paged_kv_pool import PagedKVPool
 from .prefix_match import blocks_to_register, pending_blocks_overlap
-from .requests import RequestTable, batch_tokens, token_array
+from .requests import RequestTable, batch_tokens, id_list, token_array
 from .step_kv_writer import StepKVWriter
 from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan
 from .step_scheduler import StepScheduler
@@ -112,28 +116,31 @@ class DynamicInferenceContext:
         self.max_step_tokens = as_int("max_step_tokens", self.max_requests
                                     * self.max_sequence_length if max_step_tokens is None
                                     else max_step_tokens, 1)
-        pool = self.kv_pool = PagedKVPool(list(kv_layer_configs), num_blocks,
-                                          self.block_size_tokens, kv_dtype, device=self.device,
-                                          num_local_blocks=num_local_blocks)
+        conv_shape, ssm_shape = state_shapes(conv_states_shape, ssm_states_shape)
+        L, R, configs = self.num_mamba_layers, self.max_requests, list(kv_layer_configs)
+        conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
+        ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
+        local = num_local_blocks is not None and any(
+            getattr(lc, "sliding_window", None) is not None for lc in configs)
+        pool = self.kv_pool = PagedKVPool(
+            configs, num_blocks, self.block_size_tokens, kv_dtype, device=self.device,
+            num_local_blocks=num_local_blocks, extra_nbytes=context_states_nbytes(
+                self, slots if enable_prefix_caching else 0, conv_shape, ssm_shape, conv_dt,
+                ssm_dt, local_tables=local))   # checked together
         self.kv_block_allocator = KVBlockAllocator(
             num_blocks, enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy)
         self.window_blocks = WindowBlocks.for_pool(pool, self.max_requests,
                                                    self.max_blocks_per_request,
                                                    self.kv_block_allocator)
-        conv_shape, ssm_shape = state_shapes(conv_states_shape, ssm_states_shape)
-        L, R = self.num_mamba_layers, self.max_requests
-        conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
-        ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
         self._live = LiveMambaStates(self.device, L, R, conv_shape, ssm_shape, conv_dt, ssm_dt)
         self._requests = RequestTable(R, self.max_blocks_per_request, self.block_size_tokens,
                                       hashing=self.kv_block_allocator.enable_prefix_caching)
         self._kv_writer = StepKVWriter(self.kv_pool, R, self.max_blocks_per_request,
                                        self.max_step_tokens, self.window_blocks)
-        self.mamba_slot_allocator = None
-        if L and slots and enable_prefix_caching:
-            self.mamba_slot_allocator = MambaSlotAllocator(
-                self, slots, L, conv_shape, ssm_shape, conv_states_dtype, ssm_states_dtype)
+        self.mamba_slot_allocator = MambaSlotAllocator(
+            self, slots, L, conv_shape, ssm_shape, conv_states_dtype, ssm_states_dtype) \
+            if L and slots and enable_prefix_caching else None
         self._scheduler = StepScheduler(self._requests, self.kv_block_allocator,
                                         self.mamba_slot_allocator, self._live, L,
                                         self.window_blocks)
@@ -280,7 +287,8 @@ class DynamicInferenceContext:
         """
         rows = self._requests.rows(request_ids)
         flat, counts = batch_tokens("tokens", tokens, len(rows))
-        plan = self._scheduler.extend(list(request_ids), rows, flat, counts, single=False)
+        plan = self._scheduler.extend(id_list("request_ids", request_ids), rows, flat, counts,
+                                      single=False)
         self.stats.computed_tokens += len(flat)
         return plan
 
@@ -358,7 +366,7 @@ class DynamicInferenceContext:
         LRU), free their rows and live Mamba slots, and forget any scheduled step. Raises
         ``ValueError`` (nothing changes) when an id is not active."""
         requests = self._requests
-        rows = list(dict.fromkeys(requests.row(rid) for rid in request_ids))
+        rows = list(dict.fromkeys(requests.row(r) for r in id_list("request_ids", request_ids)))
         if not rows:
             return
         self.kv_block_allocator.release_memory_blocks(

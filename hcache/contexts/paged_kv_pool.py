@@ -21,12 +21,31 @@ import numpy as np
 from .. import ops
 from .._checks import as_int, block_id_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import array_module_of, launch_scope, resolve_device, upload_ints
+from ..config.sizing import largest_fitting, paged_pool_nbytes
+from ..device import as_array, launch_scope, on_device, resolve_device, upload_ints, zeros
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
+from ..memory import check_fits
 from ..ops.tables import KVGroup, SlotSet
+from .paged_kv_rows import attention_index, check_rows
 
 __all__ = ["PagedKVPool"]
+
+
+def _layer_configs(layer_configs) -> tuple:
+    """``layer_configs`` (a sequence of :class:`KVLayerConfig`, or a :class:`KVCacheConfig`)
+    as a tuple. Raises ``TypeError``."""
+    if isinstance(layer_configs, KVCacheConfig):
+        layer_configs = layer_configs.layer_configs
+    if isinstance(layer_configs, (str, bytes)) or not hasattr(layer_configs, "__iter__"):
+        raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
+                        f"got {type(layer_configs).__name__}")
+    configs = tuple(layer_configs)
+    for i, lc in enumerate(configs):
+        if not isinstance(lc, KVLayerConfig):
+            raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
+                            f"got {type(lc).__name__}")
+    return configs
 
 
 class PagedKVPool:
@@ -46,6 +65,9 @@ class PagedKVPool:
     num_local_blocks : int, optional
         Blocks of the sliding-window layers' own block space (docs/design.md §6.7); default
         None: one space for every layer.
+    extra_nbytes : int
+        Device bytes its owner allocates along with it (a context's states), checked with the
+        pool's before anything is allocated.
 
     Attributes
     ----------
@@ -56,36 +78,38 @@ class PagedKVPool:
         ``groups[g].layer_indices`` are the attention indices of its layers.
     local_layers : tuple of bool
         Per attention layer: addressed through the local block space.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument has the wrong type or value.
+    CacheCapacityError
+        The pool does not fit in the memory available on the device (:meth:`nbytes_for`);
+        nothing is allocated.
     """
 
     def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
-                 device=None, num_local_blocks=None):
-        if isinstance(layer_configs, KVCacheConfig):
-            layer_configs = layer_configs.layer_configs
-        if isinstance(layer_configs, (str, bytes)) or not hasattr(layer_configs, "__iter__"):
-            raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
-                            f"got {type(layer_configs).__name__}")
-        configs = tuple(layer_configs)
-        for i, lc in enumerate(configs):
-            if not isinstance(lc, KVLayerConfig):
-                raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
-                                f"got {type(lc).__name__}")
+                 device=None, num_local_blocks=None, extra_nbytes: int = 0):
+        configs = _layer_configs(layer_configs)
         self.layer_configs = configs
         self.num_blocks = as_int("num_blocks", num_blocks, 1)
         self.block_size = as_int("block_size", block_size, 1)
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
-        xp = self.xp = self.device.xp
-        self.storage_dtype = storage_dtype(self.dtype, xp)
         self.num_local_blocks = (None if num_local_blocks is None
                                  else as_int("num_local_blocks", num_local_blocks, 1))
+        check_fits("num_blocks", as_int("extra_nbytes", extra_nbytes) + paged_pool_nbytes(
+            configs, self.num_blocks, self.block_size, self.dtype, self.num_local_blocks),
+            self.device)
+        xp = self.xp = self.device.xp
+        self.storage_dtype = storage_dtype(self.dtype, xp)
         self.local_layers = tuple(self.num_local_blocks is not None
                                   and lc.sliding_window is not None for lc in configs)
         with self.device.scope():
             self.layers = tuple(
-                xp.zeros((self.num_local_blocks if local else self.num_blocks, lc.components,
-                          lc.num_kv_heads, self.block_size, lc.head_dim),
-                         dtype=self.storage_dtype)
+                zeros(self.device, (self.num_local_blocks if local else self.num_blocks,
+                                    lc.components, lc.num_kv_heads, self.block_size,
+                                    lc.head_dim), self.storage_dtype)
                 for lc, local in zip(configs, self.local_layers))
             # (head dim, components, block space) -> attention indices, first-seen order
             by_key: dict = {}
@@ -107,6 +131,29 @@ class PagedKVPool:
         # attention_index -> (group index, group_position)
         self._group_position = {a: (g, position) for g, indices in enumerate(members)
                                 for position, a in enumerate(indices)}
+
+    # --- sizing before allocation ---------------------------------------------------------
+
+    @staticmethod
+    def nbytes_for(layer_configs, num_blocks, block_size, dtype="float16", *,
+                   num_local_blocks=None) -> int:
+        """Device bytes a pool of these arguments allocates: its ``memory_report()
+        ["total_bytes"]``, known before any allocation (with ``num_local_blocks``, the
+        sliding-window layers at that many blocks). Raises as the constructor."""
+        return paged_pool_nbytes(
+            _layer_configs(layer_configs), as_int("num_blocks", num_blocks, 1),
+            as_int("block_size", block_size, 1), resolve_dtype(dtype),
+            None if num_local_blocks is None else as_int("num_local_blocks", num_local_blocks, 1))
+
+    @staticmethod
+    def num_blocks_for(layer_configs, block_size, budget, dtype="float16", *,
+                       num_local_blocks=None) -> int:
+        """The most blocks (of the full space; the local space, if any, stays at
+        ``num_local_blocks``) whose pool fits in ``budget`` bytes, or 0 if not even one.
+        ``TypeError`` / ``ValueError`` for a bad argument."""
+        configs, budget = _layer_configs(layer_configs), as_int("budget", budget, 0)
+        return largest_fitting(lambda n: PagedKVPool.nbytes_for(
+            configs, n, block_size, dtype, num_local_blocks=num_local_blocks), budget)
 
     # --- derived values -----------------------------------------------------------------
 
@@ -136,6 +183,8 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the layers (the blocks); ``memory_report()["total_bytes"]`` adds the
+        metadata."""
         return sum(int(a.nbytes) for a in self.layers)
 
     def get_layer(self, i: int):
@@ -147,10 +196,18 @@ class PagedKVPool:
         TypeError, IndexError
             ``i`` is not an int, or not in ``[0, num_layers)``.
         """
-        return self.layers[self._attention_index(i)]
+        return self.layers[attention_index(self.num_layers, i)]
+
+    @property
+    def metadata_nbytes(self) -> int:
+        """Device bytes besides the layers: the group and copy tables, the copy-id staging."""
+        slots = sum(int(s.device_infos.nbytes) for s in (self._slots, self._local_slots)
+                    if s is not None)
+        return int(sum(g.nbytes for g in self.groups) + slots + self._copy_ids.nbytes)
 
     def memory_report(self) -> dict:
-        """Sizes in bytes: total, per block, per layer, and the head-dim groups."""
+        """Sizes in bytes: ``total_bytes`` (layers and metadata: what :meth:`nbytes_for`
+        says), ``metadata_bytes``, per block (layers), per layer, and the head-dim groups."""
         return {
             "device": str(self.device),
             "dtype": dtype_name(self.dtype),
@@ -160,7 +217,8 @@ class PagedKVPool:
             "bytes_per_block": self.bytes_per_block,
             "num_local_blocks": self.num_local_blocks or 0,
             "bytes_per_local_block": self.bytes_per_local_block,
-            "total_bytes": self.nbytes,
+            "total_bytes": self.nbytes + self.metadata_nbytes,
+            "metadata_bytes": self.metadata_nbytes,
             "layer_bytes": [int(a.nbytes) for a in self.layers],
             "groups": [{"head_dim": g.head_dim, "components": g.components,
                         "layers": list(g.layer_indices),
@@ -213,6 +271,14 @@ class PagedKVPool:
             if rows % uniform_tokens:   # the rows past the last whole one would be dropped
                 raise ValueError(f"k: expected a multiple of uniform_tokens ({uniform_tokens}) "
                                  f"rows, got {rows}")
+        # index arrays of any library, viewed as this pool's (the op checks them)
+        block_table, seq_offsets, cache_lengths, positions = (
+            a if a is None else as_array(name, a, self.device, stream) for name, a in (
+                ("block_table", block_table), ("seq_offsets", seq_offsets),
+                ("cache_lengths", cache_lengths), ("positions", positions)))
+        if local_block_table is not None:
+            local_block_table = as_array("local_block_table", local_block_table, self.device,
+                                         stream)
         self.launch_write(checked, block_table=block_table, seq_offsets=seq_offsets,
                           uniform_tokens=uniform_tokens, batch=batch, cache_lengths=cache_lengths,
                           positions=positions, status=status, stream=stream,
@@ -223,33 +289,21 @@ class PagedKVPool:
     def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None):
         """The row and scale checks of :meth:`write_kv` (nothing else is read); returns the
         checked call for :meth:`launch_write`. Raises as :meth:`write_kv`."""
-        if layer is None:
-            written = list(range(self.num_layers))
-            ks = self._per_layer("k", k)
-            vs = [None] * self.num_layers if v is None and all(
-                self.layer_configs[a].components == 1 for a in written) else \
-                self._per_layer("v", v)
-            if not self.num_layers:
-                return None  # no attention layer: nothing to write
-            num_tokens = self._check_rows("k[0]", ks[0], 0, None, ks[0])
-            for a in written:
-                self._check_rows(f"k[{a}]", ks[a], a, num_tokens, ks[0])
-                self._check_v(f"v[{a}]", vs[a], a, num_tokens, ks[0])
-            attention_index, first = None, ks[0]
-        else:
-            attention_index = self._attention_index(layer, "layer")
-            written = [attention_index]
-            num_tokens = self._check_rows("k", k, attention_index, None, k)
-            self._check_v("v", v, attention_index, num_tokens, k)
-            ks, vs, first = k, v, k
+        if layer is not None:
+            layer = attention_index(self.num_layers, layer, "layer")
+        rows = check_rows(self.layer_configs, self.device, k, v, layer)
+        if rows is None:
+            return None  # no attention layer: nothing to write
+        index, ks, vs, first = rows
+        written = list(range(self.num_layers)) if layer is None else [layer]
         if v_scale is not None and all(self.layer_configs[a].components == 1 for a in written):
             raise ValueError(f"v_scale: expected None (latent layers have no V), "
                              f"got {type(v_scale).__name__}")
         src = source_dtype("k", first.dtype, self.dtype, self.xp)
         heads = max(lc.num_kv_heads for lc in self.layer_configs)
-        scales = [check_scale(n, s, src is not None, self.xp, self.num_layers, heads)
+        scales = [check_scale(n, s, src is not None, self.device, self.num_layers, heads)
                   for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
-        return attention_index, ks, vs, src, scales
+        return index, ks, vs, src, scales
 
     def launch_write(self, checked, *, block_table, stream=None, local_block_table=None,
                      **rows) -> None:
@@ -334,52 +388,9 @@ class PagedKVPool:
 
     # --- internals ----------------------------------------------------------------------
 
-    def _attention_index(self, value, name: str = "i") -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-        if not 0 <= int(value) < self.num_layers:
-            raise IndexError(f"{name}: expected a layer in [0, {self.num_layers}), "
-                             f"got {int(value)}")
-        return int(value)
-
-    def _per_layer(self, name, arrays) -> list:
-        if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
-            return list(arrays)
-        got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
-        raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per layer), "
-                         f"got {got}")
-
-    def _check_v(self, name, a, attention_index, num_tokens, first) -> None:
-        """V rows of a layer with a V plane, or None for a latent layer."""
-        if self.layer_configs[attention_index].components == 1:
-            if a is not None:
-                raise ValueError(f"{name}: expected None (attention layer {attention_index} is "
-                                 f"a latent cache: its rows go in k), got {type(a).__name__}")
-            return
-        if a is None:
-            raise ValueError(f"{name}: expected V rows (attention layer {attention_index} has "
-                             f"a V plane), got None")
-        self._check_rows(name, a, attention_index, num_tokens, first)
-
-    def _check_rows(self, name, a, attention_index, num_tokens, first) -> int:
-        lc = self.layer_configs[attention_index]
-        if array_module_of(a) is not self.xp or not hasattr(a, "shape"):
-            raise TypeError(f"{name}: expected a {self.xp.__name__} array, "
-                            f"got {type(a).__name__}")
-        n = int(a.shape[0]) if a.ndim == 3 else -1
-        want = (num_tokens if num_tokens is not None else max(n, 0), lc.num_kv_heads,
-                lc.head_dim)
-        if tuple(a.shape) != want:
-            raise ValueError(f"{name}: expected shape {want}, got {tuple(a.shape)}")
-        if a.dtype != first.dtype:
-            raise ValueError(f"{name}: expected dtype {first.dtype} (as the first k), "
-                             f"got {a.dtype}")
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous array")
-        return n
-
     def _copy_index(self, name, ids, space):
-        if self.xp is not np and array_module_of(ids) is self.xp:
+        if self.xp is not np and on_device(ids):
+            ids = as_array(name, ids, self.device)
             if ids.dtype != np.int32 or ids.ndim != 1:
                 raise ValueError(f"{name}: expected a 1-D int32 array, got {ids.dtype} "
                                  f"{tuple(ids.shape)}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import host_view
 from .block_hashing import DIGEST_BYTES, chain_block_hashes, compute_block_hashes
 from .step_plans import PrefixCacheStats
 
@@ -44,7 +45,7 @@ def token_array(name: str, tokens) -> np.ndarray:
         # np.asarray([1, True]) is an int array: a bool entry would pass as 0 or 1.
         raise TypeError(f"{name}: expected a 1-D sequence of ints, got a bool entry")
     try:
-        arr = np.asarray(tokens)
+        arr = np.asarray(host_view(name, tokens))
     except (OverflowError, ValueError) as exc:     # a ragged or out-of-range sequence
         raise TypeError(f"{name}: expected a 1-D sequence of ints, got {exc}") from None
     if arr.size == 0 and arr.ndim == 1:
@@ -57,6 +58,12 @@ def token_array(name: str, tokens) -> np.ndarray:
     if arr.dtype == np.uint64 and (arr > np.iinfo(np.int64).max).any():
         raise TypeError(f"{name}: expected int64 token ids, got a uint64 above 2**63 - 1")
     return arr.astype(np.int64, copy=False)
+
+
+def id_list(name: str, request_ids) -> list:
+    """``request_ids`` as a list (an array of any library as Python scalars)."""
+    ids = host_view(name, request_ids)
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
 
 def batch_tokens(name: str, tokens, n: int):
@@ -73,6 +80,7 @@ def batch_tokens(name: str, tokens, n: int):
     ValueError
         Not ``n`` entries, a bad shape, or a request with no token.
     """
+    tokens = host_view(name, tokens)
     if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
         if tokens.shape[0] != n or tokens.shape[1] == 0:
             raise ValueError(f"{name}: expected shape [{n}, >= 1], got {tokens.shape}")
@@ -219,6 +227,7 @@ class RequestTable:
         if type(request_ids) is list and distinct and request_ids == self._last_ids \
                 and self._last_version == self._version:
             return self._last_rows.copy()   # the previous batch again, no admission between
+        request_ids = host_view(name, request_ids)   # ids in an array of any library
         if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__len__"):
             raise TypeError(f"{name}: expected a sequence of request ids, "
                             f"got {type(request_ids).__name__}")

@@ -38,12 +38,13 @@ import threading
 
 import numpy as np
 
-from .._checks import INT32_MAX, as_int, exact_int, token_counts
+from .._checks import as_int, exact_int, token_counts
 from ..device import resolve_device, stream_handle, to_host
-from ..dtypes import dtype_name, resolve_dtype
+from ..dtypes import dtype_name
+from ..memory import check_fits
 from ..rings import ring_start
 from .collection import ContinuousBatchingKVCacheCollection
-from .params import KVCacheStaticParams
+from .params import KVCacheStaticParams, manager_arguments
 from .sequences import SequenceBlocks, seq_id_list, token_count_array
 from .store import KVBlockStore
 
@@ -77,24 +78,21 @@ class ContinuousBatchingKVCacheManager:
     ------
     TypeError, ValueError
         An argument has the wrong type or value.
+    CacheCapacityError
+        The blocks do not fit in the memory available on the device
+        (:meth:`KVCacheStaticParams.nbytes`); nothing is allocated.
     """
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
                  device=None, sliding_window=None):
-        if not isinstance(kv_params, KVCacheStaticParams):
-            raise TypeError(f"kv_params: expected KVCacheStaticParams, "
-                            f"got {type(kv_params).__name__}")
-        self._dtype = resolve_dtype(dtype)
-        self._kv_params = kv_params
-        self._num_blocks = as_int("max_batch_size", max_batch_size, 1)
-        self._max_seq_len = as_int("max_seq_len", max_seq_len, 1)
-        if self._max_seq_len > INT32_MAX:
-            raise ValueError(f"max_seq_len: expected at most {INT32_MAX}, got {max_seq_len}")
-        self._num_layers = as_int("num_layers", num_layers, 1)
-        window = None if sliding_window is None else as_int("sliding_window", sliding_window, 1)
-        self._ring_window = window if window is not None and window < self._max_seq_len else 0
+        self._dtype, n, self._max_seq_len, self._num_layers, self._ring_window = \
+            manager_arguments(dtype, kv_params, max_batch_size, max_seq_len, num_layers,
+                              sliding_window)
+        self._kv_params, self._num_blocks = kv_params, n
         self._device = resolve_device(device)
-        n = self._num_blocks
+        check_fits("max_batch_size", kv_params.nbytes(
+            dtype, n, self._max_seq_len, self._num_layers, sliding_window=sliding_window),
+            self._device)
         self._store = KVBlockStore(self._device, self._dtype, n, self._num_layers,
                                    self._max_seq_len, kv_params.num_heads, kv_params.head_size,
                                    ring_window=self._ring_window,
@@ -129,7 +127,7 @@ class ContinuousBatchingKVCacheManager:
         tokens (an int or an int array, e.g. a collection's ``cache_lengths``): ``length %
         W`` once ``length > W``, else 0; always 0 without rings. Valid entries are
         ``min(length, W)``, in rotated order from here."""
-        return ring_start(lengths, self._ring_window)
+        return ring_start(lengths, self._ring_window, self._device)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -363,20 +361,23 @@ class ContinuousBatchingKVCacheManager:
         return p
 
     def memory_report(self) -> dict:
-        """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``,
-        ``total_bytes``, ``bytes_per_block``, ``bytes_per_token`` (K and V, all layers),
+        """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``
+        (``lookup_table`` and ``cache_lengths``), ``metadata_bytes`` (those, the row offsets
+        and the layer tables), ``total_bytes`` (``blocks_buf`` and metadata: what
+        :meth:`KVCacheStaticParams.nbytes` says), ``bytes_per_block``, ``bytes_per_token``
+        (K and V, or the latent with ``is_mla``; all layers; per held token with a ring),
         ``num_blocks``, ``free_blocks``, ``live_sequences``, ``committed_tokens``,
         ``capacity_tokens``, ``token_utilization``, ``dtype``, ``device``; ``ring_window``
-        (0 without rings; ``bytes_per_token`` is then per held token)."""
+        (0 without rings)."""
         with self._cond:
             blocks = int(self.blocks_buf.nbytes)
             per_block = blocks // self._num_blocks
             committed = int(self._sequences.block_len.sum())
             capacity = self._num_blocks * self._max_seq_len
-            index = self._store.index_nbytes
+            index, metadata = self._store.index_nbytes, self._store.metadata_nbytes
             return {"device": str(self._device), "dtype": dtype_name(self._dtype),
                     "blocks_buf_bytes": blocks, "index_buffer_bytes": index,
-                    "total_bytes": blocks + index,
+                    "metadata_bytes": metadata, "total_bytes": blocks + metadata,
                     "bytes_per_block": per_block,
                     "bytes_per_token": per_block // (self._ring_window or self._max_seq_len),
                     "ring_window": self._ring_window,

@@ -16,8 +16,9 @@ from __future__ import annotations
 from .. import ops
 from .._checks import check_index, check_int
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import array_module_of, launch_scope, resolve_device
+from ..device import as_array, launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
+from ..memory import check_fits
 from ..ops.kv_capture import prefix_length
 from ..ops.tables import KVGroup, group_layers_by_head_dim
 from ..rings import ring_start
@@ -40,6 +41,9 @@ class KVCacheManager:
     ------
     TypeError
         ``config`` is not a :class:`KVCacheConfig`.
+    CacheCapacityError
+        The caches do not fit in the memory available on the device
+        (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
 
     def __init__(self, config, stream=None, *, device=None):
@@ -47,13 +51,14 @@ class KVCacheManager:
             raise TypeError(f"config: expected KVCacheConfig, got {type(config).__name__}")
         self._config = config
         self._device = resolve_device(device)
+        check_fits("config", config.nbytes, self._device)
         xp = self._device.xp
         dtype = storage_dtype(config.dtype, xp)
         b = config.max_batch_size
         rings = config.layer_ring_windows
         with launch_scope(self._device, stream):
             self._caches = tuple(
-                xp.zeros((b, lc.components, lc.num_kv_heads, s, lc.head_dim), dtype=dtype)
+                zeros(self._device, (b, lc.components, lc.num_kv_heads, s, lc.head_dim), dtype)
                 for lc, s in zip(config.layer_configs, config.layer_cache_lengths))
             # ring and unbounded layers of one (head dim, components) share a group (one launch)
             self._groups = tuple(
@@ -134,7 +139,7 @@ class KVCacheManager:
         ----------
         i : int
             Attention index.
-        lengths : int or int array (NumPy or this device's module)
+        lengths : int or int array (host, or this device's memory; any array library)
             Absolute sequence lengths (e.g. :meth:`~hcache.slots.batch.BatchAPI.
             get_kv_cache_lengths`).
 
@@ -142,7 +147,7 @@ class KVCacheManager:
         -------
         int or array of the same shape and module (int32 for a device array)
         """
-        return ring_start(lengths, self.get_ring_window(i))
+        return ring_start(lengths, self.get_ring_window(i), self._device)
 
     def get_layer_config(self, i) -> KVLayerConfig:
         """Layer ``i``'s :class:`KVLayerConfig`. Raises ``IndexError``."""
@@ -293,7 +298,7 @@ class KVCacheManager:
             everything is checked before anything is written.
         """
         b = check_index("slot", b, self._config.max_batch_size)
-        n = self._check_saved(saved, sequence_length)
+        saved, n = self._check_saved(saved, sequence_length, stream)
         if scales is not None:
             if not isinstance(scales, (tuple, list)) or len(scales) != 2:
                 raise TypeError(f"scales: expected a (k_scales, v_scales) pair, "
@@ -307,34 +312,34 @@ class KVCacheManager:
         if scales is not None:
             self._writer.set_scales(scales[0], scales[1], stream)
 
-    def _check_saved(self, saved, sequence_length) -> int:
-        """Every tensor of a restore; returns the prefix length ``n`` they hold."""
+    def _check_saved(self, saved, sequence_length, stream) -> tuple:
+        """``saved`` as a list of checked ``device.xp`` arrays (any array library) and the
+        prefix length ``n`` they hold."""
         if isinstance(saved, (str, bytes)) or not hasattr(saved, "__len__"):
             raise TypeError(f"saved: expected a sequence of arrays, got {type(saved).__name__}")
         if len(saved) != self.num_layers:
             raise ValueError(f"saved: expected {self.num_layers} tensors, got {len(saved)}")
-        xp = self._device.xp
+        out = []
         for i, (t, cache) in enumerate(zip(saved, self._caches, strict=True)):
-            if array_module_of(t) is not xp or not hasattr(t, "shape"):
-                raise TypeError(f"saved[{i}]: expected a {xp.__name__} array, "
-                                f"got {type(t).__name__}")
+            t = as_array(f"saved[{i}]", t, self._device, stream)
+            out.append(t)
             comps, heads, dim = cache.shape[1], cache.shape[2], cache.shape[4]
             if t.ndim != 4 or t.shape[0] != comps or t.shape[1] != heads or t.shape[3] != dim:
                 raise ValueError(f"saved[{i}]: expected shape [{comps}, {heads}, n, {dim}], "
                                  f"got {tuple(t.shape)}")
         if sequence_length is not None:
             check_int("sequence_length", sequence_length, 0, self._config.max_sequence_length)
-        n = prefix_length(_Rings(self._config.layer_ring_windows), saved, sequence_length,
+        n = prefix_length(_Rings(self._config.layer_ring_windows), out, sequence_length,
                           "saved", "sequence_length")
         if n > self._config.max_sequence_length:
             raise ValueError(f"saved: expected at most {self._config.max_sequence_length} "
                              f"tokens, got {n}")
-        for i, (t, cache) in enumerate(zip(saved, self._caches, strict=True)):
+        for i, (t, cache) in enumerate(zip(out, self._caches, strict=True)):
             if t.dtype != cache.dtype:
                 raise ValueError(f"saved[{i}]: expected dtype {cache.dtype}, got {t.dtype}")
             if not t.flags.c_contiguous:
                 raise ValueError(f"saved[{i}]: expected a C-contiguous array")
-        return n
+        return out, n
 
 
 class _Rings:

@@ -24,7 +24,13 @@ import numpy as np
 
 from .. import ops
 from .._checks import token_counts
-from ..device import array_module_of, launch_scope, stream_handle, upload, upload_ints
+from ..device import (
+    as_array,
+    launch_scope,
+    stream_handle,
+    upload,
+    upload_ints,
+)
 from ..dtypes import is_fp8, resolve_dtype, storage_dtype
 from .write_positions import check_positions
 
@@ -149,11 +155,11 @@ class KVWriter:
         """
         stream_handle(stream)
         layers = list(range(self.num_layers)) if index is None else [index]
-        ks = self._per_layer("k", k, index)
+        ks = self._per_layer("k", k, index, stream)
         if v is None and index is None and all(self._latent(a) for a in layers):
             vs = [None] * len(layers)   # a model of latent layers only: no V anywhere
         else:
-            vs = self._per_layer("v", v, index)
+            vs = self._per_layer("v", v, index, stream)
         if not layers:
             return
         ragged = seq_lengths is not None
@@ -220,19 +226,25 @@ class KVWriter:
         """Attention layer ``index`` caches one latent vector per token (no V plane)."""
         return int(self._caches[index].shape[1]) == 1
 
-    def _per_layer(self, name, arrays, index) -> list:
+    def _per_layer(self, name, arrays, index, stream) -> list:
+        """The K (or V) arrays of the layers written, each as a ``device.xp`` array; a V
+        entry that is None or belongs to a latent layer stays as given (:meth:`_check_rows`
+        requires it to be None exactly when the layer is latent)."""
         if index is not None:
-            return [arrays]
+            return [self._coerce(name, name, arrays, index, stream)]
         if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
-            return list(arrays)
+            return [self._coerce(name, f"{name}[{j}]", a, j, stream)
+                    for j, a in enumerate(arrays)]
         got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per "
                          f"attention layer), got {got}")
 
+    def _coerce(self, kind, name, a, index, stream):
+        if a is None or (kind == "v" and self._latent(index)):
+            return a
+        return as_array(name, a, self._device, stream)
+
     def _lead(self, a, ragged) -> tuple:
-        xp = self._device.xp
-        if array_module_of(a) is not xp or not hasattr(a, "shape"):
-            raise TypeError(f"k: expected a {xp.__name__} array, got {type(a).__name__}")
         want = 3 if ragged else 4
         if a.ndim != want:
             form = "[total_tokens, H, D]" if ragged else "[batch, new_tokens, H, D]"
@@ -242,7 +254,7 @@ class KVWriter:
     def _check_rows(self, ks, vs, layers, lead, single):
         """Every K/V array (a latent layer's ``v`` must be None, any other layer's an array);
         returns the float dtype of a quantizing write, or None."""
-        xp, dtype = self._device.xp, ks[0].dtype
+        dtype = ks[0].dtype
         for kind, arrays in (("k", ks), ("v", vs)):
             for j, (a, index) in enumerate(zip(arrays, layers)):
                 name = kind if single else f"{kind}[{j}]"
@@ -256,9 +268,6 @@ class KVWriter:
                 if kind == "v" and a is None:
                     raise ValueError(f"{name}: expected V rows (attention layer {index} has a "
                                      f"V plane), got None")
-                if array_module_of(a) is not xp or not hasattr(a, "shape"):
-                    raise TypeError(f"{name}: expected a {xp.__name__} array, "
-                                    f"got {type(a).__name__}")
                 want = lead + (int(cache.shape[2]), int(cache.shape[4]))
                 if tuple(a.shape) != want:
                     raise ValueError(f"{name}: expected shape {list(want)}, "
@@ -294,7 +303,7 @@ class KVWriter:
         """Host positions, checked and flattened (int64), or the device array as it is."""
         windows = sorted({self._rings[a] for a in layers} - {0})
         return check_positions(positions, lead, batch, counts, self._max_len, windows,
-                               self._device.xp)
+                               self._device)
 
     def _check_scale(self, name, scale, layers):
         """A scale argument as ``None`` (the recorded tables), a float or a device table."""
@@ -308,10 +317,7 @@ class KVWriter:
                 raise ValueError(f"{name}: expected a finite scale > 0 (as float32), "
                                  f"got {scale}")
             return value
-        xp = self._device.xp
-        if array_module_of(scale) is not xp or not hasattr(scale, "shape"):
-            raise TypeError(f"{name}: expected a float or a {xp.__name__} float32 array, "
-                            f"got {type(scale).__name__}")
+        scale = as_array(name, scale, self._device)
         heads = max((int(self._caches[a].shape[2]) for a in layers), default=0)
         ok = scale.dtype == np.float32 and scale.ndim in (1, 2) \
             and scale.shape[0] == self.num_layers and (scale.ndim == 1

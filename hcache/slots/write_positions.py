@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import array_module_of
+from ..device import as_array, host_array, on_device
 
 __all__ = ["check_positions"]
 
 
-def check_positions(positions, lead, batch, counts, max_len, windows, xp):
+def check_positions(positions, lead, batch, counts, max_len, windows, device):
     """Host positions checked and flattened, or a device array as it is.
 
     Parameters
     ----------
-    positions : None, host ints shaped ``lead``, or an ``xp`` int32 array (not NumPy)
+    positions : None, host ints shaped ``lead`` (a sequence, or an array of any library), or
+        an int32 device array (on a cuda device; any library ``device.as_array`` imports)
     lead : tuple of int
         The leading axes of the write's ``k``: ``(batch, new_tokens)`` or ``(total_tokens,)``.
     batch : int
@@ -33,8 +34,8 @@ def check_positions(positions, lead, batch, counts, max_len, windows, xp):
         ``max_sequence_length``.
     windows : sequence of int
         The distinct ring windows (> 0) of the written layers.
-    xp : module
-        The caches' array module.
+    device : Device
+        The caches' device.
 
     Returns
     -------
@@ -43,20 +44,23 @@ def check_positions(positions, lead, batch, counts, max_len, windows, xp):
     Raises
     ------
     TypeError
-        Host positions that are not integers.
+        Host positions that are not integers, or not an array of a library NumPy (or, on
+        device, ``device``) can import.
     ValueError
         A wrong shape or dtype, a position out of range, a repeated position in a row, or two
         landing tokens of a row on one entry of a ring.
     """
     if positions is None:
         return None
-    if xp is not np and array_module_of(positions) is xp:   # device data: not read
+    if device.xp is not np and on_device(positions):   # device data: not read
+        positions = as_array("positions", positions, device)
         if positions.dtype != np.int32 or tuple(positions.shape) != lead \
                 or not positions.flags.c_contiguous:
             raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
                              f"{list(lead)}, got {positions.dtype} {list(positions.shape)}")
         return positions.reshape(-1)
-    pos = np.asarray(positions)
+    pos = np.asarray(positions if isinstance(positions, (list, tuple))
+                     else host_array("positions", positions))
     if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
         raise TypeError(f"positions: expected integers, got dtype {pos.dtype}")
     if tuple(pos.shape) != lead:
