@@ -168,6 +168,13 @@ class CupyRuntime:
         ``cudaMemsetAsync(0)`` on the current stream."""
         return self.cp.zeros(shape, dtype=dtype)
 
+    def ring_start(self, lengths, window: int):
+        """A new device array ``lengths % window`` where ``lengths > window``, else 0 (same
+        shape and dtype), computed by an elementwise kernel on the current stream: no host
+        read. ``window`` > 0."""
+        w = lengths.dtype.type(window)
+        return self.cp.where(lengths > w, lengths % w, 0).astype(lengths.dtype, copy=False)
+
     def free_bytes(self, index: int) -> int:
         """``cudaMemGetInfo`` free bytes of device ``index``, plus the free blocks CuPy's
         memory pool holds there (an allocation reuses them first)."""

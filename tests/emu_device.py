@@ -329,6 +329,15 @@ class EmuRuntime:
         stream."""
         return self.xp.zeros(shape, dtype)
 
+    def ring_start(self, lengths, window: int):
+        """The elementwise ``where(lengths > window, lengths % window, 0)`` kernel: a new array,
+        written when the current stream reaches it (no host read)."""
+        out = self.xp.empty(lengths.shape, lengths.dtype)
+        src, dst, w = lengths._v, out._v, lengths.dtype.type(window)
+        self.enqueue(lambda: np.copyto(dst, np.where(src > w, src % w, 0), casting="unsafe"),
+                     "ring_start")
+        return out
+
     def free_bytes(self, index: int) -> int:
         """``cudaMemGetInfo``: what the live allocations of device ``index`` leave."""
         return max(self.capacity - self.live_bytes[index], 0)

@@ -212,7 +212,7 @@ def test_every_cache_buffer_is_aligned_zeroed_and_ready_on_another_stream(emu_rt
     built, reader = emu_rt.stream(non_blocking=True), emu_rt.stream(non_blocking=True)
     with built:
         buffers = exported_buffers(dtype, "cuda")
-    assert len(buffers) == 24 + 10
+    assert len(buffers) == 24 + 10 + 12   # + latent and conv-only, + ring and local-block
     with reader:
         for name, a in buffers:
             ptr = data_pointer(a)

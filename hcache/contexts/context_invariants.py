@@ -2,9 +2,10 @@
 collaborators must agree on (docs/design.md §6.5), recounted from scratch: for tests and
 debugging, never on a step's path.
 
-Each collaborator states its own invariants (``broken_invariants`` / ``check_invariants``);
-what is checked here besides is their agreement: every active request holds one reference on
-each block of its block-table row.
+Each collaborator states its own invariants (the request table, the KV block allocator, the
+local block space of sliding-window layers, the Mamba slot allocator: ``broken_invariants`` /
+``check_invariants``); what is checked here besides is their agreement: every active request
+holds one reference on each block of its block-table row.
 """
 
 from __future__ import annotations
@@ -14,16 +15,32 @@ import numpy as np
 __all__ = ["broken_context_invariants"]
 
 
-def broken_context_invariants(requests, kv_block_allocator, mamba_slot_allocator) -> list[str]:
-    """Every broken invariant of ``requests`` (a :class:`RequestTable`; it rehashes every
-    request), ``kv_block_allocator``, ``mamba_slot_allocator`` (or None) and of their agreement,
-    one message each; empty when all hold."""
+def broken_context_invariants(requests, kv_block_allocator, window_blocks=None,
+                              mamba_slot_allocator=None) -> list[str]:
+    """Every broken invariant of the collaborators and of their agreement, one message each;
+    empty when all hold.
+
+    Parameters
+    ----------
+    requests : RequestTable
+        It rehashes every request.
+    kv_block_allocator : KVBlockAllocator
+    window_blocks : WindowBlocks or None
+        The local block space, when the pool has one.
+    mamba_slot_allocator : MambaSlotAllocator or None
+
+    Returns
+    -------
+    list of str
+    """
     problems = requests.broken_invariants()
     held = np.zeros(kv_block_allocator.num_blocks, np.int64)
     for rid in requests.ids:
         np.add.at(held, requests.blocks(requests.row(rid)), 1)
     if (held > kv_block_allocator.block_ref_counts).any():
         problems.append("a request holds a block without a reference")
+    if window_blocks is not None:
+        problems += window_blocks.broken_invariants(requests)
     for owner in (kv_block_allocator, mamba_slot_allocator):
         try:
             if owner is not None:

@@ -39,10 +39,12 @@ import threading
 import numpy as np
 
 from .._checks import as_int, exact_int, token_counts
-from ..device import launch_scope, resolve_device, stream_handle, to_host
+from ..device import launch_scope, resolve_device, stream_handle
 from ..dtypes import dtype_name
 from ..memory import check_fits
+from ..rings import ring_start
 from .collection import ContinuousBatchingKVCacheCollection
+from .invariants import broken_manager_invariants
 from .params import KVCacheStaticParams, manager_arguments
 from .sequences import SequenceBlocks, seq_id_list, token_count_array
 from .store import KVBlockStore
@@ -66,6 +68,12 @@ class ContinuousBatchingKVCacheManager:
     max_batch_size, max_seq_len, num_layers : int
         Each >= 1; ``max_seq_len`` below 2**31.
     device : None, "cpu", "cuda" or "cuda:N"
+    sliding_window : int, optional
+        A window ``W`` for every layer (a model whose layers all attend locally, e.g.
+        Mistral 7B v0.1): when ``W < max_seq_len`` each block holds a ring of ``W`` tokens per
+        layer, position ``p`` at entry ``p mod W`` (``blocks_buf`` is ``[num_blocks, C,
+        num_layers, W, num_heads, head_size]``); lengths stay absolute, up to ``max_seq_len``,
+        and :meth:`ring_start` gives the oldest valid entry. Default: unbounded blocks.
 
     Raises
     ------
@@ -77,16 +85,19 @@ class ContinuousBatchingKVCacheManager:
     """
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
-                 device=None):
-        self._dtype, n, self._max_seq_len, self._num_layers = manager_arguments(
-            dtype, kv_params, max_batch_size, max_seq_len, num_layers)
+                 device=None, sliding_window=None):
+        self._dtype, n, self._max_seq_len, self._num_layers, self._ring_window = \
+            manager_arguments(dtype, kv_params, max_batch_size, max_seq_len, num_layers,
+                              sliding_window)
         self._kv_params, self._num_blocks = kv_params, n
         self._device = resolve_device(device)
-        check_fits("max_batch_size", kv_params.nbytes(dtype, n, self._max_seq_len,
-                                                      self._num_layers), self._device)
+        check_fits("max_batch_size", kv_params.nbytes(
+            dtype, n, self._max_seq_len, self._num_layers, sliding_window=sliding_window),
+            self._device)
         self._store = KVBlockStore(self._device, self._dtype, n, self._num_layers,
                                    self._max_seq_len, kv_params.num_heads, kv_params.head_size,
-                                   kv_params.components)
+                                   ring_window=self._ring_window,
+                                   components=kv_params.components)
         self._cond = self._store.lock                  # one lock for the manager and its batch
         self._sequences = SequenceBlocks(n, self._max_seq_len)
         self._inflight: ContinuousBatchingKVCacheCollection | None = None
@@ -99,15 +110,28 @@ class ContinuousBatchingKVCacheManager:
     device = property(lambda self: self._device, doc="The resolved device.")
     num_blocks = property(lambda self: self._num_blocks, doc="Blocks (= max_batch_size).")
     max_batch_size = property(lambda self: self._num_blocks, doc="Most live sequences.")
-    max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per block.")
+    max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per sequence.")
+    ring_window = property(lambda self: self._ring_window,
+                           doc="Tokens a block holds per layer when it is a ring, else 0.")
     num_layers = property(lambda self: self._num_layers, doc="Decoder layers per block.")
 
     @property
     def blocks_buf(self):
-        """The cache, ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]``
-        (K at ``[:, 0]``, V at ``[:, 1]``; ``[num_blocks, 1, ...]``, K only, for an MLA
-        ``kv_params``), allocated once; zero-copy on both devices."""
+        """The cache, ``[num_blocks, 2, num_layers, T, num_heads, head_size]`` (K at
+        ``[:, 0]``, V at ``[:, 1]``; ``[num_blocks, 1, ...]``, K only, for an MLA
+        ``kv_params``; ``T`` = ``max_seq_len``, or ``ring_window`` for rings), allocated once;
+        zero-copy on both devices."""
         return self._store.blocks
+
+    def ring_start(self, lengths, stream=None):
+        """Entry of the oldest valid token of a ring block for sequences of ``lengths``
+        tokens (an int or an int array, e.g. a collection's ``cache_lengths``): ``length %
+        W`` once ``length > W``, else 0; always 0 without rings. Valid entries are
+        ``min(length, W)``, in rotated order from here. Device lengths are read on the device
+        and give a new device array computed on ``stream`` (no host sync; see
+        :func:`hcache.rings.ring_start`)."""
+        return ring_start(lengths, self._ring_window, self._device, stream,
+                          order=self._store.order)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -327,41 +351,20 @@ class ContinuousBatchingKVCacheManager:
             Listing every broken invariant.
         """
         with self._cond:
-            p = self._sequences.broken_invariants()
-            coll = self._inflight
-            if coll is not None:
-                p.extend(self._inflight_problems(coll))
-            elif self._inflight_owner is not None:
-                p.append("an in-flight owner without a batch in flight")
+            p = broken_manager_invariants(self._sequences, self._inflight, self._inflight_owner)
             if p:
                 raise RuntimeError("ContinuousBatchingKVCacheManager: broken invariants:\n- "
                                    + "\n- ".join(p))
-
-    def _inflight_problems(self, coll) -> list[str]:
-        ids, p, seqs = coll.seq_ids, [], self._sequences
-        if any(s not in seqs.block_of for s in ids) or len(set(ids)) != len(ids):
-            return [f"in-flight batch {list(ids)} holds dead or repeated seq_ids"]
-        if [seqs.block_of[s] for s in ids] != list(coll.blocks):
-            p.append("in-flight blocks differ from the live sequences' blocks")
-        if [int(seqs.block_len[seqs.block_of[s]]) for s in ids] != list(
-                coll.host_cache_lengths):
-            p.append("in-flight lengths differ from the committed lengths")
-        dev = [to_host(a) for a in (coll.lookup_table, coll.cache_lengths)]
-        if dev[0].tolist() != list(coll.blocks) or dev[1].tolist() != list(
-                coll.host_cache_lengths):
-            p.append("device lookup_table/cache_lengths differ from the batch")
-        if self._inflight_owner is None:
-            p.append("a batch in flight without an owner thread")
-        return p
 
     def memory_report(self) -> dict:
         """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``
         (``lookup_table`` and ``cache_lengths``), ``metadata_bytes`` (those, the row offsets
         and the layer tables), ``total_bytes`` (``blocks_buf`` and metadata: what
         :meth:`KVCacheStaticParams.nbytes` says), ``bytes_per_block``, ``bytes_per_token``
-        (K and V, or the latent with ``is_mla``; all layers), ``num_blocks``, ``free_blocks``,
-        ``live_sequences``, ``committed_tokens``, ``capacity_tokens``, ``token_utilization``,
-        ``dtype``, ``device``."""
+        (K and V, or the latent with ``is_mla``; all layers; per held token with a ring),
+        ``num_blocks``, ``free_blocks``, ``live_sequences``, ``committed_tokens``,
+        ``capacity_tokens``, ``token_utilization``, ``dtype``, ``device``; ``ring_window``
+        (0 without rings)."""
         with self._cond:
             blocks = int(self.blocks_buf.nbytes)
             per_block = blocks // self._num_blocks
@@ -372,7 +375,8 @@ class ContinuousBatchingKVCacheManager:
                     "blocks_buf_bytes": blocks, "index_buffer_bytes": index,
                     "metadata_bytes": metadata, "total_bytes": blocks + metadata,
                     "bytes_per_block": per_block,
-                    "bytes_per_token": per_block // self._max_seq_len,
+                    "bytes_per_token": per_block // (self._ring_window or self._max_seq_len),
+                    "ring_window": self._ring_window,
                     "num_blocks": self._num_blocks, "free_blocks": len(self._sequences.free),
                     "live_sequences": len(self._sequences.block_of), "committed_tokens": committed,
                     "capacity_tokens": capacity, "token_utilization": committed / capacity}

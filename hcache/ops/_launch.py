@@ -135,8 +135,9 @@ def upload_table(run, group, host: np.ndarray):
     stream = getattr(run, "stream", None)
     key = stream_handle(stream)  # None: the current stream's handle
     scratch = group.scratch_infos
+    flat = host.reshape(-1)   # the scratch is flat: tables of 2- or 3-word records
     if isinstance(scratch, np.ndarray):
-        upload(scratch, host)
+        upload(scratch, flat)
         return
     with launch_scope(Device("cuda", array_device(scratch)), stream):
         if _cuda.runtime().is_capturing():
@@ -146,5 +147,5 @@ def upload_table(run, group, host: np.ndarray):
             if not group.scratch_captured and last is not None and last[0] == key \
                     and np.array_equal(last[1], host):
                 return
-        upload(scratch, host)
+        upload(scratch, flat)
     group.scratch_host = None if group.scratch_captured else (key, host)

@@ -1,0 +1,76 @@
+"""Ring buffers of sliding-window layers (docs/design.md §3.9): where a ring's oldest valid
+token sits.
+
+A ring of window ``W`` holds the last ``min(length, W)`` tokens of a sequence of ``length``
+tokens, position ``p`` at entry ``p mod W``; lengths stay absolute. Read in entry order the
+tokens are rotated, which an attention over all of them may ignore (softmax-weighted sums do not
+depend on the order); a kernel that needs position order starts at :func:`ring_start`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _cuda
+from ._checks import host_view
+from .arrays import as_array, on_device
+from .device import launch_scope
+
+__all__ = ["ring_start"]
+
+
+def ring_start(lengths, window: int, device=None, stream=None, *, order=None):
+    """The entry of the oldest valid token of a ring of ``window`` tokens (0: unbounded).
+
+    Parameters
+    ----------
+    lengths : int or int array (host memory, or ``device``'s memory: any array library)
+        Absolute sequence lengths.
+    window : int
+        The ring's window ``W``, or 0 for an unbounded cache.
+    device : Device, optional
+        The caches' device: device arrays of another library are viewed as its module
+        (:func:`hcache.arrays.as_array`); host arrays of any library as NumPy arrays.
+    stream : stream, optional
+        For device ``lengths``: the stream the result is computed on (default: the current
+        stream of ``device``).
+    order : StreamOrder, optional
+        The owner's cross-stream order of the lengths' writes (a manager's): the computation
+        is chained after its earlier work on other streams.
+
+    Returns
+    -------
+    int or array of ``lengths``' shape and dtype
+        ``length % W`` once ``length > W``, else 0 (always 0 when ``window`` is 0). Entries
+        ``start, ..., W - 1, 0, ..., start - 1`` hold positions ``length - min(length, W)``
+        onward, in order. Host ``lengths`` give a NumPy array. Device ``lengths`` are **read
+        on the device** and give a new **device array** of ``device``'s module, written by an
+        elementwise kernel on ``stream`` (ordered after the lengths' producer, no host read or
+        sync; it allocates, so it is not for a captured step).
+
+    Raises
+    ------
+    TypeError
+        ``lengths`` is neither an int nor an integer array (of a library ``device`` can
+        import).
+    """
+    if isinstance(lengths, int) and not isinstance(lengths, bool):
+        return lengths % window if window and lengths > window else 0
+    if device is not None and device.is_cuda and on_device(lengths):
+        with launch_scope(device, stream, order):
+            lengths = as_array("lengths", lengths, device)
+            _check_int_array(lengths)
+            if not window:
+                return device.xp.zeros(lengths.shape, lengths.dtype)
+            return _cuda.runtime().ring_start(lengths, int(window))
+    lengths = host_view("lengths", lengths)
+    _check_int_array(lengths)
+    if not window:
+        return np.zeros_like(lengths)
+    return np.where(lengths > window, lengths % window, 0).astype(lengths.dtype)
+
+
+def _check_int_array(lengths) -> None:
+    if not hasattr(lengths, "dtype") or lengths.dtype.kind not in "iu":
+        raise TypeError(f"lengths: expected an int or an int array, "
+                        f"got {type(lengths).__name__}")
