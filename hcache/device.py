@@ -45,6 +45,16 @@ class Device:
     kind: str
     index: int = 0
 
+    def __post_init__(self):
+        if self.kind not in ("cpu", "cuda"):
+            raise ValueError(f"kind: expected 'cpu' or 'cuda', got {self.kind!r}")
+        if isinstance(self.index, bool) or not isinstance(self.index, (int, np.integer)):
+            raise TypeError(f"index: expected an int, got {type(self.index).__name__}")
+        if not 0 <= self.index < 2**31 or (self.kind == "cpu" and self.index):
+            raise ValueError(f"index: expected a CUDA ordinal >= 0 (0 on cpu), "
+                             f"got {self.index}")
+        object.__setattr__(self, "index", int(self.index))
+
     @property
     def is_cuda(self) -> bool:
         return self.kind == "cuda"

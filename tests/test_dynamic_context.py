@@ -514,7 +514,8 @@ class BatchedVersusLoopedContext(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data):
         if self.ctx.request_ids:
-            ids = data.draw(st.lists(st.sampled_from(self.ctx.request_ids), min_size=1))
+            ids = data.draw(st.lists(st.sampled_from(self.ctx.request_ids), min_size=1,
+                                     unique=True))
             self.ctx.release_requests(ids)
             self.loop.release_requests(ids)
 

@@ -13,6 +13,7 @@ from their last digests, so a growing sequence hashes each block once, when it c
 from __future__ import annotations
 
 import hashlib
+from itertools import repeat
 
 import numpy as np
 
@@ -51,6 +52,8 @@ def compute_block_hashes(tokens, block_size: int) -> list[int]:
     block_size = as_int("block_size", block_size, 1)
     if array_module_of(tokens) is not np:
         tokens = tokens.get()   # host copy of a CuPy array (synchronizes)
+    if isinstance(tokens, (list, tuple)) and any(map(isinstance, tokens, repeat((bool, np.bool_)))):
+        raise TypeError("tokens: expected int64 token ids, got a bool entry")
     try:
         arr = np.asarray(tokens)
     except (OverflowError, ValueError) as exc:

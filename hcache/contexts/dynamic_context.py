@@ -30,6 +30,7 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int, int_shape
+from ..config.layers import kv_layer_list
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
@@ -111,8 +112,9 @@ class DynamicInferenceContext:
         self.max_step_tokens = as_int("max_step_tokens", self.max_requests
                                     * self.max_sequence_length if max_step_tokens is None
                                     else max_step_tokens, 1)
-        self.kv_pool = PagedKVPool(list(kv_layer_configs), num_blocks, self.block_size_tokens,
-                                   kv_dtype, device=self.device)
+        self.kv_pool = PagedKVPool(kv_layer_list("kv_layer_configs", kv_layer_configs), num_blocks,
+                                   self.block_size_tokens, resolve_dtype(kv_dtype, "kv_dtype"),
+                                   device=self.device)
         self.kv_block_allocator = KVBlockAllocator(
             num_blocks, enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy)
@@ -174,9 +176,8 @@ class DynamicInferenceContext:
         return int(self.request_to_mamba_state_idx[self._requests.row(request_id)])
 
     def snapshot_targets(self) -> list[tuple[object, int, int]]:
-        """``(request_id, offset, scratch_index)`` of the boundary states the model must write
-        this step: the state after ``offset`` computed tokens (from the plan's ``start``) goes
-        to ``mamba_slot_allocator.intermediate_*_out[:, scratch_index]``."""
+        """``(request_id, offset, scratch_index)``: the state after ``offset`` computed tokens
+        (from the plan's ``start``) goes to ``intermediate_*_out[:, scratch_index]``."""
         if self.mamba_slot_allocator is None:
             return []
         id_of = self._requests.id_of
@@ -294,7 +295,7 @@ class DynamicInferenceContext:
         Parameters
         ----------
         request_ids : sequence
-            Requests with a scheduled step; their tokens are concatenated in this order.
+            Distinct requests with a scheduled step, tokens concatenated in this order.
         k, v : arrays [total_tokens, H_i, D_i], or lists of them (one per layer)
             As in :meth:`PagedKVPool.write_kv`; rows of positions in shared blocks are skipped.
         layer, k_scale, v_scale : optional
@@ -305,7 +306,7 @@ class DynamicInferenceContext:
         ValueError, TypeError
             Unknown request, no scheduled step, too many tokens, else as the pool's.
         """
-        rows = self._requests.rows(request_ids, distinct=False)
+        rows = self._requests.rows(request_ids)
         self._kv_writer.write(self._requests, rows, k, v, layer=layer, k_scale=k_scale,
                              v_scale=v_scale, stream=stream)
 
@@ -313,8 +314,8 @@ class DynamicInferenceContext:
         """Finish the step: mark scheduled tokens computed, register the hashes of blocks they
         completed, keep the step's Mamba boundary states, and advance the LRU clock.
 
-        Call after the forward pass (KV written, live and scratch states final). The cost is
-        flat in the sequence lengths: block hashes were computed as the blocks completed.
+        Call after the forward pass (KV written, live and scratch states final); the cost is
+        flat in the sequence lengths (hashes were computed as blocks completed).
 
         Returns
         -------
@@ -356,10 +357,10 @@ class DynamicInferenceContext:
         """Release requests: drop their block references (registered blocks stay cached under
         LRU), free their rows and live Mamba slots, and forget any scheduled step.
 
-        Raises ``ValueError`` (nothing changes) when an id is not active.
+        Raises ``ValueError`` (nothing changes) when an id is not active or repeats.
         """
         requests = self._requests
-        rows = list(dict.fromkeys(requests.row(rid) for rid in request_ids))
+        rows = requests.rows(request_ids).tolist()
         if not rows:
             return
         self.kv_block_allocator.release_memory_blocks(

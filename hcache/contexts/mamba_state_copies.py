@@ -19,7 +19,18 @@ from .._checks import check_index, index_array
 from ..device import array_module_of, launch_scope, to_host, upload_ints
 from ..ops.tables import SlotSet
 
-__all__ = ["MambaStateCopies", "check_live_states"]
+__all__ = ["MambaStateCopies", "check_live_states", "context_parts"]
+
+
+def context_parts(context):
+    """``(kv_block_allocator, mamba_conv_states, mamba_ssm_states)`` of a context; raises
+    ``TypeError`` naming ``context`` when it lacks one of them."""
+    names = ("kv_block_allocator", "mamba_conv_states", "mamba_ssm_states")
+    missing = [n for n in names if not hasattr(context, n)]
+    if missing:
+        raise TypeError(f"context: expected an object with {', '.join(names)}, "
+                        f"got {type(context).__name__} without {missing[0]}")
+    return tuple(getattr(context, n) for n in names)
 
 
 def check_live_states(name, live, xp, num_mamba_layers, shape, dtype, rows) -> int:

@@ -15,7 +15,8 @@ import numpy as np
 
 from .. import ops
 from .._checks import as_int, block_id_array
-from ..config.caches import KVCacheConfig, KVLayerConfig
+from ..config.caches import KVCacheConfig
+from ..config.layers import kv_layer_list
 from ..device import array_module_of, launch_scope, resolve_device, upload_ints
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
@@ -52,14 +53,8 @@ class PagedKVPool:
                  device=None):
         if isinstance(layer_configs, KVCacheConfig):
             layer_configs = layer_configs.layer_configs
-        if isinstance(layer_configs, (str, bytes)) or not hasattr(layer_configs, "__iter__"):
-            raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
-                            f"got {type(layer_configs).__name__}")
-        configs = tuple(layer_configs)
+        configs = kv_layer_list("layer_configs", layer_configs)
         for i, lc in enumerate(configs):
-            if not isinstance(lc, KVLayerConfig):
-                raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
-                                f"got {type(lc).__name__}")
             if lc.components != 2:  # latent (MLA) caches: issue 13, not wired yet
                 raise ValueError(f"layer_configs[{i}].components: expected 2 (latent MLA "
                                  f"caches are not supported yet), got {lc.components}")
@@ -180,6 +175,7 @@ class PagedKVPool:
             if not self.num_layers:
                 return None  # no attention layer: nothing to write
             num_tokens = self._check_rows("k[0]", ks[0], 0, None, ks[0])
+            source_dtype("k[0]", ks[0].dtype, self.dtype, self.xp)   # k named before v
             for a in range(self.num_layers):
                 self._check_rows(f"k[{a}]", ks[a], a, num_tokens, ks[0])
                 self._check_rows(f"v[{a}]", vs[a], a, num_tokens, ks[0])
@@ -187,6 +183,7 @@ class PagedKVPool:
         else:
             attention_index = self._attention_index(layer, "layer")
             num_tokens = self._check_rows("k", k, attention_index, None, k)
+            source_dtype("k", k.dtype, self.dtype, self.xp)
             self._check_rows("v", v, attention_index, num_tokens, k)
             ks, vs, first = k, v, k
         src = source_dtype("k", first.dtype, self.dtype, self.xp)
@@ -198,6 +195,9 @@ class PagedKVPool:
     def launch_write(self, checked, *, block_table, stream=None, **rows) -> None:
         """Launch a write checked by :meth:`check_write`; ``rows``: the index arguments of
         :meth:`write_kv` (checked by the op before its first launch)."""
+        if checked is not None and not (type(checked) is tuple and len(checked) == 5):
+            raise TypeError(f"checked: expected the result of check_write, "
+                            f"got {type(checked).__name__}")
         if block_table is None:
             raise TypeError("block_table: expected an int32 [batch, max_blocks] array, got None")
         if checked is None:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import host_array
 from .block_hashing import DIGEST_BYTES, chain_block_hashes, compute_block_hashes
 from .step_plans import PrefixCacheStats
 
 __all__ = ["RequestTable", "token_array", "batch_tokens"]
 
-_BOOLS = frozenset((bool, np.bool_))
 
 
 def token_array(name: str, tokens) -> np.ndarray:
@@ -40,13 +40,7 @@ def token_array(name: str, tokens) -> np.ndarray:
     ValueError
         Not 1-D.
     """
-    if isinstance(tokens, (list, tuple)) and not _BOOLS.isdisjoint(map(type, tokens)):
-        # np.asarray([1, True]) is an int array: a bool entry would pass as 0 or 1.
-        raise TypeError(f"{name}: expected a 1-D sequence of ints, got a bool entry")
-    try:
-        arr = np.asarray(tokens)
-    except (OverflowError, ValueError) as exc:     # a ragged or out-of-range sequence
-        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {exc}") from None
+    arr = host_array(name, tokens)   # refuses bool entries, ragged and beyond-int64 lists
     if arr.size == 0 and arr.ndim == 1:
         return np.zeros(0, np.int64)
     if arr.ndim == 0 or arr.dtype == np.bool_ or arr.dtype.kind not in "iu":

@@ -194,13 +194,13 @@ class ContinuousBatchingKVCacheCollection:
                 counts = np.asarray(listed, dtype=np.int64)
             for name, a in zip(names, (key, value)):
                 self._check_rows(name, a, heads, size, group.xp, ragged)
+            src = source_dtype(names[0], key.dtype, store.dtype, group.xp)
             if key.shape != value.shape:
                 raise ValueError(f"{names[1]}: expected the shape of {names[0]} "
                                  f"{tuple(key.shape)}, got {tuple(value.shape)}")
             if key.dtype != value.dtype:
                 raise ValueError(f"{names[1]}: expected dtype {key.dtype} (as {names[0]}), "
                                  f"got {value.dtype}")
-            src = source_dtype(names[0], key.dtype, store.dtype, group.xp)
             scales = [check_scale(n, s, src is not None, group.xp, store.num_layers, heads)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
             if ragged and int(counts.sum()) != key.shape[0]:

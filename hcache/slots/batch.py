@@ -135,7 +135,7 @@ class BatchAPI:
         TypeError, ValueError
             ``n`` is not an int in ``[0, max_batch]``.
         """
-        self._active = check_int("active_batch_size", n, 0, self._max_batch)
+        self._active = check_int("n", n, 0, self._max_batch)
         self._headroom_stale = True
 
     def reset_for_new_sequences(self, reuse_kv_cache_lengths, stream=None) -> None:

@@ -124,10 +124,11 @@ class HybridCacheManager(BatchAPI):
 
     def get_layer_type(self, i) -> LayerType:
         """Kind of decoder layer ``i``. Raises ``IndexError``."""
-        return self._config.layer_types[check_index("layer", i, self.num_layers)]
+        return self._config.layer_types[check_index("i", i, self.num_layers)]
 
-    def _route(self, layer, table, kind: str) -> int:
-        """``table[layer]``, the sub-manager index of decoder layer ``layer``.
+    def _route(self, layer, table, kind: str, name: str) -> int:
+        """``table[layer]``, the sub-manager index of decoder layer ``layer`` (the caller's
+        argument ``name``).
 
         Raises
         ------
@@ -136,27 +137,27 @@ class HybridCacheManager(BatchAPI):
         ValueError
             The layer has no cache of this ``kind``.
         """
-        layer = check_index("layer", layer, self.num_layers)
+        layer = check_index(name, layer, self.num_layers)
         index = table[layer]
         if index is None:
-            raise ValueError(f"layer {layer}: expected {kind} layer, "
-                             f"got {self._config.layer_types[layer].name}")
+            raise ValueError(f"{name}: expected {kind} layer, got layer {layer} "
+                             f"({self._config.layer_types[layer].name})")
         return index
 
-    def _attention_index(self, layer) -> int:
-        return self._route(layer, self._attention_index_of, "an attention")
+    def _attention_index(self, layer, name: str = "i") -> int:
+        return self._route(layer, self._attention_index_of, "an attention", name)
 
     def _kv_write_index(self, layer) -> int:
         """The attention index that ``write_kv(layer)`` writes: an attention layer that owns
         its cache (a shared layer's cache is its owner's to write)."""
-        index = self._attention_index(layer)
+        index = self._attention_index(layer, "layer")
         if self._owner_layer[index] != layer:
-            raise ValueError(f"layer {layer}: expected a layer that owns its KV cache, got a "
-                             f"layer sharing layer {self._owner_layer[index]}'s (write that one)")
+            raise ValueError(f"layer: expected a layer that owns its KV cache, got layer {layer}"
+                             f", which shares layer {self._owner_layer[index]}'s (write that one)")
         return index
 
     def _mamba_index(self, layer) -> int:
-        return self._route(layer, self._mamba_index_of, "a Mamba")
+        return self._route(layer, self._mamba_index_of, "a Mamba", "i")
 
     def get_combined_kv_cache(self, i):
         """KV cache read by decoder layer ``i`` (its owner's for a shared layer), a view
@@ -250,7 +251,7 @@ class HybridCacheManager(BatchAPI):
         """Slot ``b``'s recurrent state per Mamba layer (**new** ``[1, ...]`` arrays; empty
         without Mamba layers). Raises ``IndexError`` for a bad slot."""
         if self._mamba is None:
-            check_index("slot", b, self._config.max_batch_size)
+            check_index("b", b, self._config.max_batch_size)
             return []
         return self._mamba.capture_recurrent_states(b, stream)
 
@@ -258,7 +259,7 @@ class HybridCacheManager(BatchAPI):
         """Slot ``b``'s conv state per Mamba layer (**new** ``[1, ...]`` arrays; empty without
         Mamba layers). Raises ``IndexError`` for a bad slot."""
         if self._mamba is None:
-            check_index("slot", b, self._config.max_batch_size)
+            check_index("b", b, self._config.max_batch_size)
             return []
         return self._mamba.capture_conv_states(b, stream)
 
@@ -266,7 +267,7 @@ class HybridCacheManager(BatchAPI):
         """Write saved recurrent and conv states into slot ``b`` of every Mamba layer (one
         launch; validates everything first). See :meth:`MambaCacheManager.restore_states`."""
         if self._mamba is None:
-            check_index("slot", b, self._config.max_batch_size)
+            check_index("b", b, self._config.max_batch_size)
             for name, t in (("recurrent", recurrent), ("conv", conv)):
                 if isinstance(t, (str, bytes)) or not hasattr(t, "__len__"):
                     raise TypeError(f"{name}: expected a sequence of arrays, "

@@ -9,11 +9,13 @@ attention index of each ``group_position``.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import ops
 from .._checks import check_index, check_int
 from ..config.caches import KVCacheConfig, KVLayerConfig
 from ..device import array_module_of, launch_scope, resolve_device
-from ..dtypes import storage_dtype
+from ..dtypes import is_fp8, storage_dtype
 from ..ops.tables import KVGroup, group_layers_by_head_dim
 from .kv_writes import KVWriter
 
@@ -85,7 +87,7 @@ class KVCacheManager:
 
     def get_combined_kv_cache(self, i):
         """Layer ``i``'s cache, a view ``[max_batch, 2, H_i, S, D_i]``. Raises ``IndexError``."""
-        return self._caches[check_index("layer", i, self.num_layers)]
+        return self._caches[check_index("i", i, self.num_layers)]
 
     def get_separate_kv_cache(self, i):
         """Layer ``i``'s K and V caches: strided views ``[max_batch, H_i, S, D_i]`` of the
@@ -95,7 +97,7 @@ class KVCacheManager:
 
     def get_layer_config(self, i) -> KVLayerConfig:
         """Layer ``i``'s :class:`KVLayerConfig`. Raises ``IndexError``."""
-        return self._config.layer_configs[check_index("layer", i, self.num_layers)]
+        return self._config.layer_configs[check_index("i", i, self.num_layers)]
 
     def memory_report(self) -> dict:
         """Device bytes: ``kv_cache`` (all layers), ``layer_infos`` (group descriptors),
@@ -182,8 +184,13 @@ class KVCacheManager:
             ``sequence_length`` not an int in ``[0, max_sequence_length]``; ``with_scales``
             for a cache that is not FP8.
         """
-        b = check_index("slot", b, self._config.max_batch_size)
+        b = check_index("b", b, self._config.max_batch_size)
         n = check_int("sequence_length", sequence_length, 0, self._config.max_sequence_length)
+        if not isinstance(with_scales, (bool, np.bool_)):
+            raise TypeError(f"with_scales: expected a bool, got {type(with_scales).__name__}")
+        if with_scales and not is_fp8(self._config.dtype):
+            raise ValueError(f"with_scales: expected False for a {self._config.dtype} cache "
+                             "(scale tables are FP8's), got True")
         tables = self._writer.scales() if with_scales else None
         xp = self._device.xp
         with launch_scope(self._device, stream):
@@ -220,7 +227,7 @@ class KVCacheManager:
             ``scales`` that are not a pair of valid scale tables (or a cache that is not FP8);
             everything is checked before anything is written.
         """
-        b = check_index("slot", b, self._config.max_batch_size)
+        b = check_index("b", b, self._config.max_batch_size)
         self._check_saved(saved)
         if scales is not None:
             if not isinstance(scales, (tuple, list)) or len(scales) != 2:

@@ -155,10 +155,11 @@ class KVWriter:
                 raise ValueError(f"k: expected at most {self._max_batch} sequences (slots), "
                                  f"got {batch}")
         if ragged:
-            counts = np.asarray(token_counts(seq_lengths, batch, "seq_lengths"), np.int64)
-            if int(counts.sum()) != lead[0]:
-                raise ValueError(f"k: expected {int(counts.sum())} tokens (the sum of "
+            listed = token_counts(seq_lengths, batch, "seq_lengths")
+            if sum(listed) != lead[0]:    # Python ints: no int64 overflow
+                raise ValueError(f"k: expected {sum(listed)} tokens (the sum of "
                                  f"seq_lengths), got {lead[0]}")
+            counts = np.asarray(listed, np.int64)
         elif lead[0] != batch:
             raise ValueError(f"k: expected {batch} sequences (the active batch), got {lead[0]}")
         total = lead[0] if ragged else lead[0] * lead[1]
@@ -229,6 +230,8 @@ class KVWriter:
                 if array_module_of(a) is not xp or not hasattr(a, "shape"):
                     raise TypeError(f"{name}: expected a {xp.__name__} array, "
                                     f"got {type(a).__name__}")
+                if kind == "k" and j == 0:
+                    src = self._source_dtype(name, dtype)   # k's own dtype named before v's
                 want = lead + (int(cache.shape[2]), int(cache.shape[4]))
                 if tuple(a.shape) != want:
                     raise ValueError(f"{name}: expected shape {list(want)}, "
@@ -237,12 +240,16 @@ class KVWriter:
                     raise ValueError(f"{name}: expected dtype {dtype} (as k), got {a.dtype}")
                 if not a.flags.c_contiguous:
                     raise ValueError(f"{name}: expected a C-contiguous array")
+        return src
+
+    def _source_dtype(self, name, dtype):
+        """The float dtype of a quantizing write of rows of ``dtype``, or None (plain)."""
         if dtype in (self._storage, self.dtype):
             return None
         if self._fp8 and dtype in self._float_dtypes:
             return self._float_dtypes[dtype]
         also = ", float32, float16 or bfloat16 (quantized)" if self._fp8 else ""
-        raise ValueError(f"k: expected dtype {self.dtype}{also}, got {dtype}")
+        raise ValueError(f"{name}: expected dtype {self.dtype}{also}, got {dtype}")
 
     def _check_room(self, state, counts) -> None:
         """Each active slot whose length the host knows (``state``'s host mirror) has room for
@@ -272,7 +279,14 @@ class KVWriter:
                                  f"{list(lead)}, got {positions.dtype} "
                                  f"{list(positions.shape)}")
             return positions.reshape(-1)
-        pos = np.asarray(positions)
+        try:
+            pos = np.asarray(positions)
+        except (ValueError, TypeError, OverflowError):   # ragged
+            raise TypeError(f"positions: expected integers shaped {list(lead)}, got a ragged "
+                            "sequence") from None
+        if isinstance(positions, (list, tuple)) and pos.dtype.kind in "iu" and any(
+                isinstance(v, bool) for v in np.asarray(positions, dtype=object).ravel()):
+            raise TypeError("positions: expected integers, got a bool entry")
         if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
             raise TypeError(f"positions: expected integers, got dtype {pos.dtype}")
         if tuple(pos.shape) != lead:

@@ -82,12 +82,12 @@ class MambaCacheManager:
     def get_recurrent_state(self, i):
         """Layer ``i``'s recurrent state, a view ``[max_batch, num_heads, head_dim,
         state_size]`` (``ssm_dtype``). Raises ``IndexError`` for a bad layer."""
-        return self._recurrent_views[check_index("layer", i, self.num_layers)]
+        return self._recurrent_views[check_index("i", i, self.num_layers)]
 
     def get_conv_state(self, i):
         """Layer ``i``'s conv state, a view ``[max_batch, conv_dim, conv_kernel]``
         (``conv_dtype``). Raises ``IndexError`` for a bad layer."""
-        return self._conv_views[check_index("layer", i, self.num_layers)]
+        return self._conv_views[check_index("i", i, self.num_layers)]
 
     @property
     def metadata_nbytes(self) -> int:
@@ -116,7 +116,7 @@ class MambaCacheManager:
 
     def clear_slot(self, b, stream=None) -> None:
         """Zero slot ``b`` of every layer (in place). Raises ``IndexError`` for a bad slot."""
-        b = check_index("slot", b, self._config.max_batch_size)
+        b = check_index("b", b, self._config.max_batch_size)
         with launch_scope(self._device, stream):
             self._recurrent[:, b] = 0
             self._conv[:, b] = 0
@@ -142,7 +142,7 @@ class MambaCacheManager:
         return self._capture("conv", self._conv_views, b, stream)
 
     def _capture(self, kind, views, b, stream) -> list:
-        b = check_index("slot", b, self._config.max_batch_size)
+        b = check_index("b", b, self._config.max_batch_size)
         buffer = self._recurrent if kind == "recurrent" else self._conv
         n = self.num_layers
         with launch_scope(self._device, stream):
@@ -173,8 +173,12 @@ class MambaCacheManager:
             A wrong count, array module, shape, dtype or layout in any tensor; every tensor is
             checked before anything is written.
         """
-        b = check_index("slot", b, self._config.max_batch_size)
-        saved = (self._check_saved("recurrent", recurrent, self._recurrent_views)
+        self._restore(recurrent, conv, b, stream, "recurrent")
+
+    def _restore(self, recurrent, conv, b, stream, recurrent_name) -> None:
+        """:meth:`restore_states`, the recurrent states named as the caller passed them."""
+        b = check_index("b", b, self._config.max_batch_size)
+        saved = (self._check_saved(recurrent_name, recurrent, self._recurrent_views)
                  + self._check_saved("conv", conv, self._conv_views))
         if not saved:
             return

@@ -1,0 +1,231 @@
+"""The error contract on every public callable of ``hcache.__all__`` (issue 12): a bad argument
+raises ``IndexError``, ``ValueError``, ``TypeError`` or ``CacheCapacityError`` whose message
+starts with the name of the argument the caller passed ("name: expected X, got Y", or
+``name[i]`` / ``name.field`` for a part of it), and changes nothing.
+
+The callables are enumerated by introspection, so a new public method without a case in
+:mod:`error_contract_cases` fails ``test_every_public_callable_has_a_case``. Each case's valid
+call must succeed (``test_valid_calls_succeed``); the fuzzer perturbs one argument of it with a
+value its kind refuses (:mod:`error_contract_kinds`) and compares a snapshot of everything the
+owning object reaches (buffer bytes, lengths, allocator state) before and after.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from error_contract_cases import CASES
+from error_contract_kinds import Fixed, first_difference, snapshot
+from hypothesis import given, settings
+
+import hcache
+from hcache.errors import CacheCapacityError
+
+CONTRACT = (IndexError, ValueError, TypeError, CacheCapacityError)
+
+# Public callables without arguments to perturb (or not built by users), with the reason.
+NO_ARGUMENTS = "takes no argument: nothing to perturb"
+SKIPPED = {
+    ("CacheCapacityError", "__init__"): "an exception: any message is accepted",
+    ("KernelCompileError", "__init__"): "an exception",
+    ("KernelLaunchError", "__init__"): "an exception",
+    ("MambaSlotCapacityError", "__init__"): "an exception",
+    ("BatchInFlightError", "__init__"): "an exception",
+    ("KVHeadDimGroupView", "__init__"): "built by HybridCacheManager.get_kv_head_dim_groups",
+    ("ContinuousBatchingKVCacheCollection", "__init__"): "built by "
+                                                         "ContinuousBatchingKVCacheManager.fetch",
+}
+
+
+def _public_callables():
+    """``(owner, method)`` for every public function, constructor and method of
+    ``hcache.__all__`` (``(name, "")`` for a function)."""
+    out = {}
+    for name in hcache.__all__:
+        obj = getattr(hcache, name)
+        if inspect.isclass(obj):
+            out[(name, "__init__")] = obj
+            if issubclass(obj, BaseException):
+                continue
+            for attr in dir(obj):
+                static = inspect.getattr_static(obj, attr)
+                if attr.startswith("_") or isinstance(static, property):
+                    continue
+                member = getattr(obj, attr)
+                if callable(member) and not isinstance(member, obj):   # enum members
+                    out[(name, attr)] = member
+        elif callable(obj):
+            out[(name, "")] = obj
+    return out
+
+
+PUBLIC = _public_callables()
+
+
+def _parameters(key):
+    owner, method = key
+    target = PUBLIC[key]
+    sig = inspect.signature(target)
+    return [p for p in sig.parameters.values()
+            if p.name not in ("self", "cls") and p.kind is not p.VAR_POSITIONAL]
+
+
+for _key in PUBLIC:
+    if _key not in CASES and _key not in SKIPPED and not _parameters(_key):
+        SKIPPED[_key] = NO_ARGUMENTS
+
+
+def test_every_public_callable_has_a_case():
+    missing = sorted(k for k in PUBLIC if k not in CASES and k not in SKIPPED)
+    assert not missing, f"public callables without an error-contract case: {missing}"
+    stale = sorted(k for k in CASES if k not in PUBLIC)
+    assert not stale, f"cases of callables that are not public: {stale}"
+    for key, reason in SKIPPED.items():
+        if reason == NO_ARGUMENTS:
+            assert not _parameters(key), key
+
+
+@pytest.mark.parametrize("key", sorted(CASES), ids="-".join)
+def test_every_parameter_has_a_kind(key):
+    names = {p.name for p in _parameters(key) if p.kind is not p.VAR_KEYWORD}
+    kinds = CASES[key].kinds
+    assert names <= set(kinds), f"parameters without a kind: {sorted(names - set(kinds))}"
+
+
+def _call(key, target, kwargs):
+    owner, method = key
+    if method == "":
+        return getattr(hcache, owner)(**kwargs)
+    if method == "__init__":
+        return getattr(hcache, owner)(**kwargs)
+    return getattr(target, method)(**kwargs)
+
+
+@pytest.mark.parametrize("key", sorted(CASES), ids="-".join)
+def test_valid_calls_succeed(key):
+    """The unperturbed call of each case is valid (so a perturbed one tests one argument)."""
+    case = CASES[key]
+    _, target = case.make()
+    _call(key, target, case.args(target))
+
+
+FUZZED = sorted(k for k, c in CASES.items()
+                if any(not isinstance(kind, Fixed) for kind in c.kinds.values()))
+
+
+def check_refused(key, name, value):
+    """Call ``key`` with argument ``name`` replaced by ``value``; check the contract."""
+    case = CASES[key]
+    root, target = case.make()
+    kwargs = case.args(target)
+    kwargs[name] = value
+    before = snapshot(root)
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the type is checked below
+        _call(key, target, kwargs)
+    exc = info.value
+    assert isinstance(exc, CONTRACT) and type(exc).__module__.split(".")[0] in (
+        "builtins", "hcache"), f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+    message = str(exc)
+    names = (name, *case.kinds[name].also)
+    assert re.match(rf"({'|'.join(map(re.escape, names))})(\b|\[|\.)", message), \
+        f"{type(exc).__name__} does not name {name!r}: {message}"
+    after = snapshot(root)
+    diff = first_difference(before, after)
+    assert diff is None, f"state changed at {diff} by a call that raised {message!r}"
+
+
+@pytest.mark.parametrize("key", FUZZED, ids="-".join)
+@settings(max_examples=20)
+@given(data=st.data())
+def test_bad_argument_is_refused_and_changes_nothing(key, data):
+    case = CASES[key]
+    names = sorted(n for n, k in case.kinds.items() if not isinstance(k, Fixed))
+    name = data.draw(st.sampled_from(names), label="argument")
+    _, target = case.make()
+    valid = case.args(target)[name]
+    value = data.draw(case.kinds[name].bad(valid), label=name)
+    check_refused(key, name, value)
+
+
+# --- regression tests: each defect the fuzzer found (issue 12) ------------------------------
+
+REGRESSIONS = [
+    # (case, argument, value): wrong exception type, message naming another argument, or
+    # accepted although invalid.
+    (("MambaSlotAllocator", "register_block_hashes_batch"), "hashes", [2**64]),
+    (("MambaSlotAllocator", "register_block_hashes_batch"), "hashes", [-2]),
+    (("MambaSlotAllocator", "allocate_slots_batch"), "block_ids", [5, True]),
+    (("MambaSlotAllocator", "allocate_slots_batch"), "block_ids", [5, 5]),
+    (("MambaSlotAllocator", "allocate_slots_batch"), "block_ids", None),
+    (("MambaSlotAllocator", "can_allocate_slots"), "block_ids", [5, [0]]),
+    (("MambaSlotAllocator", "on_kv_blocks_deregistered"), "block_ids_list", None),
+    (("MambaSlotAllocator", "on_kv_blocks_deregistered"), "block_ids_list", [99]),
+    (("MambaSlotAllocator", "on_kv_blocks_deregistered"), "hashes_to_delete", ["1"]),
+    (("MambaSlotAllocator", "on_kv_blocks_deregistered"), "hashes_to_delete", [2**64]),
+    (("MambaSlotAllocator", "get_intermediate_gpu_data"), "prefill_start", 2**63),
+    (("MambaSlotAllocator", "restore_to_live"), "request_idx", 1.5),
+    (("MambaSlotAllocator", "restore_to_live"), "block_id", -1),
+    (("MambaSlotAllocator", "compute_and_store_offsets_batch"), "rows", [0, 0]),
+    (("MambaSlotAllocator", "compute_and_store_offsets_batch"), "boundaries", [[2], [4, 5]]),
+    (("MambaSlotAllocator", "compute_and_store_offsets"), "matched_block_ids", "3"),
+    (("MambaSlotAllocator", "__init__"), "context", None),
+    (("KVBlockAllocator", "retain_memory_blocks"), "block_ids", [1, True]),
+    (("KVBlockAllocator", "release_memory_blocks"), "block_ids", [1, [0]]),
+    (("DynamicInferenceContext", "add_request"), "tokens", [2**63, 1]),
+    (("DynamicInferenceContext", "add_request"), "stream", "s"),
+    (("DynamicInferenceContext", "commit_step"), "stream", -1),
+    (("DynamicInferenceContext", "release_requests"), "request_ids", ["a", "c", "a"]),
+    (("DynamicInferenceContext", "release_requests"), "request_ids", None),
+    (("DynamicInferenceContext", "release_requests"), "request_ids", ["a", "nope"]),
+    (("DynamicInferenceContext", "write_kv"), "request_ids", ["a", "c", "a"]),
+    (("DynamicInferenceContext", "__init__"), "kv_dtype", "bogus"),
+    (("DynamicInferenceContext", "__init__"), "kv_layer_configs", None),
+    (("PagedKVPool", "write_kv"), "k", np.zeros((4, 1, 8), np.int32)),
+    (("PagedKVPool", "launch_write"), "checked", 1),
+    (("PagedKVPool", "launch_write"), "uniform_tokens", -1),
+    (("PagedKVPool", "__init__"), "layer_configs", list),
+    (("HybridCacheManager", "get_combined_kv_cache"), "i", 9),
+    (("HybridCacheManager", "get_recurrent_state"), "i", 1),
+    (("HybridCacheManager", "capture_kv_cache"), "b", -1),
+    (("HybridCacheManager", "capture_kv_cache"), "with_scales", "yes"),
+    (("HybridCacheManager", "capture_kv_cache"), "with_scales", True),
+    (("HybridCacheManager", "set_active_batch_size"), "n", 9),
+    (("HybridCacheManager", "write_kv"), "k", np.zeros((3, 1, 8), np.float64)),
+    (("HybridCacheManager", "write_kv"), "seq_lengths", [2**63, 1]),
+    (("HybridCacheManager", "commit_sequence_length"), "increment", [1, [0]]),
+    (("LinearKVCache", "restore_mamba_states"), "ssm", None),
+    (("KVCacheManager", "write_kv"), "positions", [[0, True], [3, 4]]),
+    (("KVCacheManager", "write_kv"), "positions", [[0, [1]], [3, 4]]),
+    (("ContinuousBatchingKVCacheCollection", "write_kv"), "k",
+     np.zeros((3, 1, 2), np.float64)),
+    (("KVCacheConfig", "__init__"), "layer_configs", tuple),
+    (("Device", "__init__"), "kind", "gpu"),
+    (("Device", "__init__"), "index", -1),
+    (("LayerType", "__init__"), "value", "bogus"),
+    (("compute_block_hashes", ""), "tokens", [1, 2, True]),
+]
+
+
+@pytest.mark.parametrize("key, name, value", REGRESSIONS,
+                         ids=[f"{'-'.join(k)}-{n}-{i}" for i, (k, n, _) in
+                              enumerate(REGRESSIONS)])
+def test_regression(key, name, value):
+    check_refused(key, name, value)
+
+
+def test_messages_name_the_callers_argument_exactly():
+    """Spot checks of the messages themselves (the fuzzer only checks their first word)."""
+    case = CASES[("MambaSlotAllocator", "register_block_hashes_batch")]
+    _, alloc = case.make()
+    with pytest.raises(ValueError, match=r"^hashes\[0\]: expected an int64 value in "
+                                         r"\[-2\*\*63, 2\*\*63\), got 18446744073709551616$"):
+        alloc.register_block_hashes_batch([0], [2**64])
+    with pytest.raises(TypeError, match=r"^request_idx: expected an int, got float$"):
+        alloc.restore_to_live(1.5, 0)
+    with pytest.raises(TypeError, match=r"^block_ids_list: expected a 1-D sequence of ints, "
+                                        r"got NoneType$"):
+        alloc.on_kv_blocks_deregistered(None, set())
