@@ -77,7 +77,13 @@ def bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    """Run one command; returns the exit status (2 for a bad ``--device``, printed as one
+    line on stderr, no traceback)."""
+    from hcache import __version__
+    from hcache.device import resolve_device
+
     parser = argparse.ArgumentParser(prog="python -m hcache", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, text in (("info", info, "versions, device, dtypes, kernel compilation"),
                            ("demo", demo, "serve a small hybrid model with every cache"),
@@ -99,6 +105,11 @@ def main(argv=None) -> int:
                            help="host overhead per decode step (bookkeeping µs, median and "
                                 "worst step) instead of the kernels")
     args = parser.parse_args(argv)
+    try:
+        args.device = resolve_device(args.device)
+    except (TypeError, ValueError) as exc:
+        print(f"python -m hcache {args.command}: error: --{exc}", file=sys.stderr)
+        return 2
     return args.fn(args)
 
 

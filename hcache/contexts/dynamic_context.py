@@ -14,13 +14,12 @@ prefix match. An engine drives it one step at a time::
     ctx.commit_step()                          # register blocks, keep Mamba snapshots, tick
     ctx.release_requests([rid])
 
-The context drives its collaborators: the request table
-(:class:`~hcache.contexts.requests.RequestTable`: per-row tokens, counters, block hashes, live
-slots and the host block tables, so a step is vectorised over requests), the scheduler of
-admissions and extensions (:class:`~hcache.contexts.step_scheduler.StepScheduler`, which
-applies the prefix-match policy of :mod:`hcache.contexts.prefix_match`), the live Mamba states
-(:class:`~hcache.contexts.live_states.LiveMambaStates`) and the step's KV writes
-(:class:`~hcache.contexts.step_kv_writer.StepKVWriter`).
+Collaborators: the request table (:class:`~hcache.contexts.requests.RequestTable`: per-row
+tokens, counters, block hashes, live slots, host block tables; a step is vectorised over rows),
+the scheduler (:class:`~hcache.contexts.step_scheduler.StepScheduler`, applying the prefix-match
+policy of :mod:`hcache.contexts.prefix_match`), the live Mamba states
+(:class:`~hcache.contexts.live_states.LiveMambaStates`), the step's KV writes
+(:class:`~hcache.contexts.step_kv_writer.StepKVWriter`). Copies: see :mod:`hcache._copying`.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int, int_shape
+from .._copying import deepcopy_sharing_modules, refuse_copy, refuse_pickle
 from ..config.layers import kv_layer_list
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
@@ -67,8 +67,7 @@ class DynamicInferenceContext:
     mamba_cache_slots : int
         Durable Mamba cache slots; 0 disables state caching (KV blocks are still shared).
     mamba_chunk_size : int, optional
-        Granularity at which the model can emit mid-prefill states (default
-        ``block_size_tokens``); must divide ``block_size_tokens``.
+        Granularity of mid-prefill states; divides ``block_size_tokens`` (the default).
     enable_prefix_caching : bool
     eviction_policy : {"lru", "ref_zero"}
     max_step_tokens : int, optional
@@ -89,6 +88,7 @@ class DynamicInferenceContext:
     stats : PrefixCacheStats
         Totals over every request ever added.
     """
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, deepcopy_sharing_modules, refuse_pickle
 
     def __init__(self, *, kv_layer_configs, num_blocks, block_size_tokens, max_requests,
                  max_blocks_per_request, num_mamba_layers=0, conv_states_shape=(1,),

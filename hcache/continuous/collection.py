@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import token_counts
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..device import array_module_of, stream_handle
 from ..kv_scales import check_scale, source_dtype
 
@@ -38,6 +39,8 @@ class ContinuousBatchingKVCacheCollection:
         Device array: committed tokens of each row at fetch time (where ``write`` puts the
         row's first new token). Same lifetime as ``lookup_table``.
     """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     __slots__ = ("_manager", "_store", "seq_ids", "lookup_table", "cache_lengths", "_blocks",
                  "_lengths")

@@ -38,6 +38,7 @@ import threading
 import numpy as np
 
 from .._checks import INT32_MAX, as_int, exact_int, token_counts
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..device import resolve_device, stream_handle, to_host
 from ..dtypes import dtype_name, resolve_dtype
 from .collection import ContinuousBatchingKVCacheCollection
@@ -70,6 +71,8 @@ class ContinuousBatchingKVCacheManager:
     TypeError, ValueError
         An argument has the wrong type or value.
     """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
                  device=None):

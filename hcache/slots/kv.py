@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, check_int
+from .._copying import deepcopy_sharing_modules, refuse_copy, refuse_pickle
 from ..config.caches import KVCacheConfig, KVLayerConfig
 from ..device import array_module_of, launch_scope, resolve_device
 from ..dtypes import is_fp8, storage_dtype
@@ -37,6 +38,8 @@ class KVCacheManager:
     TypeError
         ``config`` is not a :class:`KVCacheConfig`.
     """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, deepcopy_sharing_modules, refuse_pickle
 
     def __init__(self, config, stream=None, *, device=None):
         if not isinstance(config, KVCacheConfig):
