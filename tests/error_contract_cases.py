@@ -24,9 +24,12 @@ from error_contract_kinds import (
     Instance,
     Int,
     Ints,
+    Junk,
     Key,
     Keys,
+    OnlyNone,
     Scale,
+    Seconds,
     Stream,
 )
 
@@ -262,7 +265,7 @@ case("KVCacheManager", "write_kv", make_kv,
                 "v_scale": None, "stream": None},
      layer=Index(2, none_ok=True), k=Array(), v=Array(),
      seq_lengths=Fixed("None is the valid value; bad lengths are fuzzed on HybridCacheManager"),
-     positions=Ints(-1, 5), k_scale=Fixed("FP8 only"), v_scale=Fixed("FP8 only"),
+     positions=Ints(-1, 5), k_scale=OnlyNone(), v_scale=OnlyNone(),
      stream=Stream())
 for owner, make, layer in (("HybridCacheManager", make_hybrid, 3),
                            ("LinearKVCache", make_linear, 1)):
@@ -275,7 +278,7 @@ for owner, make, layer in (("HybridCacheManager", make_hybrid, 3),
          layer=(Index(4) if owner == "HybridCacheManager" else Index(2)).relating("k"),
          k=Array(), v=Array(), seq_lengths=Ints(0, 4).relating("k", "v"),
          positions=Fixed("None is valid with seq_lengths"),
-         k_scale=Fixed("FP8 only"), v_scale=Fixed("FP8 only"), stream=Stream())
+         k_scale=OnlyNone(), v_scale=OnlyNone(), stream=Stream())
     case(owner, "set_active_batch_size", make, lambda _: {"n": 1}, n=Int(0, 3))
     case(owner, "reset_for_new_sequences", make,
          lambda _: {"reuse_kv_cache_lengths": [1, 2, 0], "stream": None},
@@ -344,7 +347,7 @@ case(CB, "block_of", make_cb(), lambda _: {"seq_id": 0}, seq_id=Key(unknown=(99,
 case(CB, "release", make_cb(), lambda _: {"seq_id": 0}, seq_id=Key(unknown=(99, -1, 2**70)))
 case(CB, "fetch", make_cb(), lambda _: {"seq_ids": [0, 1], "wait": False, "timeout": None,
                                         "stream": None},
-     seq_ids=Keys(unknown=99), wait=Bool(), timeout=Fixed("only read while waiting"),
+     seq_ids=Keys(unknown=99), wait=Bool(), timeout=Seconds(),
      stream=Stream())
 
 
@@ -370,8 +373,7 @@ for meth, names in (("write", ("key", "value")), ("write_kv", ("k", "v"))):
                                               "seq_lengths": [2, 1], "stream": None, **extra},
          layer=Index(2), seq_lengths=Ints(0, 5).relating(*names), stream=Stream(),
          **{names[0]: Array(), names[1]: Array()},
-         **({} if meth == "write" else {"k_scale": Fixed("FP8 only"),
-                                        "v_scale": Fixed("FP8 only")}))
+         **({} if meth == "write" else {"k_scale": OnlyNone(), "v_scale": OnlyNone()}))
 
 
 # --- paged pool, allocators, context ----------------------------------------------------------
@@ -394,7 +396,7 @@ case("PagedKVPool", "get_layer", make_pool, lambda _: {"i": 1}, i=Index(2))
 case("PagedKVPool", "copy_blocks", make_pool,
      lambda _: {"src_ids": [0, 1], "dst_ids": [2, 3], "status": None, "stream": None},
      src_ids=Ints(-1, 5).relating("dst_ids"), dst_ids=Ints(-1, 5, unique=True),
-     status=Fixed("a device counter, read by the kernels only"), stream=Stream())
+     status=Junk(), stream=Stream())
 _POOL_WRITE = {"layer": 1, "block_table": np.array([[0, 1], [2, -1]], np.int32),
                "seq_offsets": None, "uniform_tokens": 2, "batch": None, "cache_lengths": None,
                "positions": None, "k_scale": None, "v_scale": None, "status": None,
@@ -404,16 +406,15 @@ for meth in ("write", "write_kv"):
          lambda _: {"k": rows((4, 1, 8)), "v": rows((4, 1, 8), seed=1), **_POOL_WRITE},
          k=Array(), v=Array(), layer=Index(2, none_ok=True),
          block_table=Array(bad_dtypes=(np.int64, np.float32)),
-         seq_offsets=Fixed("None is valid; ops.kv_write's index checks: test_op_kv_write"),
-         uniform_tokens=Int(1).relating("seq_offsets"), batch=Fixed("as seq_offsets"),
-         cache_lengths=Fixed("as seq_offsets"), positions=Fixed("as seq_offsets"),
-         k_scale=Fixed("FP8 only"), v_scale=Fixed("FP8 only"),
-         status=Fixed("a device counter"), stream=Stream())
+         seq_offsets=Junk(), uniform_tokens=Int(1).relating("seq_offsets"), batch=Junk(),
+         cache_lengths=Junk(), positions=Junk(),
+         k_scale=OnlyNone(), v_scale=OnlyNone(),
+         status=Junk(), stream=Stream())
 case("PagedKVPool", "check_write", make_pool,
      lambda _: {"k": rows((4, 1, 8)), "v": rows((4, 1, 8), seed=1), "layer": 1,
                 "k_scale": None, "v_scale": None},
-     k=Array(), v=Array(), layer=Index(2, none_ok=True), k_scale=Fixed("FP8 only"),
-     v_scale=Fixed("FP8 only"))
+     k=Array(), v=Array(), layer=Index(2, none_ok=True), k_scale=OnlyNone(),
+     v_scale=OnlyNone())
 case("PagedKVPool", "launch_write", make_pool,
      lambda p: {"checked": p.check_write(rows((4, 1, 8)), rows((4, 1, 8), seed=1), layer=1),
                 "block_table": np.array([[0, 1], [2, -1]], np.int32), "stream": None,
@@ -516,7 +517,7 @@ case(CTX, "write_kv", make_ctx(),
      lambda _: {"request_ids": ["a", "c"], "k": rows((2, 1, 4)), "v": rows((2, 1, 4), seed=1),
                 "layer": 0, "k_scale": None, "v_scale": None, "stream": None},
      request_ids=Keys(), k=Array(), v=Array(), layer=Index(1, none_ok=True),
-     k_scale=Fixed("FP8 only"), v_scale=Fixed("FP8 only"), stream=Stream())
+     k_scale=OnlyNone(), v_scale=OnlyNone(), stream=Stream())
 case(CTX, "commit_step", make_ctx(), lambda _: {"stream": None}, stream=Stream())
 
 MSA = "MambaSlotAllocator"

@@ -154,6 +154,35 @@ class Scale(Kind):
                                 np.ones((2, 1, 1), np.float32)])
 
 
+class OnlyNone(Kind):
+    """A scale of a write that does not quantize (a cache that is not FP8): only None."""
+
+    none_ok = True
+
+    def bad(self, valid):
+        return st.sampled_from([0.5, 1.0, "x", object(), np.ones(2, np.float32), True])
+
+
+class Junk(Kind):
+    """An optional argument whose valid values the case does not build (a device index array,
+    a count): only values no such argument takes (a float, a string, a list, an object)."""
+
+    def __init__(self, *, none_ok=True):
+        self.none_ok = none_ok
+
+    def bad(self, valid):
+        return self._junk([0, 1], np.zeros(3, np.float32))
+
+
+class Seconds(Kind):
+    """None or a number of seconds >= 0."""
+
+    none_ok = True
+
+    def bad(self, valid):
+        return st.sampled_from(["1", True, -1.0, -1, object(), [1], float("nan")])
+
+
 class Stream(Kind):
     """``None``, a CuPy stream, a handle in ``[0, 2**64)`` or an object with
     ``__cuda_stream__``."""

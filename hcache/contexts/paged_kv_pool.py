@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .._checks import as_int, block_id_array
+from .._checks import as_int, block_id_array, int32_array
 from .._copying import deepcopy_sharing_modules, refuse_copy, refuse_pickle
 from ..config.caches import KVCacheConfig
 from ..config.layers import kv_layer_list
@@ -256,6 +256,7 @@ class PagedKVPool:
             if both.any():
                 raise ValueError(f"dst_ids: expected no block that is also a source, got "
                                  f"{int(dst[both][0])}")
+        int32_array("status", status, self.xp, min_len=1)   # before the ids are staged
         with launch_scope(self.device, stream):
             if self._slots is None:
                 return  # no attention layer: blocks hold no data
