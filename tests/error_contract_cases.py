@@ -85,7 +85,7 @@ def rows(shape, dtype=np.float16, seed=0):
 fn("resolve_device", {"device": "cpu"}, device=Choice(none_ok=True))
 fn("dtype_name", {"dtype": "float16"}, dtype=Choice())
 fn("resolve_dtype", {"dtype": "float16", "name": "dtype"}, dtype=Choice(),
-   name=Fixed("the label of the caller's argument, not an argument of the user's"))
+   name=Fixed("the label of the checked argument", label=True))
 TOKENS = (-(2**63), 2**63 - 1)      # token ids: any int64
 fn("compute_block_hashes", {"tokens": [1, 2, 3, 4, 5], "block_size": 2},
    tokens=Ints(*TOKENS, fixed_length=False), block_size=Int(1))
@@ -125,6 +125,9 @@ ctor(KVCacheStaticParams, {"num_heads": 1, "head_size": 2}, num_heads=Int(1),
 ctor(LayerType, {"value": "attention"}, value=Choice(),
      **{n: Fixed("the functional API of Enum, not a lookup") for n in
         ("names", "module", "qualname", "type", "start", "boundary")})
+
+case("LayerType", "coerce", lambda: (None, LayerType), lambda _: {"value": "mamba", "name": "kind"},
+     value=Choice(), name=Fixed("the label of the checked argument", label=True))
 
 
 def _hf():

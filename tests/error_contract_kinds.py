@@ -253,10 +253,11 @@ class Callable(Kind):
 
 
 class Fixed:
-    """A parameter the fuzzer does not perturb, with the reason."""
+    """A parameter the fuzzer does not perturb, with the reason; ``label``: the parameter is
+    the name the messages use for the checked argument (``resolve_dtype(x, name)``)."""
 
-    def __init__(self, reason):
-        self.reason = reason
+    def __init__(self, reason, *, label=False):
+        self.reason, self.label = reason, label
 
 
 # --- state ---------------------------------------------------------------------------------
