@@ -29,7 +29,7 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int, int_shape
-from .._copying import deepcopy_sharing_modules, refuse_copy, refuse_pickle
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.layers import kv_layer_list
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
@@ -88,7 +88,7 @@ class DynamicInferenceContext:
     stats : PrefixCacheStats
         Totals over every request ever added.
     """
-    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, deepcopy_sharing_modules, refuse_pickle
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, *, kv_layer_configs, num_blocks, block_size_tokens, max_requests,
                  max_blocks_per_request, num_mamba_layers=0, conv_states_shape=(1,),

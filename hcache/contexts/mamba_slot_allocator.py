@@ -28,7 +28,7 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int, check_index, host_ints, index_array, int_shape
-from .._copying import deepcopy_sharing_modules, refuse_copy, refuse_pickle
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..device import Device, array_module_of, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .mamba_hash_map import MambaHashMap
@@ -76,7 +76,7 @@ class MambaSlotAllocator:
         An argument or a live state array does not fit the description above.
     """
 
-    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, deepcopy_sharing_modules, refuse_pickle
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, context, max_slots, num_mamba_layers, conv_states_shape,
                  ssm_states_shape, conv_states_dtype, ssm_states_dtype):

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import as_int, block_id_array, int32_array
-from .._copying import deepcopy_sharing_modules, refuse_copy, refuse_pickle
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.caches import KVCacheConfig
 from ..config.layers import kv_layer_list
 from ..device import array_module_of, launch_scope, resolve_device, upload_ints
@@ -50,7 +50,7 @@ class PagedKVPool:
         attention indices of its layers.
     """
 
-    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, deepcopy_sharing_modules, refuse_pickle
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
                  device=None):

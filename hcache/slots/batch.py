@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_int, host_ints
-from .._copying import deepcopy_sharing_modules, refuse_copy, refuse_pickle
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..device import array_module_of, launch_scope, to_host, upload_ints
 from .batch_compaction import BatchCompaction
 
@@ -50,7 +50,7 @@ class BatchAPI:
     :func:`~hcache.device.launch_scope`.
     """
 
-    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, deepcopy_sharing_modules, refuse_pickle
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, device, max_batch_size: int, max_sequence_length: int, *,
                  kv_groups=(), slot_tensors=()):

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, check_int
-from .._copying import deepcopy_sharing_modules, refuse_copy, refuse_pickle
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.caches import KVCacheConfig, KVLayerConfig
 from ..device import array_module_of, launch_scope, resolve_device
 from ..dtypes import is_fp8, storage_dtype
@@ -39,7 +39,7 @@ class KVCacheManager:
         ``config`` is not a :class:`KVCacheConfig`.
     """
 
-    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, deepcopy_sharing_modules, refuse_pickle
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, config, stream=None, *, device=None):
         if not isinstance(config, KVCacheConfig):
