@@ -7,8 +7,46 @@ import platform
 import sys
 
 
+def layout(args) -> int:
+    """Print the cache layout of a ``config.json`` and its bytes per token and per sequence;
+    exit status 2 (and the reason, one line on stderr) for a bad option or a config hcache
+    cannot lay out."""
+    import json
+
+    from hcache._checks import as_int
+    from hcache.config import HybridCacheConfig
+    from hcache.config.report import layout_report
+    from hcache.dtypes import resolve_dtype
+
+    try:   # the options first, each named as typed
+        as_int("--seq-len", args.seq_len, 1)
+        for option in ("kv_dtype", "ssm_dtype", "conv_dtype"):
+            if getattr(args, option) is not None:
+                resolve_dtype(getattr(args, option), "--" + option.replace("_", "-"))
+    except (TypeError, ValueError) as exc:
+        print(f"python -m hcache info: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with open(args.config, encoding="utf-8") as f:
+            raw = json.load(f)
+        config = HybridCacheConfig.from_hf_config(
+            raw, max_batch_size=1, max_sequence_length=args.seq_len, kv_dtype=args.kv_dtype,
+            ssm_dtype=args.ssm_dtype, conv_dtype=args.conv_dtype)
+    except (OSError, ValueError, TypeError) as exc:   # json.JSONDecodeError is a ValueError
+        print(f"{args.config}: {exc}", file=sys.stderr)
+        return 2
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    print(f"config      {args.config}")
+    for line in layout_report(config, text.get("model_type", raw.get("model_type"))):
+        print(line)
+    return 0
+
+
 def info(args) -> int:
-    """Print versions, the default device, dtype support and whether each kernel compiles."""
+    """Print versions, the default device, dtype support and whether each kernel compiles;
+    with ``--config``, the cache layout of a model instead (:func:`layout`)."""
+    if args.config is not None:
+        return layout(args)
     import ml_dtypes
     import numpy as np
 
@@ -91,6 +129,16 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=text)
         p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
         p.set_defaults(fn=fn)
+        if name == "info":
+            p.add_argument("--config", default=None, metavar="PATH",
+                           help="a model's config.json: print its cache layout and the bytes "
+                                "per token and per sequence (nothing is allocated)")
+            p.add_argument("--seq-len", type=int, default=4096,
+                           help="tokens per sequence for the per-sequence bytes (default 4096)")
+            p.add_argument("--kv-dtype", default="bfloat16", help="KV cache dtype")
+            p.add_argument("--ssm-dtype", default="float32", help="recurrent state dtype")
+            p.add_argument("--conv-dtype", default=None,
+                           help="conv state dtype (default: the KV dtype)")
         if name == "bench":
             p.description = ("Time every kernel family (kernels/*.cu) on Nemotron-H-like and "
                              "Gemma-like shapes: µs, GB/s, ratio to a copy of the same bytes, "

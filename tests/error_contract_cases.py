@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 from error_contract_kinds import (
+    Absent,
     Array,
     Arrays,
     Bool,
@@ -62,6 +63,9 @@ class Case:
 
 
 CASES: dict[tuple[str, str], Case] = {}
+# More cases of a callable, on another kind of object (a latent MLA layer, a missing state):
+# ``(owner, method, variant)``; validated and fuzzed as the cases are.
+VARIANTS: dict[tuple[str, str, str], Case] = {}
 
 
 def case(owner, method, make, args, /, **kinds):
@@ -120,8 +124,8 @@ ctor(LinearCacheConfig, {"num_attention_layers": 1, "max_batch_size": 2,
      num_kv_heads=Int(1), head_dim=Int(1), dtype=Choice(), num_mamba_layers=Int(0),
      mamba_num_heads=Int(0), mamba_head_dim=Int(0), ssm_state_size=Int(0), ssm_dtype=Choice(),
      conv_dim=Int(0), conv_kernel=Int(0), conv_dtype=Choice())
-ctor(KVCacheStaticParams, {"num_heads": 1, "head_size": 2}, num_heads=Int(1),
-     head_size=Int(1))
+ctor(KVCacheStaticParams, {"num_heads": 1, "head_size": 2, "is_mla": False}, num_heads=Int(1),
+     head_size=Int(1), is_mla=Bool())
 ctor(LayerType, {"value": "attention"}, value=Choice(),
      **{n: Fixed("the functional API of Enum, not a lookup") for n in
         ("names", "module", "qualname", "type", "start", "boundary")})
@@ -494,8 +498,8 @@ CASES[(CTX, "__init__")] = Case(
     lambda: (None, None), lambda _: dict(_CTX_ARGS),
     {"kv_layer_configs": Instance(), "num_blocks": Int(1), "block_size_tokens": Int(1),
      "max_requests": Int(1), "max_blocks_per_request": Int(1), "num_mamba_layers": Int(0),
-     "conv_states_shape": Ints(1, fixed_length=False),
-     "ssm_states_shape": Ints(1, fixed_length=False),
+     "conv_states_shape": Ints(1, fixed_length=False, none_ok=True),
+     "ssm_states_shape": Ints(1, fixed_length=False, none_ok=True),
      "kv_dtype": Choice(), "conv_states_dtype": Choice(), "ssm_states_dtype": Choice(),
      "mamba_cache_slots": Int(0), "mamba_chunk_size": Int(1, 2, none_ok=True),
      "enable_prefix_caching": Bool(), "eviction_policy": Choice(),
@@ -596,3 +600,187 @@ case(MSA, "compute_and_store_offsets_batch", make_msa,
      rows=Ints(0, 2, unique=True).relating("chunk_starts"), chunk_starts=Ints(0),
      seq_lens=Ints(0), boundaries=Array(bad_dtypes=(np.float64,), none_ok=True, free_last=True),
      eos_columns=Ints(-1, 3).relating("request_to_kv_block_ids"))
+
+
+# --- variants: latent (MLA) layers and missing recurrent states (issue 13) -----------------
+
+def variant(owner, method, label, make, args, /, **kinds):
+    VARIANTS[(owner, method, label)] = Case(make, args, kinds)
+
+
+LATENT = KVLayerConfig(1, 8, components=1)
+KV_MLA = KVCacheConfig(3, 6, (KVLayerConfig(2, 4), LATENT))
+CONV_ONLY = MambaCacheConfig(2, 3, 0, 0, 0, 4, 2)          # short convolutions
+RECURRENT_ONLY = MambaCacheConfig(2, 3, 1, 2, 3, 0, 0)     # lightning attention
+HYB_MLA = HybridCacheConfig(HYB_CFG.layer_types, KV_MLA, CONV_ONLY, 3)
+
+
+def make_kv_mla():
+    m = _filled(KVCacheManager(KV_MLA, device=CPU))
+    return m, m
+
+
+def make_hybrid_mla():
+    m = _filled(HybridCacheManager(HYB_MLA, device=CPU))
+    m.reset_for_new_sequences([2, 2])
+    return m, m
+
+
+def make_mamba_of(cfg):
+    def make():
+        m = _filled(MambaCacheManager(cfg, device=CPU))
+        return m, m
+    return make
+
+
+variant("KVCacheStaticParams", "__init__", "mla", lambda: (None, None),
+        lambda _: {"num_heads": 1, "head_size": 2, "is_mla": True},
+        num_heads=Int(1), head_size=Int(1), is_mla=Bool())
+_MAMBA_KINDS = {"num_layers": Int(0), "max_batch_size": Int(1), "ssm_dtype": Choice(),
+                "conv_dtype": Choice()}
+variant("MambaCacheConfig", "__init__", "conv-only", lambda: (None, None),
+        lambda _: {"num_layers": 1, "max_batch_size": 2, "num_heads": 0, "head_dim": 0,
+                   "state_size": 0, "conv_dim": 2, "conv_kernel": 2, "ssm_dtype": "float32",
+                   "conv_dtype": "float16"},
+        num_heads=Int(0, 0), head_dim=Int(0, 0), state_size=Int(0, 0),
+        conv_dim=Int(1).relating("conv_kernel"), conv_kernel=Int(1).relating("conv_dim"),
+        **_MAMBA_KINDS)
+variant("MambaCacheConfig", "__init__", "recurrent-only", lambda: (None, None),
+        lambda _: {"num_layers": 1, "max_batch_size": 2, "num_heads": 1, "head_dim": 2,
+                   "state_size": 2, "conv_dim": 0, "conv_kernel": 0, "ssm_dtype": "float32",
+                   "conv_dtype": "float16"},
+        num_heads=Int(1), head_dim=Int(1), state_size=Int(1),
+        conv_dim=Int(0, 0).relating("conv_kernel"), conv_kernel=Int(0, 0).relating("conv_dim"),
+        **_MAMBA_KINDS)
+for label, cfg in (("conv-only", CONV_ONLY), ("recurrent-only", RECURRENT_ONLY)):
+    make = make_mamba_of(cfg)
+    variant("MambaCacheManager", "__init__", label, lambda: (None, None),
+            lambda _, cfg=cfg: {"config": cfg, "stream": None, "device": CPU},
+            config=Instance(), stream=Stream(), device=Choice(none_ok=True))
+    getter = "get_conv_state" if label == "conv-only" else "get_recurrent_state"
+    variant("MambaCacheManager", getter, label, make, lambda _: {"i": 1}, i=Index(2))
+    variant("MambaCacheManager", "clear_slot", label, make, lambda _: {"b": 1, "stream": None},
+            b=B3, stream=Stream())
+    for meth in ("capture_recurrent_states", "capture_conv_states"):
+        variant("MambaCacheManager", meth, label, make, lambda _: {"b": 1, "stream": None},
+                b=B3, stream=Stream())
+    rec = [] if label == "conv-only" else [rows((1, 1, 2, 3), np.float32, seed=i)
+                                           for i in range(2)]
+    conv = [rows((1, 4, 2), seed=i) for i in range(2)] if label == "conv-only" else []
+    variant("MambaCacheManager", "restore_states", label, make,
+            lambda _, rec=rec, conv=conv: {"recurrent": list(rec), "conv": list(conv), "b": 1,
+                                           "stream": None},
+            recurrent=(Absent(rows((1, 1, 2, 3), np.float32), empty=True) if not rec
+                       else Arrays(squeezable=True)),
+            conv=Absent(rows((1, 4, 2)), empty=True) if not conv else Arrays(squeezable=True),
+            b=B3, stream=Stream())
+variant("HybridCacheManager", "__init__", "mla-conv-only", lambda: (None, None),
+        lambda _: {"config": HYB_MLA, "stream": None, "device": CPU},
+        config=Instance(), stream=Stream(), device=Choice(none_ok=True))
+variant("HybridCacheManager", "get_conv_state", "mla-conv-only", make_hybrid_mla,
+        lambda _: {"i": 2}, i=Index(4))
+variant("KVCacheManager", "write_kv", "mla", make_kv_mla,
+        lambda _: {"layer": 1, "k": rows((2, 2, 1, 8)), "v": None, "seq_lengths": None,
+                   "positions": [[0, 1], [3, 4]], "k_scale": None, "v_scale": None,
+                   "stream": None},
+        layer=Index(2, none_ok=True).relating("v"), k=Array(), v=Absent(rows((2, 2, 1, 8))),
+        seq_lengths=Fixed("None is the valid value"), positions=Ints(-1, 5),
+        k_scale=OnlyNone(), v_scale=OnlyNone(), stream=Stream())
+variant("KVCacheManager", "restore_kv_cache", "mla", make_kv_mla,
+        lambda m: {"saved": [rows((2, 2, 3, 4), seed=2), rows((1, 1, 3, 8), seed=3)],
+                   "b": 2, "stream": None, "scales": None},
+        saved=Arrays(), b=B3, stream=Stream(), scales=Instance(none_ok=True))
+variant("HybridCacheManager", "write_kv", "mla", make_hybrid_mla,
+        lambda _: {"layer": 3, "k": rows((3, 1, 8)), "v": None, "seq_lengths": [2, 1],
+                   "positions": None, "k_scale": None, "v_scale": None, "stream": None},
+        layer=Index(4).relating("k", "v"), k=Array(), v=Absent(rows((3, 1, 8))),
+        seq_lengths=Ints(0, 4).relating("k"), positions=Fixed("None is valid with seq_lengths"),
+        k_scale=OnlyNone(), v_scale=OnlyNone(), stream=Stream())
+
+
+def make_cb_mla():
+    m = ContinuousBatchingKVCacheManager("float16", KVCacheStaticParams(1, 2, is_mla=True), 3,
+                                         6, 2, device=CPU)
+    m.blocks_buf.view(np.uint8)[...] = np.random.default_rng(0).integers(
+        0, 256, m.blocks_buf.view(np.uint8).shape, dtype=np.uint8)
+    ids = m.claim(2)
+    c = m.fetch(ids)
+    c.write(0, rows((2, 1, 1, 2)), None)
+    m.step([1, 1], c)
+    return m, m.fetch(ids)
+
+
+for meth, names in (("write", ("key", "value")), ("write_kv", ("k", "v"))):
+    extra = {} if meth == "write" else {"k_scale": None, "v_scale": None}
+    variant(COLL, meth, "mla", make_cb_mla,
+            lambda _, names=names, extra=extra: {"layer": 1, names[0]: rows((3, 1, 2)),
+                                                 names[1]: None, "seq_lengths": [2, 1],
+                                                 "stream": None, **extra},
+            layer=Index(2), seq_lengths=Ints(0, 5).relating(names[0]), stream=Stream(),
+            **{names[0]: Array(), names[1]: Absent(rows((3, 1, 2)))},
+            **({} if meth == "write" else {"k_scale": OnlyNone(), "v_scale": OnlyNone()}))
+
+
+def make_pool_mla():
+    p = PagedKVPool([KVLayerConfig(2, 4), LATENT], 6, 2, device=CPU)
+    for a in p.layers:
+        a.view(np.uint8)[...] = np.random.default_rng(0).integers(
+            0, 256, a.view(np.uint8).shape, dtype=np.uint8)
+    return p, p
+
+
+variant("PagedKVPool", "write_kv", "mla", make_pool_mla,
+        lambda _: {"k": rows((4, 1, 8)), "v": None, **_POOL_WRITE},
+        k=Array(), v=Absent(rows((4, 1, 8))), layer=Index(2, none_ok=True).relating("k", "v"),
+        block_table=Array(bad_dtypes=(np.int64, np.float32)),
+        seq_offsets=Junk(), uniform_tokens=Int(1).relating("seq_offsets"), batch=Junk(),
+        cache_lengths=Junk(), positions=Junk(), k_scale=OnlyNone(), v_scale=OnlyNone(),
+        status=Junk(), stream=Stream())
+_CTX_MLA = dict(_CTX_ARGS, kv_layer_configs=[KVLayerConfig(1, 4, components=1)],
+                conv_states_shape=None)
+
+
+def make_ctx_mla():
+    ctx = DynamicInferenceContext(**_CTX_MLA)
+    rng = np.random.default_rng(0)
+    for a in (ctx.mamba_ssm_states, *ctx.kv_pool.layers):
+        a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, np.uint8)
+    ctx.add_request("a", [1, 2, 3, 4, 5])
+    ctx.commit_step()
+    ctx.extend_request("a", [6])
+    ctx.add_request("c", [1, 2, 3, 4, 9])
+    return ctx, ctx
+
+
+variant(CTX, "__init__", "mla-no-conv", lambda: (None, None), lambda _: dict(_CTX_MLA),
+        **dict(CASES[(CTX, "__init__")].kinds, conv_states_shape=Junk()))
+variant(CTX, "write_kv", "mla-no-conv", make_ctx_mla,
+        lambda _: {"request_ids": ["a", "c"], "k": rows((2, 1, 4)), "v": None, "layer": 0,
+                   "k_scale": None, "v_scale": None, "stream": None},
+        request_ids=Keys(), k=Array(), v=Absent(rows((2, 1, 4))),
+        layer=Index(1, none_ok=True).relating("k", "v"), k_scale=OnlyNone(),
+        v_scale=OnlyNone(), stream=Stream())
+variant(MSA, "restore_to_live", "mla-no-conv", lambda: (lambda c: (c, c.mamba_slot_allocator))(
+            make_ctx_mla()[0]),
+        lambda m: {"request_idx": 0, "block_id": _msa_state_block(m), "stream": None},
+        request_idx=Index(3), block_id=Index(12), stream=Stream())
+
+
+def _hf_variant(label, config_dict):
+    variant("HybridCacheConfig", "from_hf_config", label, lambda: (None, HybridCacheConfig),
+            lambda _: {"config_dict": dict(config_dict), "max_batch_size": 2,
+                       "max_sequence_length": 4, "kv_dtype": "float16", "ssm_dtype": "float32",
+                       "conv_dtype": None},
+            **CASES[("HybridCacheConfig", "from_hf_config")].kinds)
+
+
+def _hf_families():
+    from test_hf_config_mla import DEEPSEEK_V2_LITE
+    from test_hf_families import LFM2_1_2B, MINIMAX_M1
+
+    for label, cfg in (("mla", DEEPSEEK_V2_LITE), ("conv-only", LFM2_1_2B),
+                       ("recurrent-only", MINIMAX_M1)):
+        _hf_variant(label, cfg)
+
+
+_hf_families()

@@ -163,6 +163,22 @@ class OnlyNone(Kind):
         return st.sampled_from([0.5, 1.0, "x", object(), np.ones(2, np.float32), True])
 
 
+class Absent(Kind):
+    """A part the object does not have: only None (the V of a latent MLA layer) or, with
+    ``empty``, only an empty sequence (the states of a kind the layers lack); ``like`` is what
+    the part would be if it existed, the first value refused."""
+
+    def __init__(self, like, *, empty=False):
+        self.like, self.empty = like, empty
+        self.none_ok = not empty
+
+    def bad(self, valid):
+        values = [[self.like], 1.0, "x", object()]
+        if not self.empty:
+            values += [self.like, np.zeros(1, np.float16)]
+        return st.one_of(st.sampled_from(values), self._junk())
+
+
 class Junk(Kind):
     """An optional argument whose valid values the case does not build (a device index array,
     a count): only values no such argument takes (a float, a string, a list, an object)."""

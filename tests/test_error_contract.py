@@ -24,7 +24,7 @@ import re
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from error_contract_cases import CASES
+from error_contract_cases import CASES, VARIANTS
 from error_contract_kinds import Fixed, first_difference, snapshot
 from hypothesis import given, settings
 
@@ -87,45 +87,48 @@ for _key in PUBLIC:
         SKIPPED[_key] = NO_ARGUMENTS
 
 
+ALL = {**CASES, **VARIANTS}    # key[:2]: (owner, method) of the callable
+
+
 def test_every_public_callable_has_a_case():
     missing = sorted(k for k in PUBLIC if k not in CASES and k not in SKIPPED)
     assert not missing, f"public callables without an error-contract case: {missing}"
-    stale = sorted(k for k in CASES if k not in PUBLIC)
+    stale = sorted(k for k in ALL if k[:2] not in PUBLIC)
     assert not stale, f"cases of callables that are not public: {stale}"
     for key, reason in SKIPPED.items():
         if reason == NO_ARGUMENTS:
             assert not _parameters(key), key
 
 
-@pytest.mark.parametrize("key", sorted(CASES), ids="-".join)
+@pytest.mark.parametrize("key", sorted(ALL), ids="-".join)
 def test_every_parameter_has_a_kind(key):
-    names = {p.name for p in _parameters(key) if p.kind is not p.VAR_KEYWORD}
-    kinds = CASES[key].kinds
+    names = {p.name for p in _parameters(key[:2]) if p.kind is not p.VAR_KEYWORD}
+    kinds = ALL[key].kinds
     assert names <= set(kinds), f"parameters without a kind: {sorted(names - set(kinds))}"
 
 
 def _call(key, target, kwargs):
-    owner, method = key
+    owner, method = key[:2]
     if method in ("", "__init__"):      # a function, or a constructor
         return getattr(hcache, owner)(**kwargs)
     return getattr(target, method)(**kwargs)
 
 
-@pytest.mark.parametrize("key", sorted(CASES), ids="-".join)
+@pytest.mark.parametrize("key", sorted(ALL), ids="-".join)
 def test_valid_calls_succeed(key):
     """The unperturbed call of each case is valid (so a perturbed one tests one argument)."""
-    case = CASES[key]
+    case = ALL[key]
     _, target = case.make()
     _call(key, target, case.args(target))
 
 
-FUZZED = sorted(k for k, c in CASES.items()
+FUZZED = sorted(k for k, c in ALL.items()
                 if any(not isinstance(kind, Fixed) for kind in c.kinds.values()))
 
 
 def check_refused(key, name, value):
     """Call ``key`` with argument ``name`` replaced by ``value``; check the contract."""
-    case = CASES[key]
+    case = ALL[key]
     root, target = case.make()
     kwargs = case.args(target)
     kwargs[name] = value
@@ -149,7 +152,7 @@ def check_refused(key, name, value):
 @settings(max_examples=20)
 @given(data=st.data())
 def test_bad_argument_is_refused_and_changes_nothing(key, data):
-    case = CASES[key]
+    case = ALL[key]
     names = sorted(n for n, k in case.kinds.items() if not isinstance(k, Fixed))
     name = data.draw(st.sampled_from(names), label="argument")
     _, target = case.make()
@@ -214,6 +217,20 @@ REGRESSIONS = [
     (("Device", "__init__"), "index", -1),
     (("LayerType", "__init__"), "value", "bogus"),
     (("compute_block_hashes", ""), "tokens", [1, 2, True]),
+    # merged with issue 13: latent (MLA) layers take no V, a missing state is no excuse
+    (("KVCacheManager", "write_kv", "mla"), "v", np.zeros((2, 2, 1, 8), np.float16)),
+    (("HybridCacheManager", "write_kv", "mla"), "v", np.zeros((3, 1, 8), np.float16)),
+    (("PagedKVPool", "write_kv", "mla"), "v", np.zeros((4, 1, 8), np.float16)),
+    (("ContinuousBatchingKVCacheCollection", "write", "mla"), "value",
+     np.zeros((3, 1, 2), np.float16)),
+    (("DynamicInferenceContext", "write_kv", "mla-no-conv"), "v", np.zeros((2, 1, 4), np.float16)),
+    (("MambaCacheConfig", "__init__", "conv-only"), "head_dim", 1),
+    (("MambaCacheConfig", "__init__", "recurrent-only"), "conv_kernel", 2),
+    (("MambaCacheManager", "capture_conv_states", "recurrent-only"), "stream", "s"),
+    (("MambaCacheManager", "restore_states", "conv-only"), "stream", -1),
+    (("MambaCacheManager", "restore_states", "conv-only"), "recurrent",
+     [np.zeros((1, 1, 2, 3), np.float32)] * 2),
+    (("KVCacheStaticParams", "__init__", "mla"), "is_mla", 1),
 ]
 
 
@@ -236,3 +253,27 @@ def test_messages_name_the_callers_argument_exactly():
     with pytest.raises(TypeError, match=r"^block_ids_list: expected a 1-D sequence of ints, "
                                         r"got NoneType$"):
         alloc.on_kv_blocks_deregistered(None, set())
+
+
+def test_a_missing_part_is_refused_naming_the_layer_argument():
+    """A view of a state or a plane the layer does not have (issue 13's latent layers and
+    missing states) is refused as a bad ``i``."""
+    from error_contract_cases import CONV_ONLY, RECURRENT_ONLY, make_hybrid_mla, make_mamba_of
+
+    hybrid, _ = make_hybrid_mla()
+    with pytest.raises(ValueError, match=r"^i: expected a layer with separate K and V, "
+                                         r"got layer 3, a latent"):
+        hybrid.get_separate_kv_cache(3)
+    with pytest.raises(ValueError, match=r"^i: expected a layer with a recurrent state, "
+                                         r"got layer 0, a conv-only"):
+        hybrid.get_recurrent_state(0)
+    conv_only, _ = make_mamba_of(CONV_ONLY)()
+    with pytest.raises(ValueError, match=r"^i: expected a layer with a recurrent state"):
+        conv_only.get_recurrent_state(1)
+    assert conv_only.capture_recurrent_states(1) == []
+    lightning, _ = make_mamba_of(RECURRENT_ONLY)()
+    with pytest.raises(ValueError, match=r"^i: expected a layer with a conv state"):
+        lightning.get_conv_state(0)
+    with pytest.raises(ValueError, match=r"^head_dim: expected 0 since num_heads and "
+                                         r"state_size are 0 .*got 2$"):
+        hcache.MambaCacheConfig(1, 2, 0, 2, 0, 4, 2)

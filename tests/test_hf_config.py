@@ -239,7 +239,8 @@ def test_zamba2_2_7b_hybrid_layers_own_kv_and_mamba():
 
 
 def test_zamba2_head_dims_come_from_fields_then_from_twice_hidden_over_heads():
-    given_fields = build({**ZAMBA2_2_7B, "attention_head_dim": 96, "mamba_headdim": 32})
+    given_fields = build({**ZAMBA2_2_7B, "attention_head_dim": 96, "mamba_headdim": 32,
+                          "n_mamba_heads": 160})
     assert given_fields.kv.layer_configs[0].head_dim == 96
     assert given_fields.mamba.head_dim == 32
     derived = {k: v for k, v in ZAMBA2_2_7B.items()

@@ -52,6 +52,10 @@ def _emulated(machine):
 TestUniform = _emulated(managers.UniformMachine).TestCase
 TestHybrid = _emulated(managers.HybridMachine).TestCase
 TestDtypes = _emulated(managers.DtypeMachine).TestCase
+TestShortConv = _emulated(managers.ShortConvMachine).TestCase
+TestLightning = _emulated(managers.LightningMachine).TestCase
+TestLatent = _emulated(managers.LatentMachine).TestCase
+TestMLA = _emulated(managers.MLAMachine).TestCase
 TestMambaCache = _emulated(mamba.MambaCacheMachine).TestCase
 TestMambaCache.settings = mamba.TestMambaCacheLRU.settings
 
@@ -83,6 +87,10 @@ def test_paged_pool_writes_and_block_copies(emulated):
 def test_prefix_caching_end_to_end(emulated):
     e2e.test_overlapping_prompts("cpu")
     e2e.test_multi_turn_continuation("cpu")
+
+
+def test_prefix_caching_with_latent_layers(emulated, monkeypatch):
+    e2e.test_latent_layers_end_to_end("cpu", monkeypatch)
 
 
 @pytest.mark.parametrize("policy", ["lru", "ref_zero"])

@@ -1,7 +1,8 @@
 """Stateful tests of the contiguous-slot managers against a NumPy model of their whole state.
 
 One ``RuleBasedStateMachine`` per layout (uniform ``LinearKVCache``, heterogeneous head dims,
-hybrid with ATTENTION_AND_MAMBA / NONE / kv_sharing, pure Mamba, and every dtype). Rules drive
+hybrid with ATTENTION_AND_MAMBA / NONE / kv_sharing, pure Mamba, every dtype, latent MLA layers
+mixed with K/V layers and a model of latent layers only). Rules drive
 writes through the routed views (as a runtime would), reset / commit / set_active / compact,
 prompt-cache capture and restore; rejected calls are rules too and must leave every byte, the
 active batch and the all-empty flag unchanged. The invariant ``state_matches_model`` (run by
@@ -51,6 +52,21 @@ def other_dtype(a):
     return np.float32 if a.dtype != np.float32 else np.float16
 
 
+def mamba_kinds(mcfg, recurrent, conv) -> list:
+    """The state getters of the kinds a MambaCacheConfig has, recurrent first."""
+    if mcfg is None:
+        return []
+    return ([recurrent] if mcfg.has_recurrent_state else []) + (
+        [conv] if mcfg.has_conv_state else [])
+
+
+def state_counts(mcfg, n) -> tuple[int, int]:
+    """How many recurrent and conv tensors a capture returns."""
+    if mcfg is None:
+        return 0, 0
+    return (n if mcfg.has_recurrent_state else 0), (n if mcfg.has_conv_state else 0)
+
+
 def hybrid_setup(machine, m):
     """Routes of a HybridCacheManager: every attention / Mamba layer by absolute index."""
     cfg = m.config
@@ -61,13 +77,12 @@ def hybrid_setup(machine, m):
                           owners.index(cfg.kv_sharing.get(i, i)))
                          for i, t in enumerate(cfg.layer_types) if t.has_attention]
     mamba = [i for i, t in enumerate(cfg.layer_types) if t.has_mamba]
-    machine.state_views = ([m.get_recurrent_state(i) for i in mamba]
-                           + [m.get_conv_state(i) for i in mamba])
-    machine.state_routes = ([(lambda i=i: m.get_recurrent_state(i), j)
-                             for j, i in enumerate(mamba)]
-                            + [(lambda i=i: m.get_conv_state(i), len(mamba) + j)
-                               for j, i in enumerate(mamba)])
-    machine.n_mamba = len(mamba)
+    # Only the kinds of state the layers have (LFM2: conv only; MiniMax: recurrent only).
+    kinds = mamba_kinds(cfg.mamba, m.get_recurrent_state, m.get_conv_state)
+    routes = [(get, i) for get in kinds for i in mamba]
+    machine.state_views = [get(i) for get, i in routes]
+    machine.state_routes = [(lambda get=get, i=i: get(i), j) for j, (get, i) in enumerate(routes)]
+    machine.n_states = state_counts(cfg.mamba, len(mamba))
     # write_kv(layer): the decoder layers that own a cache, with their model index
     machine.write_layers = [(layer, j) for j, layer in enumerate(owners)]
     machine.capture_kv = m.capture_kv_cache
@@ -86,12 +101,12 @@ def linear_setup(machine, m):
     machine.kv_routes = [(lambda i=i: m.get_combined_kv_cache_for_decoder_layer(i), i)
                          for i in range(cfg.num_attention_layers)]
     n = cfg.num_mamba_layers
-    machine.state_views = ([m.get_ssm_state_for_layer(i) for i in range(n)]
-                           + [m.get_conv_state_for_layer(i) for i in range(n)])
-    machine.state_routes = ([(lambda i=i: m.get_ssm_state_for_layer(i), i) for i in range(n)]
-                            + [(lambda i=i: m.get_conv_state_for_layer(i), n + i)
-                               for i in range(n)])
-    machine.n_mamba = n
+    mcfg = m._mamba.config if n else None
+    kinds = mamba_kinds(mcfg, m.get_ssm_state_for_layer, m.get_conv_state_for_layer)
+    routes = [(get, i) for get in kinds for i in range(n)]
+    machine.state_views = [get(i) for get, i in routes]
+    machine.state_routes = [(lambda get=get, i=i: get(i), j) for j, (get, i) in enumerate(routes)]
+    machine.n_states = state_counts(mcfg, n)
     machine.write_layers = [(i, i) for i in range(cfg.num_attention_layers)]
     machine.capture_kv = machine.restore_kv = None
     machine.capture_mamba = lambda b: (m.capture_ssm_states(b), m.capture_conv_states(b))
@@ -198,7 +213,7 @@ class ManagerMachine(RuleBasedStateMachine):
             k = random_bytes(seed + 2 * i, shape + (cache.itemsize,)).view(cache.dtype)
             v = random_bytes(seed + 2 * i + 1, shape + (cache.itemsize,)).view(cache.dtype)
             ks.append(k.reshape(shape))
-            vs.append(v.reshape(shape))
+            vs.append(v.reshape(shape) if cache.shape[1] == 2 else None)   # latent: no V
             t = 0
             for b, pos in enumerate(positions):
                 for p in pos:
@@ -207,6 +222,8 @@ class ManagerMachine(RuleBasedStateMachine):
                     t += 1
         if layer is not None:
             ks, vs = ks[0], vs[0]
+        elif all(v is None for v in vs) and data.draw(st.booleans()):
+            vs = None   # every layer latent: v=None stands for the list of Nones
         return (None if layer is None else layer[0]), ks, vs, kwargs, placed
 
     @rule(data=st.data(), seed=SEEDS)
@@ -219,11 +236,12 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.write_kv(layer, ks, vs, **kwargs)
         for j, b, p, t, i in placed:
             k = ks[i] if layer is None else ks
-            v = vs[i] if layer is None else vs
+            v = (vs[i] if vs is not None else None) if layer is None else vs
             rows_k = k.reshape(-1, *k.shape[-2:]).view(np.uint8)
-            rows_v = v.reshape(-1, *v.shape[-2:]).view(np.uint8)
             self.kv[j][b, 0, :, p] = rows_k[t]
-            self.kv[j][b, 1, :, p] = rows_v[t]
+            if v is not None:
+                rows_v = v.reshape(-1, *v.shape[-2:]).view(np.uint8)
+                self.kv[j][b, 1, :, p] = rows_v[t]
 
     @precondition(lambda self: self.active)
     @rule(data=st.data(), seed=SEEDS)
@@ -396,7 +414,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def capture_mamba_states(self, data):
         b = data.draw(st.integers(0, self.B - 1))
         rec, conv = self.capture_mamba(b)
-        assert len(rec) == len(conv) == self.n_mamba
+        assert (len(rec), len(conv)) == self.n_states
         for t, model in zip(rec + conv, self.states, strict=True):
             assert t.view(np.uint8).shape == (1,) + model.shape[1:]
             np.testing.assert_array_equal(t.view(np.uint8)[0], model[b])
@@ -490,6 +508,30 @@ class PureMambaMachine(ManagerMachine):
                        conv="float32")
 
 
+class ShortConvMachine(ManagerMachine):
+    """LFM2's layout: attention and short-convolution layers (a conv state, no recurrent)."""
+
+    def build(self, data):
+        return _hybrid([M, A, M, M, A], [KVLayerConfig(2, 8), KVLayerConfig(2, 8)],
+                       (3, 0, 0, 0, 12, 3), 4, 8, conv="bfloat16")
+
+
+class LightningMachine(ManagerMachine):
+    """MiniMax's layout: lightning attention (a [heads, d, d] state, no conv) and softmax
+    attention layers."""
+
+    def build(self, data):
+        return _hybrid([M, M, A, M, A], [KVLayerConfig(1, 16), KVLayerConfig(1, 16)],
+                       (3, 2, 4, 4, 0, 0), 4, 8)
+
+
+class ShortConvUniformMachine(ManagerMachine):
+    def build(self, data):
+        cfg = LinearCacheConfig(2, 3, 8, 2, 8, dtype="float16", num_mamba_layers=2,
+                                conv_dim=6, conv_kernel=3)
+        return LinearKVCache(cfg, device="cpu")
+
+
 class DtypeMachine(ManagerMachine):
     def build(self, data):
         kv_dtype, ssm, conv = (data.draw(st.sampled_from(DTYPE_NAMES)) for _ in range(3))
@@ -498,12 +540,43 @@ class DtypeMachine(ManagerMachine):
                        ssm=ssm, conv=conv)
 
 
+def _latent(head_dim):
+    return KVLayerConfig(1, head_dim, components=1)
+
+
+class LatentMachine(ManagerMachine):
+    """Latent (MLA) layers mixed with K/V layers, Mamba and a NONE layer; one latent layer
+    shares its head dim with a K/V layer (two groups), two latent layers share one group."""
+
+    def build(self, data):
+        types = [A, M, A, N, A, AM]
+        layers = [_latent(24), KVLayerConfig(2, 8), _latent(24), _latent(8)]
+        return _hybrid(types, layers, (2, 2, 2, 3, 3, 2), 4, 10,
+                       kv_dtype=data.draw(st.sampled_from(["float16", "float8_e4m3fn",
+                                                           "float32"])))
+
+
+class MLAMachine(ManagerMachine):
+    """A DeepSeek-like model: latent layers only (``v=None`` writes every layer), NONE layers
+    between them, every dtype."""
+
+    def build(self, data):
+        kv_dtype = data.draw(st.sampled_from(DTYPE_NAMES))
+        return _hybrid([A, N, A, A], [_latent(36)] * 3, None, 3, 9, kv_dtype=kv_dtype)
+
+
 _SETTINGS = settings(stateful_step_count=30)
 TestUniform = UniformMachine.TestCase
 TestHeterogeneous = HeterogeneousMachine.TestCase
 TestHybrid = HybridMachine.TestCase
 TestPureMamba = PureMambaMachine.TestCase
 TestDtypes = DtypeMachine.TestCase
-for _case in (TestUniform, TestHeterogeneous, TestHybrid, TestPureMamba, TestDtypes):
+TestShortConv = ShortConvMachine.TestCase
+TestLightning = LightningMachine.TestCase
+TestShortConvUniform = ShortConvUniformMachine.TestCase
+TestLatent = LatentMachine.TestCase
+TestMLA = MLAMachine.TestCase
+for _case in (TestUniform, TestHeterogeneous, TestHybrid, TestPureMamba, TestDtypes,
+              TestShortConv, TestLightning, TestShortConvUniform, TestLatent, TestMLA):
     _case.settings = _SETTINGS
 del _case

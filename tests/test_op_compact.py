@@ -41,7 +41,8 @@ from kernel_cases import (
 
 
 @st.composite
-def compaction_cases(draw):
+def compaction_cases(draw, components=(2,)):
+    """A compaction of caches with ``components`` (2: K and V, 1: latent) planes."""
     max_batch, old_batch, new_batch, mapping = draw(injective_mappings())
     dtype = draw(dtypes)
     head_dim = draw(st.sampled_from(HEAD_DIMS))
@@ -54,12 +55,14 @@ def compaction_cases(draw):
                                     dtypes), min_size=0, max_size=3))
     return dict(max_batch=max_batch, old=old_batch, new=new_batch, mapping=mapping,
                 dtype=dtype, head_dim=head_dim, seq=seq, heads=heads,
+                components=draw(st.sampled_from(components)),
                 lengths=np.asarray(lengths, np.int32), mamba=mamba,
                 misalign=draw(misaligns), seed=draw(st.integers(0, 2**32 - 1)))
 
 
 def _compaction_state(arena, c, xp):
-    layers = [arena.array((c["max_batch"], 2, h, c["seq"], c["head_dim"]), c["dtype"],
+    layers = [arena.array((c["max_batch"], c.get("components", 2), h, c["seq"], c["head_dim"]),
+                          c["dtype"],
                           misalign=c["misalign"] * c["dtype"].itemsize) for h in c["heads"]]
     states = [arena.array((c["max_batch"], *shape), dt, misalign=c["misalign"])
               for shape, dt in c["mamba"]]
@@ -124,6 +127,16 @@ def test_compaction_matches_reference_and_model(kind, c):
                     ref_state[0] + ref_state[1] + [ref_state[2]]):
         assert_same_bytes(e, r)
     k_arena.check_canaries()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@settings(max_examples=60)
+@given(c=compaction_cases(components=(1,)))
+def test_latent_compaction_matches_reference_and_model(kind, c):
+    """Latent caches (``[slots, 1, H, S, D]``): the kernels move each kept slot's one plane
+    exactly as the reference and the scratch-copy model, and touch nothing past the buffers
+    (a two-plane stride would run off the end of the last slot)."""
+    test_compaction_matches_reference_and_model.hypothesis.inner_test(kind, c)
 
 
 @pytest.mark.parametrize("kind", BACKENDS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hcache import ops
@@ -35,9 +35,10 @@ from kernel_cases import (
 
 
 @st.composite
-def prefix_cases(draw):
+def prefix_cases(draw, components=(2,)):
     seq = draw(st.integers(1, 6))
-    return dict(dtype=draw(dtypes), head_dim=draw(st.sampled_from(HEAD_DIMS)), seq=seq,
+    return dict(components=draw(st.sampled_from(components)), dtype=draw(dtypes),
+                head_dim=draw(st.sampled_from(HEAD_DIMS)), seq=seq,
                 slots=draw(st.integers(1, 4)),
                 heads=draw(st.lists(st.integers(1, 3), min_size=1, max_size=3)),
                 slot=draw(st.integers(-2, 5)), n=draw(st.integers(0, seq + 2)),
@@ -56,10 +57,11 @@ def test_prefix_copy_matches_reference_and_model(kind, to_cache, c):
     n = min(c["n"], c["seq"] + 2)
 
     def state(arena):
-        layers = [arena.array((c["slots"], 2, h, c["seq"], c["head_dim"]), c["dtype"],
+        comps = c["components"]
+        layers = [arena.array((c["slots"], comps, h, c["seq"], c["head_dim"]), c["dtype"],
                               misalign=c["misalign"] * c["dtype"].itemsize)
                   for h in c["heads"]]
-        compact = [arena.array((2, h, n, c["head_dim"]), c["dtype"]) for h in c["heads"]]
+        compact = [arena.array((comps, h, n, c["head_dim"]), c["dtype"]) for h in c["heads"]]
         return layers, compact, arena.array((1,), np.int32, fill="zeros")
 
     rl, rc, rstat = state(ref_arena)
@@ -81,6 +83,33 @@ def test_prefix_copy_matches_reference_and_model(kind, to_cache, c):
     want_bad = 0 if valid or n == 0 else len(c["heads"])
     assert int(rstat[0]) == int(kstat[0]) == want_bad
     k_arena.check_canaries()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@pytest.mark.parametrize("to_cache", [False, True], ids=["capture", "restore"])
+@settings(max_examples=40)
+@given(c=prefix_cases(components=(1,)))
+def test_latent_prefix_copy_matches_reference_and_model(kind, to_cache, c):
+    """Latent caches and compact tensors ``[1, H, n, D]``, both directions, slots and lengths
+    in and out of range: kernel = reference = slicing model, canaries intact."""
+    test_prefix_copy_matches_reference_and_model.hypothesis.inner_test(kind, to_cache, c)
+
+
+@pytest.mark.parametrize("kind", WITH_REFERENCE)
+def test_latent_capture_checks_the_component_count(kind):
+    """A latent group's compact tensors have one plane: a two-plane tensor is refused before
+    anything is copied, and a round trip moves exactly the latent rows."""
+    xp, backend = kernel_env(kind)
+    rng = np.random.default_rng(5)
+    cache = on(xp, rng.standard_normal((3, 1, 1, 6, 576)).astype(np.float16))
+    group = KVGroup([cache])
+    with pytest.raises(ValueError, match=r"compact\[0\]: expected shape \[1, 1, n, 576\]"):
+        ops.kv_capture(group, 1, 4, [xp.zeros((2, 1, 4, 576), np.float16)], backend=backend)
+    out = [xp.zeros((1, 1, 4, 576), np.float16)]
+    ops.kv_capture(group, 1, 4, out, backend=backend)
+    np.testing.assert_array_equal(host(out[0]), host(cache)[1, :, :, :4])
+    ops.kv_restore(group, out, 2, backend=backend)
+    np.testing.assert_array_equal(host(cache)[2, :, :, :4], host(cache)[1, :, :, :4])
 
 
 @pytest.mark.parametrize("kind", WITH_REFERENCE)

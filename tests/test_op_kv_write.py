@@ -41,7 +41,8 @@ INT32_MAX = 2**31 - 1
 
 
 @st.composite
-def write_cases(draw, modes=("ragged", "positions", "paged", "nhd", "decode")):
+def write_cases(draw, modes=("ragged", "positions", "paged", "nhd", "decode"), components=(2,)):
+    """A write of ``components`` (2: K and V; 1: a latent cache, rows in ``k`` only)."""
     mode = draw(st.sampled_from(modes))
     layout = "NHD" if mode == "nhd" else "HND"
     if mode == "decode":
@@ -106,6 +107,7 @@ def write_cases(draw, modes=("ragged", "positions", "paged", "nhd", "decode")):
         if no_lengths:
             lengths = [0] * batch
     return dict(mode=mode, dtype=dtype, head_dim=head_dim, seq=seq, slots=slots, batch=batch,
+                components=draw(st.sampled_from(components)),
                 identity=identity, no_lengths=no_lengths, layout=layout,
                 counts=counts, tokens=tokens, heads=heads, lengths=lengths, rows=rows,
                 positions=positions, width=width, table=table,
@@ -117,21 +119,22 @@ def _write_state(arena, c, *, labels=None, rows_of=None):
     """The caches (``keep``: the buffers to compare), K/V rows, keyword arguments and status of
     case ``c``; ``labels`` are the group's layer_indices, ``rows_of(arena, shape)`` makes a
     K/V row array (default: random bytes of the cache dtype)."""
-    dt, d, s = c["dtype"], c["head_dim"], c["seq"]
+    dt, d, s, comps = c["dtype"], c["head_dim"], c["seq"], c["components"]
     mis = c["misalign"] * dt.itemsize
     if c["layout"] == "NHD":
-        buf = arena.array((c["slots"], 2, len(c["heads"]), s, c["heads"][0], d), dt,
+        buf = arena.array((c["slots"], comps, len(c["heads"]), s, c["heads"][0], d), dt,
                           misalign=mis)
         layers = [buf[:, :, i] for i in range(len(c["heads"]))]
         group, keep = KVGroup(layers, layout="NHD", layer_indices=labels), [buf]
     else:
-        layers = [arena.array((c["slots"], 2, h, s, d), dt, misalign=mis) for h in c["heads"]]
+        layers = [arena.array((c["slots"], comps, h, s, d), dt, misalign=mis)
+                  for h in c["heads"]]
         group, keep = KVGroup(layers, layer_indices=labels), layers
     if rows_of is None:
         def rows_of(arena, shape):
             return arena.array(shape, dt)
     k = [rows_of(arena, (c["tokens"], h, d)) for h in c["heads"]]
-    v = [rows_of(arena, (c["tokens"], h, d)) for h in c["heads"]]
+    v = [rows_of(arena, (c["tokens"], h, d)) if comps == 2 else None for h in c["heads"]]
     offsets = arena.int32(np.concatenate([[0], np.cumsum(c["counts"])]).astype(np.int32))
     kwargs = dict(batch=c["batch"], cache_lengths=arena.int32(c["lengths"]))
     if c["mode"] == "decode":
@@ -157,7 +160,8 @@ def _write_state(arena, c, *, labels=None, rows_of=None):
 
 
 def _naive_write(c, layers, k, v, layout):
-    """Token-by-token model of kernels/kv_write.cu; returns the number of reported tokens."""
+    """Token-by-token model of kernels/kv_write.cu (V only when there is a V plane); returns
+    the number of reported tokens."""
     out = [a.copy() for a in layers]
     offsets = np.concatenate([[0], np.cumsum(c["counts"])])
     reported = 0
@@ -190,12 +194,12 @@ def _naive_write(c, layers, k, v, layout):
             if bad or not (0 <= slot < c["slots"]) or p >= cap:
                 reported += j == 0
                 continue
-            if layout == "HND":
-                layer[slot, 0, :, p] = k[j][t]
-                layer[slot, 1, :, p] = v[j][t]
-            else:
-                layer[slot, 0, p] = k[j][t]
-                layer[slot, 1, p] = v[j][t]
+            planes = [k[j]] if c["components"] == 1 else [k[j], v[j]]
+            for kv, rows in enumerate(planes):
+                if layout == "HND":
+                    layer[slot, kv, :, p] = rows[t]
+                else:
+                    layer[slot, kv, p] = rows[t]
     return out, reported
 
 
@@ -242,6 +246,39 @@ def test_kv_write_decode_matches_reference_and_model(kind, c):
     range): the kernel, the reference (whose fast paths these are) and the token-by-token model
     agree."""
     test_kv_write_matches_reference_and_model.hypothesis.inner_test(kind, c)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@settings(max_examples=60)
+@given(c=write_cases(components=(1,)))
+def test_kv_write_latent_matches_reference_and_model(kind, c):
+    """Latent caches (one component: ``[slots, 1, H, S, D]``, rows in ``k``, ``v`` None) in
+    every mode, HND and NHD, one layer or all: the kernel writes exactly the latent rows where
+    the reference and the token-by-token model put them, and never outside the buffers."""
+    test_kv_write_matches_reference_and_model.hypothesis.inner_test(kind, c)
+
+
+@pytest.mark.parametrize("kind", WITH_REFERENCE)
+def test_kv_write_latent_takes_no_v_and_kv_groups_need_one(kind):
+    """A latent group refuses V rows, a K/V group refuses ``v=None``; ``v=None`` for every
+    layer of a latent group is the list of Nones."""
+    xp, backend = kernel_env(kind)
+    latent = [xp.zeros((2, 1, 1, 4, 8), np.float16) for _ in range(2)]
+    paired = xp.zeros((2, 2, 1, 4, 8), np.float16)
+    rows = xp.ones((1, 1, 8), np.float16)
+    kw = dict(uniform_tokens=1, batch=1, backend=backend)
+    with pytest.raises(ValueError, match=r"v\[0\]: expected None"):
+        ops.kv_write(KVGroup(latent), rows, rows, layers=0, **kw)
+    with pytest.raises(ValueError, match=r"v: expected V rows"):
+        ops.kv_write(KVGroup([paired]), rows, None, layers=0, **kw)
+    with pytest.raises(ValueError, match=r"v: expected V rows"):
+        ops.kv_write(KVGroup([paired]), [rows], None, **kw)
+    assert not any(host(a).any() for a in latent + [paired])
+    ops.kv_write(KVGroup(latent), [rows, 2 * rows], None, **kw)
+    for j, a in enumerate(latent):
+        want = np.zeros((2, 1, 1, 4, 8), np.float16)
+        want[0, 0, 0, 0] = j + 1
+        np.testing.assert_array_equal(host(a), want)
 
 
 @st.composite

@@ -166,8 +166,8 @@ def test_hand_computed_bytes(kind, fp8, cases, src):
 # --- random writes: the kernel against the reference and the token-by-token model ----------
 
 @st.composite
-def fp8_cases(draw):
-    c = draw(write_cases())
+def fp8_cases(draw, components=(2,)):
+    c = draw(write_cases(components=components))
     fp8 = draw(st.sampled_from(FP8))
     src = draw(st.sampled_from(SRC))
     c.update(dtype=fp8, src=src, scale_kind=draw(st.sampled_from(["float", "layer", "head"])),
@@ -232,7 +232,8 @@ def test_kv_write_fp8_matches_reference_and_model(kind, c):
     picked = [li] if c["single"] else list(range(len(c["heads"])))
     qk = [oracle(rk[j], _layer_scale(k_scale, c["labels"][j], c["heads"][j]), c["dtype"])
           for j in picked]
-    qv = [oracle(rv[j], _layer_scale(v_scale, c["labels"][j], c["heads"][j]), c["dtype"])
+    qv = [None if rv[j] is None else
+          oracle(rv[j], _layer_scale(v_scale, c["labels"][j], c["heads"][j]), c["dtype"])
           for j in picked]
     before = [rg.layers[j].copy() for j in picked]
     expected, reported = _naive_write(c, before, qk, qv, rg.layout)
@@ -251,6 +252,15 @@ def test_kv_write_fp8_matches_reference_and_model(kind, c):
             np.testing.assert_array_equal(as_bytes(e), as_bytes(rg.layers[j]))
         assert int(rstatus[0]) == reported
     k_arena.check_canaries()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@settings(max_examples=40)
+@given(c=fp8_cases(components=(1,)))
+def test_kv_write_fp8_latent_matches_reference_and_model(kind, c):
+    """Quantizing writes into latent caches (one component, ``v`` None, ``k_scale`` only
+    used): as the K/V case, kernel = reference = model, canaries intact."""
+    test_kv_write_fp8_matches_reference_and_model.hypothesis.inner_test(kind, c)
 
 
 # --- every head dim the kernel tests use, both formats, every source type --------------------

@@ -44,6 +44,8 @@ def test_nhd_group_takes_strides_from_views():
     ([np.zeros((2, 3, 1, 4, 8))], r"layers\[0\]: expected shape"),
     ([np.zeros((2, 2, 1, 4, 8)), np.zeros((2, 2, 1, 4, 16))], r"layers\[1\]: expected dtype"),
     ([np.zeros((2, 2, 1, 4, 8), np.float16)[:, :, :, ::2]], r"layers\[0\]: expected a C-cont"),
+    ([np.zeros((2, 1, 1, 4, 8)), np.zeros((2, 2, 1, 4, 8))],
+     r"layers\[1\]: expected shape \[slots, 1, \., \., D\] \(components as layers\[0\]\)"),
 ])
 def test_kv_group_validation(layers, msg):
     """Bad layer lists are refused with a ValueError naming the layer."""
@@ -65,6 +67,17 @@ def test_slot_set_validation_and_sizes():
 def test_head_dim_groups_keep_first_seen_order():
     """Layers grouped by head dim, groups in first-seen order."""
     assert group_layers_by_head_dim([256, 512, 256, 256, 512]) == [[0, 2, 3], [1, 4]]
+
+
+def test_latent_layers_group_apart_from_kv_layers_of_their_head_dim():
+    """With component counts, a latent layer and a K/V layer of one head dim are two groups
+    (first-seen order); a latent group says so."""
+    assert group_layers_by_head_dim([576, 128, 576, 576], [1, 2, 2, 1]) == [[0, 3], [1], [2]]
+    with pytest.raises(ValueError, match="components: expected 2 values"):
+        group_layers_by_head_dim([8, 8], [1])
+    g = KVGroup([np.zeros((3, 1, 1, 4, 576), np.float16)])
+    assert (g.components, g.num_kv_heads, g.row_bytes) == (1, (1,), 1152)
+    assert KVGroup([np.zeros((3, 2, 1, 4, 8))]).components == 2
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 0, 4, 8), (2, 2, 1, 0, 8), (2, 2, 1, 4, 0)])

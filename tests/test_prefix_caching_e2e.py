@@ -26,6 +26,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 BS, L = 4, 2
 CONV, SSM = (2, 3), (2, 2)
 ATTN = [KVLayerConfig(2, 4), KVLayerConfig(1, 8), KVLayerConfig(2, 4)]
+# Latent (MLA) layers mixed with K/V layers; one shares its head dim with a K/V layer.
+LATENT_ATTN = [KVLayerConfig(1, 12, components=1), KVLayerConfig(2, 4),
+               KVLayerConfig(1, 4, components=1)]
 VOCAB, P = 50, 65521
 _A = (np.arange(L * 4).reshape(L, *SSM) % 29 + 2).astype(np.float64)
 _B = (np.arange(L * 4).reshape(L, *SSM) % 13 + 1).astype(np.float64)
@@ -44,14 +47,16 @@ def mamba_step(conv, ssm, tok):
 
 
 def kv_rows(ssm, pos):
-    """K, V rows ``[H_i, D_i]`` of every attention layer at position ``pos``."""
+    """K, V rows ``[H_i, D_i]`` of every attention layer at position ``pos`` (V is None for a
+    latent layer)."""
     r = int(ssm[0, 0, 0])
     out = []
     for i, lc in enumerate(ATTN):
         h = np.arange(lc.num_kv_heads)[:, None]
         d = np.arange(lc.head_dim)[None, :]
         out.append((((r + 17 * h + 5 * d + 11 * i + pos) % 1021).astype(np.float16),
-                    ((3 * r + 7 * h + d + i) % 1021).astype(np.float16)))
+                    ((3 * r + 7 * h + d + i) % 1021).astype(np.float16)
+                    if lc.components == 2 else None))
     return out
 
 
@@ -105,7 +110,8 @@ def run_step(ctx, plans):
         ctx.mamba_ssm_states[:, slot] = xp.asarray(ssm)
         finals[plan.request_id] = (plan.end, ssm)
     ctx.write_kv([p.request_id for p in plans], [xp.asarray(np.stack(k)) for k in ks],
-                 [xp.asarray(np.stack(v)) for v in vs])
+                 [None if lc.components == 1 else xp.asarray(np.stack(v))
+                  for lc, v in zip(ATTN, vs, strict=True)])
     out = {rid: next_token(ctx, rid, end, ssm) for rid, (end, ssm) in finals.items()}
     ctx.commit_step()
     check(ctx)
@@ -173,8 +179,10 @@ def assert_exact(results, reference=None):
         np.testing.assert_array_equal(res["conv"], conv, err_msg=f"{rid}: conv state")
         np.testing.assert_array_equal(res["ssm"], ssm, err_msg=f"{rid}: ssm state")
         for i, layer in enumerate(res["kv"]):
+            assert layer.shape[1] == ATTN[i].components
             np.testing.assert_array_equal(layer[:, 0], np.stack([r[i][0] for r in rows]))
-            np.testing.assert_array_equal(layer[:, 1], np.stack([r[i][1] for r in rows]))
+            if ATTN[i].components == 2:
+                np.testing.assert_array_equal(layer[:, 1], np.stack([r[i][1] for r in rows]))
         if reference is not None:
             ref = reference[rid]
             assert res["generated"] == ref["generated"], rid
@@ -244,6 +252,19 @@ def test_decode_through_extend_requests(device):
     test_multi_turn_continuation(device, batched=True)
     for policy in ("lru", "ref_zero"):
         test_evictions_under_a_small_pool(device, policy, batched=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_latent_layers_end_to_end(device, monkeypatch):
+    """The scenarios above with latent (MLA) attention layers among K/V ones: the pool gives
+    each latent layer one plane, writes take ``v=None`` for it, and every cached KV byte and
+    generated token matches the model fold and the uncached run."""
+    monkeypatch.setattr(__import__(__name__), "ATTN", LATENT_ATTN)
+    ctx = make_ctx(device)
+    assert [tuple(a.shape[1:3]) for a in ctx.kv_pool.layers] == [(1, 1), (2, 2), (1, 1)]
+    test_overlapping_prompts(device)
+    test_multi_turn_continuation(device, batched=True)
+    test_evictions_under_a_small_pool(device, "lru")
 
 
 def test_same_step_duplicates_and_deferral():

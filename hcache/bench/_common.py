@@ -83,8 +83,8 @@ class BenchContext:
         naive_us = self.timer(naive) if naive is not None else None
         return {"model": model, "case": case, "us": round(us, 3), "bytes": int(nbytes),
                 "GBps": round(nbytes / us / 1e3, 2) if us else None,
-                "vs_copy": round(copy_us / us, 3) if us else None,
-                "speedup_vs_naive": round(naive_us / us, 2) if naive_us and us else None,
+                "vs_copy": significant(copy_us / us) if us else None,
+                "speedup_vs_naive": significant(naive_us / us) if naive_us and us else None,
                 "launches": launches}
 
 
@@ -100,28 +100,39 @@ class Mamba:
 
 @dataclass(frozen=True)
 class Model:
-    """A benchmark model: ``attention`` is ``(kv heads, head dim)`` per attention layer."""
+    """A benchmark model: ``attention`` is ``(kv heads, head dim)`` per attention layer;
+    ``components`` is 2 (K and V) or 1 (latent MLA caches, one plane per layer)."""
 
     name: str
     attention: tuple[tuple[int, int], ...]
     mamba: Mamba | None
+    components: int = 2
+
+
+def significant(ratio: float, digits: int = 3) -> float:
+    """``ratio`` to ``digits`` significant digits: a slow case's tiny ratio (the CPU reference
+    of an FP8 write against a copy) stays > 0, where a fixed number of decimals rounds it to 0."""
+    return float(f"{ratio:.{digits}g}")
 
 
 def models(scale: int) -> list[Model]:
-    """A Nemotron-H-like hybrid (4 attention layers of 8 KV heads × 128, 24 Mamba-2 layers) and
-    a Gemma-like heterogeneous model (5 sliding layers of head dim 256, 1 full layer of 512)."""
+    """A Nemotron-H-like hybrid (4 attention layers of 8 KV heads × 128, 24 Mamba-2 layers), a
+    Gemma-like heterogeneous model (5 sliding layers of head dim 256, 1 full layer of 512) and
+    a DeepSeek-V3-like MLA model (61 latent layers of 512 + 64, one head; fewer on the CPU)."""
     nemotron = Model("nemotron-h-like", ((8, 128),) * 4,
                      Mamba(24, (128 // scale, 64, 128 // scale), (8192 // scale, 4)))
     gemma = Model("gemma-like", ((16, 256),) * 5 + ((4, 512),), None)
-    return [nemotron, gemma]
+    deepseek = Model("deepseek-v3-like", ((1, 576),) * max(61 // scale, 1), None, components=1)
+    return [nemotron, gemma, deepseek]
 
 
 def kv_groups(xp, model: Model, slots: int, seq: int) -> list[tuple[KVGroup, list]]:
-    """Zeroed HND caches ``[slots, 2, H, seq, D]`` of ``model``'s attention layers, one
-    ``(KVGroup, layers)`` per head dim (one launch each)."""
+    """Zeroed HND caches ``[slots, C, H, seq, D]`` (``C = model.components``) of ``model``'s
+    attention layers, one ``(KVGroup, layers)`` per head dim (one launch each)."""
     by_dim: dict[int, list] = {}
     for heads, dim in model.attention:
-        by_dim.setdefault(dim, []).append(xp.zeros((slots, 2, heads, seq, dim), DTYPE))
+        by_dim.setdefault(dim, []).append(xp.zeros((slots, model.components, heads, seq, dim),
+                                                   DTYPE))
     return [(KVGroup(layers), layers) for layers in by_dim.values()]
 
 

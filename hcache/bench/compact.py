@@ -38,8 +38,8 @@ def _case(ctx: BenchContext, model: Model, rng) -> dict:
     mapping = xp.asarray(mapping_host)
     plan = xp.zeros(ops.compaction_plan_size(slots), np.int32)
     slotset = SlotSet([(s, s) for s in states] + [(work, work)])
-    # A moved slot's first lengths[old] tokens of K and V, read + written.
-    kv_bytes = sum(2 * 2 * int(lens_host[o]) * int(a[0, 0, :, 0].nbytes)
+    # A moved slot's first lengths[old] tokens of K and V (of the latent plane), read + written.
+    kv_bytes = sum(2 * model.components * int(lens_host[o]) * int(a[0, 0, :, 0].nbytes)
                    for _, layers in groups for a in layers for o in moved)
     st_bytes = 2 * len(moved) * sum(int(s[0].nbytes) for s in states)
 

@@ -23,7 +23,7 @@ def _case(ctx: BenchContext, model: Model) -> dict:
     slots, seq = 16 // ctx.scale or 1, 4096 // ctx.scale
     groups = kv_groups(xp, model, slots, seq)
     n_tok = seq // 2
-    outs = [[xp.empty((2, a.shape[2], n_tok, a.shape[4]), DTYPE) for a in layers]
+    outs = [[xp.empty(a.shape[1:3] + (n_tok, a.shape[4]), DTYPE) for a in layers]
             for _, layers in groups]
     nbytes = 2 * sum(int(o.nbytes) for os_ in outs for o in os_)
 

@@ -33,9 +33,15 @@ def run(ctx: BenchContext) -> list[dict]:
 
 
 def _sources(xp, groups, t, dtype):
+    """Per group, the K rows and the V rows (None for a latent layer) of ``t`` tokens."""
     return [([xp.ones((t, a.shape[2], a.shape[4]), dtype) for a in layers],
-             [xp.ones((t, a.shape[2], a.shape[4]), dtype) for a in layers])
+             [xp.ones((t, a.shape[2], a.shape[4]), dtype) if a.shape[1] == 2 else None
+              for a in layers])
             for _, layers in groups]
+
+
+def _rows_nbytes(srcs) -> int:
+    return sum(int(a.nbytes) for ks, vs in srcs for a in ks + vs if a is not None)
 
 
 def _with_io(row: dict, in_bytes: int, out_bytes: int) -> dict:
@@ -53,7 +59,7 @@ def _case(ctx: BenchContext, model: Model, case: str, batch: int, tokens: int) -
     offsets = xp.asarray(np.arange(batch + 1, dtype=np.int32) * tokens)
     lengths = xp.zeros(batch, np.int32)
     srcs = _sources(xp, groups, t, DTYPE)
-    moved = sum(int(k.nbytes) + int(v.nbytes) for ks, vs in srcs for k, v in zip(ks, vs))
+    moved = _rows_nbytes(srcs)
 
     def write():
         for (group, _), (k, v) in zip(groups, srcs):
@@ -66,7 +72,8 @@ def _case(ctx: BenchContext, model: Model, case: str, batch: int, tokens: int) -
         for (_, layers), (k, v) in zip(groups, srcs):
             for layer, kk, vv in zip(layers, k, v):
                 layer[slot_idx, 0, :, pos_idx] = kk
-                layer[slot_idx, 1, :, pos_idx] = vv
+                if vv is not None:
+                    layer[slot_idx, 1, :, pos_idx] = vv
 
     row = ctx.measure(model.name, f"{case} b{batch}x{tokens}", write, 2 * moved, naive,
                       len(groups))
@@ -83,7 +90,7 @@ def _fp8_case(ctx: BenchContext, model: Model, case: str, batch: int, tokens: in
     srcs = _sources(xp, groups, t, DTYPE)
     heads = max(h for h, _ in model.attention)
     scales = xp.asarray(np.full((len(model.attention), heads), 0.25, np.float32))
-    in_bytes = sum(int(k.nbytes) + int(v.nbytes) for ks, vs in srcs for k, v in zip(ks, vs))
+    in_bytes = _rows_nbytes(srcs)
     out_bytes = in_bytes // DTYPE().itemsize
 
     def write():
@@ -95,7 +102,8 @@ def _fp8_case(ctx: BenchContext, model: Model, case: str, batch: int, tokens: in
         for (group, _), (k, v) in zip(groups, srcs):
             rows = group.layer_indices
             qk = [_quantize(xp, a, scales[r, :a.shape[1], None]) for a, r in zip(k, rows)]
-            qv = [_quantize(xp, a, scales[r, :a.shape[1], None]) for a, r in zip(v, rows)]
+            qv = [None if a is None else _quantize(xp, a, scales[r, :a.shape[1], None])
+                  for a, r in zip(v, rows)]
             ops.kv_write(group, qk, qv, seq_offsets=offsets, cache_lengths=lengths)
 
     row = ctx.measure(model.name, f"{case} b{batch}x{tokens} fp8", write, in_bytes + out_bytes,
@@ -112,8 +120,8 @@ def _fp8_groups(xp, model: Model, slots: int, seq: int) -> list:
         by_dim.setdefault(dim, []).append(a)
     out = []
     for members in by_dim.values():
-        layers = [xp.zeros((slots, 2, model.attention[a][0], seq, model.attention[a][1]),
-                           dtype) for a in members]
+        layers = [xp.zeros((slots, model.components, model.attention[a][0], seq,
+                            model.attention[a][1]), dtype) for a in members]
         out.append((KVGroup(layers, layer_indices=members), layers))
     return out
 

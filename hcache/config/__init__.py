@@ -11,8 +11,9 @@ from .caches import (
     MambaCacheConfig,
     hybrid_config_from_hf,
 )
-from .hf import read_hf_layout
+from .hf import SUPPORTED_MODEL_TYPES, read_hf_layout
 from .layers import KVLayerConfig, LayerType
 
 __all__ = ["LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
-           "HybridCacheConfig", "LinearCacheConfig", "hybrid_config_from_hf", "read_hf_layout"]
+           "HybridCacheConfig", "LinearCacheConfig", "hybrid_config_from_hf", "read_hf_layout",
+           "SUPPORTED_MODEL_TYPES"]

@@ -63,7 +63,8 @@ class _FrozenMapping(Mapping):
 
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """Per-layer KV caches ``[max_batch_size, 2, H_i, max_sequence_length, D_i]``."""
+    """Per-layer KV caches ``[max_batch_size, C_i, H_i, max_sequence_length, D_i]`` (``C_i`` =
+    ``layer_configs[i].components``: 2 for K and V, 1 for a latent MLA cache)."""
 
     max_batch_size: int
     max_sequence_length: int
@@ -85,8 +86,11 @@ class KVCacheConfig:
 class MambaCacheConfig:
     """Recurrent state ``[max_batch, num_heads, head_dim, state_size]`` and conv state
     ``[max_batch, conv_dim, conv_kernel]`` per layer. Covers Mamba-2, Mamba-1/Jamba
-    (``num_heads=1, head_dim=d_inner``) and gated delta-net (``[v_heads, k_head_dim,
-    v_head_dim]``)."""
+    (``num_heads=1, head_dim=d_inner``), gated delta-net and KDA (``[v_heads, k_head_dim,
+    v_head_dim]``), lightning attention (``[heads, head_dim, head_dim]``, no conv state:
+    ``conv_dim = conv_kernel = 0``) and short convolutions (no recurrent state: ``num_heads =
+    head_dim = state_size = 0``). A state's fields are all 0 (it does not exist) or all >= 1;
+    at least one of the two states exists."""
 
     num_layers: int
     max_batch_size: int
@@ -100,19 +104,51 @@ class MambaCacheConfig:
 
     def __post_init__(self):
         _set(self, "num_layers", as_int("num_layers", self.num_layers, 0))
-        for name in ("max_batch_size", "num_heads", "head_dim", "state_size", "conv_dim",
-                     "conv_kernel"):
-            _set(self, name, as_int(name, getattr(self, name), 1))
+        _set(self, "max_batch_size", as_int("max_batch_size", self.max_batch_size, 1))
+        _state_fields(self, ("num_heads", "head_dim", "state_size"), ("conv_dim", "conv_kernel"))
         _dtype(self, "ssm_dtype")
         _dtype(self, "conv_dtype")
 
     @property
+    def has_recurrent_state(self) -> bool:
+        """Whether the layers have a recurrent state (not short-convolution layers)."""
+        return self.state_size > 0
+
+    @property
+    def has_conv_state(self) -> bool:
+        """Whether the layers have a conv state (not lightning-attention layers)."""
+        return self.conv_dim > 0
+
+    @property
     def recurrent_state_shape(self) -> tuple[int, int, int]:
+        """``(num_heads, head_dim, state_size)``; all 0 without a recurrent state."""
         return (self.num_heads, self.head_dim, self.state_size)
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:
+        """``(conv_dim, conv_kernel)``; both 0 without a conv state."""
         return (self.conv_dim, self.conv_kernel)
+
+
+def _state_fields(obj, recurrent: tuple, conv: tuple) -> None:
+    """Checks the shape fields of the two states: each state's fields are all 0 (no such state)
+    or all >= 1, and at least one state exists."""
+    for names in (recurrent, conv):
+        for name in names:
+            _set(obj, name, as_int(name, getattr(obj, name), 0))
+        zero = [name for name in names if getattr(obj, name) == 0]
+        given = [n for n in names if n not in zero]
+        if zero and given:   # the message names the odd one out (the zeros on a tie)
+            odd, rest = (given, zero) if len(given) < len(zero) else (zero, given)
+            value = getattr(obj, odd[0])
+            want = "0" if odd is given else ">= 1"
+            state = "0" if odd is given else "set"
+            raise ValueError(f"{odd[0]}: expected {want} since {' and '.join(rest)} "
+                             f"{'is' if len(rest) == 1 else 'are'} {state} (0 for all of "
+                             f"{', '.join(names)}: no such state), got {value}")
+    if all(getattr(obj, name) == 0 for name in recurrent + conv):
+        raise ValueError(f"{recurrent[-1]}: expected a recurrent state or a conv state, got "
+                         f"neither (every shape field is 0)")
 
 
 @dataclass(frozen=True)
@@ -222,10 +258,11 @@ class LinearCacheConfig:
             _set(self, name, as_int(name, getattr(self, name), 1))
         _set(self, "max_sequence_length", _seq_len(self.max_sequence_length))
         _set(self, "num_mamba_layers", as_int("num_mamba_layers", self.num_mamba_layers, 0))
-        lo = 1 if self.num_mamba_layers else 0
-        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "conv_dim",
-                     "conv_kernel"):
-            _set(self, name, as_int(name, getattr(self, name), lo))
+        recurrent = ("mamba_num_heads", "mamba_head_dim", "ssm_state_size")
+        if self.num_mamba_layers:   # 0 for all fields of a state the layers do not have
+            _state_fields(self, recurrent, ("conv_dim", "conv_kernel"))
+        for name in recurrent + ("conv_dim", "conv_kernel"):
+            _set(self, name, as_int(name, getattr(self, name), 0))
         for name in ("dtype", "ssm_dtype", "conv_dtype"):
             _dtype(self, name)
 
@@ -238,10 +275,12 @@ def hybrid_config_from_hf(config_dict, *, max_batch_size, max_sequence_length,
     Parameters
     ----------
     config_dict : Mapping
-        The parsed ``config.json`` (a nested ``text_config`` is used when present) of
-        Nemotron-H / Nemotron-Nano-v2 / Nemotron-3, Jamba, Granite-4.0-H, Falcon-H1, Zamba2,
-        Qwen3-Next, Gemma 3 / 4 or any plain attention model. The family is read from
-        ``model_type``, then ``architectures``, then from family-specific fields.
+        The parsed ``config.json`` (a nested ``text_config`` is used when present) of a model
+        type in ``hcache.config.hf.SUPPORTED_MODEL_TYPES`` (docs/design.md §4.3): Nemotron-H,
+        Jamba, Bamba, Granite-4.0-H, Falcon-H1, Zamba2, Qwen3-Next, LFM2, MiniMax-Text-01 / M1,
+        Kimi Linear, Gemma 2 / 3 / 4 and the listed plain attention models. The family is the
+        stated ``model_type`` (an unknown one raises whatever ``architectures`` says); only a
+        config without any reads ``architectures``, then family-specific fields.
     max_batch_size, max_sequence_length : int
         Slots and tokens per slot of the KV caches (and slots of the Mamba states).
     kv_dtype, ssm_dtype : str or dtype
@@ -261,7 +300,8 @@ def hybrid_config_from_hf(config_dict, *, max_batch_size, max_sequence_length,
     TypeError
         ``config_dict`` is not a mapping, or a field or dtype has the wrong type.
     ValueError
-        An unsupported or inconsistent config (the message names the field), or a bad dtype,
+        An unknown ``model_type`` (named), a missing size field without a class default, an
+        unsupported or inconsistent config (the message names the field), or a bad dtype,
         batch size or sequence length.
     """
     kv_dt = dtype_name(resolve_dtype(kv_dtype, name="kv_dtype"))

@@ -1,27 +1,32 @@
 """Model-family tables: how each supported ``model_type`` lays out its caches.
 
-Mamba + attention hybrids — Nemotron-H (Nemotron-Nano-v2, Nemotron-3), Jamba, Granite-4.0-H,
-Falcon-H1, Zamba2 and Qwen3-Next: one builder per family reads the layer types (a per-layer
-list, a pattern string or a period), one attention shape for every attention layer, and the shape
-of the recurrent state. A Mamba-2 layer's inner size is ``heads * head_dim`` (or ``mamba_d_ssm``)
-and its conv dim ``inner + 2 * n_groups * d_state``; Jamba is Mamba-1 and Qwen3-Next's linear
-attention is Gated DeltaNet, each with its own state shape.
+Mamba + attention hybrids, here: Nemotron-H (Nemotron-Nano-v2, Nemotron-3), Jamba, Bamba,
+Granite-4.0-H, Falcon-H1, Zamba2 and Qwen3-Next. One builder per family reads the layer types (a
+per-layer list, a pattern string, a period or a list of attention layers), one attention shape
+for every attention layer, and the shape of the recurrent state. A Mamba-2 layer's inner size is
+``heads * head_dim`` (or ``mamba_d_ssm``) and its conv dim ``inner + 2 * n_groups * d_state``;
+Jamba is Mamba-1 and Qwen3-Next's linear attention is Gated DeltaNet, each with its own state
+shape.
 
-Attention-only families — Gemma 3 and Gemma 4 (sliding and full attention layers, Gemma 4 with its
-own full-attention shape and cross-layer KV sharing) and any plain attention model
-(``num_attention_heads`` and friends, optionally ``layer_types`` or a ``sliding_window``).
+Multi-head latent attention families (DeepSeek-V2 / V3, Kimi K2) are in
+:mod:`~hcache.config.families_mla`.
 
+The attention-only families live in :mod:`~hcache.config.families_attention`, the hybrids with
+other recurrent layers (LFM2, MiniMax, Kimi Linear) in :mod:`~hcache.config.families_recurrent`.
 ``DEFAULTS`` holds the defaults of the transformers config classes for the keys the builders read;
-``BUILDERS`` maps a family to its builder.
+``BUILDERS`` maps every supported ``model_type`` to its builder (nothing else is accepted).
 """
 
 from __future__ import annotations
 
 from .._checks import as_int
+from .families_attention import ATTENTION_BUILDERS, ATTENTION_DEFAULTS
+from .families_mla import MLA_BUILDERS, MLA_DEFAULTS
+from .families_recurrent import RECURRENT_BUILDERS, RECURRENT_DEFAULTS
 from .hf_fields import AM, NONE, A, M, _Cfg, _check_count, _head_dim, _kv_heads, _Layout, _names
 from .layers import KVLayerConfig
 
-__all__ = ["BUILDERS", "DEFAULTS"]
+__all__ = ["BUILDERS", "DEFAULTS", "SUPPORTED_MODEL_TYPES"]
 
 # --- Mamba + attention hybrids ---------------------------------------------------------------
 
@@ -37,6 +42,9 @@ _HYBRID_DEFAULTS: dict[str, dict] = {
     "jamba": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
                   num_key_value_heads=8, attn_layer_period=8, attn_layer_offset=4,
                   mamba_d_state=16, mamba_d_conv=4, mamba_expand=2),
+    "bamba": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                  num_key_value_heads=8, mamba_n_heads=128, mamba_d_head="auto",
+                  mamba_n_groups=1, mamba_d_state=256, mamba_d_conv=4, mamba_expand=2),
     "granitemoehybrid": dict(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
                              mamba_n_heads=128, mamba_n_groups=1, mamba_d_state=256,
                              mamba_d_head="auto", mamba_d_conv=4, mamba_expand=2),
@@ -149,9 +157,50 @@ def _zamba2(c: _Cfg) -> _Layout:
                    ("mamba", "linear_attention", "hybrid"))
     types = [_KIND[n] for n in names]
     kv = KVLayerConfig(_kv_heads(c), _head_dim(c, "attention_head_dim", factor=2))
+    # The older checkpoint spelling: expansion_factor, state_size, conv_dimension, and the head
+    # count implied by mamba_headdim (no n_mamba_heads).
+    inner = c.int("mamba_expand", "expansion_factor") * c.int("hidden_size")
+    if c.raw.get("n_mamba_heads") is None and c.raw.get("mamba_headdim") is not None:
+        head_dim = c.int("mamba_headdim")
+        if inner % head_dim:
+            raise ValueError(f"mamba_headdim: expected a divisor of the Mamba inner size {inner} "
+                             f"(no n_mamba_heads given), got {head_dim}")
+        heads = inner // head_dim
+    else:
+        heads = c.int("n_mamba_heads")
+        head_dim = _per_head(c, "mamba_headdim", inner, "n_mamba_heads")
+    if heads * head_dim != inner:
+        raise ValueError(f"n_mamba_heads: expected mamba_expand * hidden_size / mamba_headdim = "
+                         f"{inner} / {head_dim} (the reference's state shape), got {heads}")
+    mamba = _mamba2(heads, head_dim, c.int("mamba_ngroups"), c.int("mamba_d_state", "state_size"),
+                    c.int("mamba_d_conv", "conv_dimension"))
+    return _Layout(types, _uniform(types, kv), mamba)
+
+
+def _bamba(c: _Cfg) -> _Layout:
+    n = c.int("num_hidden_layers")
+    indices = c.get("attn_layer_indices")
+    attention = set()
+    if indices is not None:
+        if isinstance(indices, (str, bytes)) or not isinstance(indices, (list, tuple)):
+            raise ValueError(f"attn_layer_indices: expected a list of layer indices, "
+                             f"got {type(indices).__name__}")
+        for i, v in enumerate(indices):
+            v = as_int(f"attn_layer_indices[{i}]", v, 0)
+            if v >= n:
+                raise ValueError(f"attn_layer_indices[{i}]: expected a layer index below "
+                                 f"num_hidden_layers ({n}), got {v}")
+            attention.add(v)
+    types = [A if i in attention else M for i in range(n)]
+    kv = KVLayerConfig(_kv_heads(c), _head_dim(c, "head_dim"))
     inner = c.int("mamba_expand") * c.int("hidden_size")
-    mamba = _mamba2(c.int("n_mamba_heads"), _per_head(c, "mamba_headdim", inner, "n_mamba_heads"),
-                    c.int("mamba_ngroups"), c.int("mamba_d_state"), c.int("mamba_d_conv"))
+    heads = c.int("mamba_n_heads")
+    head_dim = _per_head(c, "mamba_d_head", inner, "mamba_n_heads")
+    if heads * head_dim != inner:
+        raise ValueError(f"mamba_d_head: expected mamba_expand * hidden_size / mamba_n_heads = "
+                         f"{inner} / {heads}, got {head_dim}")
+    mamba = _mamba2(heads, head_dim, c.int("mamba_n_groups"), c.int("mamba_d_state"),
+                    c.int("mamba_d_conv"))
     return _Layout(types, _uniform(types, kv), mamba)
 
 
@@ -171,85 +220,12 @@ def _qwen3_next(c: _Cfg) -> _Layout:
     return _Layout(types, _uniform(types, kv), mamba)
 
 
-_HYBRID_BUILDERS = {"nemotron_h": _nemotron_h, "jamba": _jamba, "granitemoehybrid": _granite,
-            "falcon_h1": _falcon_h1, "zamba2": _zamba2, "qwen3_next": _qwen3_next}
+_HYBRID_BUILDERS = {"nemotron_h": _nemotron_h, "jamba": _jamba, "bamba": _bamba,
+                    "granitemoehybrid": _granite, "falcon_h1": _falcon_h1, "zamba2": _zamba2,
+                    "qwen3_next": _qwen3_next}
 
-
-# --- attention-only families -----------------------------------------------------------------
-
-# Defaults of the transformers config classes, for the keys these builders read.
-_ATTENTION_DEFAULTS: dict[str, dict] = {
-    "gemma3": dict(num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                   head_dim=256, sliding_window=4096, sliding_window_pattern=6),
-    "gemma4": dict(num_hidden_layers=30, num_attention_heads=8, num_key_value_heads=4,
-                   head_dim=256, global_head_dim=512, sliding_window=512,
-                   sliding_window_pattern=6, num_kv_shared_layers=0),
-    "plain": {},
-}
-
-_SLIDING = ("sliding_attention", "full_attention")
-
-
-def _sliding_flags(c: _Cfg) -> list[bool]:
-    """Per layer: sliding (True) or full attention, from ``layer_types``, else every
-    ``sliding_window_pattern``-th layer is full."""
-    names = _names(c, ("layer_types",), _SLIDING)
-    if names is not None:
-        return [n == "sliding_attention" for n in names]
-    pattern = c.int("sliding_window_pattern")
-    return [(i + 1) % pattern != 0 for i in range(c.int("num_hidden_layers"))]
-
-
-def _gemma3(c: _Cfg) -> _Layout:
-    sliding, window = _sliding_flags(c), c.int("sliding_window")
-    heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
-    kv = {i: KVLayerConfig(heads, head_dim, window if s else None) for i, s in enumerate(sliding)}
-    return _Layout([A] * len(sliding), kv)
-
-
-def _gemma4(c: _Cfg) -> _Layout:
-    sliding, window = _sliding_flags(c), c.int("sliding_window")
-    sliding[-1] = False                  # transformers forces the last layer to full attention
-    heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
-    full_dim = c.stated("global_head_dim")     # an explicit null means head_dim
-    full_dim = head_dim if full_dim is None else as_int("global_head_dim", full_dim, 1)
-    global_heads = c.raw.get("num_global_key_value_heads")
-    full_heads = (heads if global_heads is None or c.raw.get("attention_k_eq_v") is False
-                  else as_int("num_global_key_value_heads", global_heads, 1))
-    n, shared = len(sliding), c.int("num_kv_shared_layers", minimum=0)
-    if shared > n:
-        raise ValueError(f"num_kv_shared_layers: expected <= {n} (the layer count), got {shared}")
-    kv, sharing, last_owner = {}, {}, {}
-    for i, s in enumerate(sliding):
-        kv[i] = KVLayerConfig(heads, head_dim, window) if s else KVLayerConfig(full_heads,
-                                                                              full_dim)
-        # Layer i >= n - shared reads the cache of the last earlier owner of its own kind;
-        # with no such owner it keeps (and becomes the owner of) its own cache.
-        if i >= n - shared and s in last_owner:
-            sharing[i] = last_owner[s]
-        else:
-            last_owner[s] = i
-    return _Layout([A] * n, kv, None, sharing)
-
-
-def _plain(c: _Cfg) -> _Layout:
-    if c.raw.get("num_attention_heads") is None and c.raw.get("num_key_value_heads") is None:
-        raise ValueError(f"model_type: expected a supported hybrid model or a config with "
-                         f"attention fields (num_attention_heads), "
-                         f"got {c.raw.get('model_type')!r}")
-    heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
-    window = c.get("sliding_window") if c.raw.get("use_sliding_window") is not False else None
-    names = _names(c, ("layer_types",), ("full_attention", "sliding_attention",
-                                         "chunked_attention", "attention"))
-    if names is None:
-        names = ["sliding_attention" if window else "full_attention"] * c.int("num_hidden_layers")
-    kv = {i: KVLayerConfig(heads, head_dim, window if n == "sliding_attention" else None)
-          for i, n in enumerate(names)}
-    return _Layout([A] * len(names), kv)
-
-
-_ATTENTION_BUILDERS = {"gemma3": _gemma3, "gemma4": _gemma4, "plain": _plain}
-
-
-DEFAULTS: dict[str, dict] = {**_HYBRID_DEFAULTS, **_ATTENTION_DEFAULTS}
-BUILDERS = {**_HYBRID_BUILDERS, **_ATTENTION_BUILDERS}
+DEFAULTS: dict[str, dict] = {**_HYBRID_DEFAULTS, **ATTENTION_DEFAULTS, **RECURRENT_DEFAULTS,
+                             **MLA_DEFAULTS}
+BUILDERS = {**_HYBRID_BUILDERS, **ATTENTION_BUILDERS, **RECURRENT_BUILDERS, **MLA_BUILDERS}
+# Every model_type read_hf_layout accepts (a text_config's or the top level's).
+SUPPORTED_MODEL_TYPES = tuple(sorted(BUILDERS))

@@ -1,10 +1,10 @@
 """The field reader and layout record shared by the Hugging Face config builders.
 
 :class:`_Cfg` reads a model's ``config.json`` fields with the transformers class defaults behind
-them; :class:`_Layout` is what each family builder (:mod:`hcache.config.families_hybrid`,
-:mod:`hcache.config.families_attention`) returns to :func:`hcache.config.hf.hybrid_config_from_hf`.
-The
-helpers validate layer-type lists and layer counts and derive attention head dims.
+them; :class:`_Layout` is what each family builder (:mod:`hcache.config.families`,
+:mod:`hcache.config.families_attention`, :mod:`hcache.config.families_recurrent`) returns to
+:func:`hcache.config.caches.hybrid_config_from_hf`. The helpers validate layer-type lists and
+layer counts and derive attention head dims.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ tokens, counters, block hashes, live slots, host block tables; a step is vectori
 the scheduler (:class:`~hcache.contexts.step_scheduler.StepScheduler`, applying the prefix-match
 policy of :mod:`hcache.contexts.prefix_match`), the live Mamba states
 (:class:`~hcache.contexts.live_states.LiveMambaStates`), the step's KV writes
-(:class:`~hcache.contexts.step_kv_writer.StepKVWriter`). Copies: see :mod:`hcache._copying`.
+(:class:`~hcache.contexts.step_kv_writer.StepKVWriter`), the invariants of the whole
+(:mod:`~hcache.contexts.context_invariants`). Copies: see :mod:`hcache._copying`.
 """
 
 from __future__ import annotations
@@ -28,15 +29,17 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, int_shape
+from .._checks import as_int
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.layers import kv_layer_list
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
+from .context_invariants import broken_invariants
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
+from .mamba_state_copies import state_shapes
 from .paged_kv_pool import PagedKVPool
 from .prefix_match import blocks_to_register, pending_blocks_overlap
 from .requests import RequestTable, batch_tokens, token_array
@@ -61,8 +64,8 @@ class DynamicInferenceContext:
         ``max_blocks_per_request * block_size_tokens`` tokens).
     num_mamba_layers : int
         0 for an attention-only model.
-    conv_states_shape, ssm_states_shape : tuple of int
-        Per-request Mamba state shapes (ignored without Mamba layers).
+    conv_states_shape, ssm_states_shape : tuple of int or None
+        Per-request state shapes (ignored without Mamba layers); ``None``: no such state.
     kv_dtype, conv_states_dtype, ssm_states_dtype : str or dtype
     mamba_cache_slots : int
         Durable Mamba cache slots; 0 disables state caching (KV blocks are still shared).
@@ -80,7 +83,7 @@ class DynamicInferenceContext:
     kv_block_allocator : KVBlockAllocator
     mamba_slot_allocator : MambaSlotAllocator or None
     mamba_conv_states, mamba_ssm_states : arrays [num_mamba_layers, max_requests, *shape]
-        Live per-request states (views for the model).
+        Live per-request states (views for the model); ``None`` for a state with shape None.
     request_to_kv_block_ids : int32 [max_requests, max_blocks_per_request]
         Host block table; -1 = none.
     request_to_mamba_state_idx : int32 [max_requests]
@@ -118,8 +121,7 @@ class DynamicInferenceContext:
         self.kv_block_allocator = KVBlockAllocator(
             num_blocks, enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy)
-        conv_shape = int_shape("conv_states_shape", conv_states_shape)
-        ssm_shape = int_shape("ssm_states_shape", ssm_states_shape)
+        conv_shape, ssm_shape = state_shapes(conv_states_shape, ssm_states_shape)
         L, R = self.num_mamba_layers, self.max_requests
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
@@ -288,7 +290,7 @@ class DynamicInferenceContext:
         self.stats.computed_tokens += len(flat)
         return plan
 
-    def write_kv(self, request_ids, k, v, *, layer=None, k_scale=None, v_scale=None,
+    def write_kv(self, request_ids, k, v=None, *, layer=None, k_scale=None, v_scale=None,
                  stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of ``request_ids`` into the paged pool.
 
@@ -297,7 +299,8 @@ class DynamicInferenceContext:
         request_ids : sequence
             Distinct requests with a scheduled step, tokens concatenated in this order.
         k, v : arrays [total_tokens, H_i, D_i], or lists of them (one per layer)
-            As in :meth:`PagedKVPool.write_kv`; rows of positions in shared blocks are skipped.
+            As in :meth:`PagedKVPool.write_kv` (a latent layer's ``v`` is None); rows of
+            positions in shared blocks are skipped.
         layer, k_scale, v_scale : optional
             As in :meth:`PagedKVPool.write_kv` (an FP8 pool quantizes float rows with scales).
 
@@ -383,18 +386,8 @@ class DynamicInferenceContext:
         """Raise ``RuntimeError`` listing every broken invariant of the request table, the KV
         allocator and the Mamba slot allocator (and of their agreement: each active request
         holds one reference on each of its blocks). For tests: it rehashes every request."""
-        problems = self._requests.broken_invariants()
-        held = np.zeros(self.kv_block_allocator.num_blocks, np.int64)
-        for rid in self._requests.ids:
-            np.add.at(held, self.block_ids(rid), 1)
-        if (held > self.kv_block_allocator.block_ref_counts).any():
-            problems.append("a request holds a block without a reference")
-        for owner in (self.kv_block_allocator, self.mamba_slot_allocator):
-            try:
-                if owner is not None:
-                    owner.check_invariants()
-            except RuntimeError as exc:
-                problems.append(str(exc))
+        problems = broken_invariants(self._requests, self.kv_block_allocator,
+                                     self.mamba_slot_allocator)
         if problems:
             raise RuntimeError("DynamicInferenceContext invariants broken: "
                                + "; ".join(problems))

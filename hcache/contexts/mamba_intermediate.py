@@ -81,14 +81,14 @@ class IntermediateStates:
     device : Device
         Where the scratch and its staging live (``xp`` is its array module).
     num_mamba_layers, max_requests : int
-    conv_states_shape, ssm_states_shape : tuple of int
-        Per-state shapes.
+    conv_states_shape, ssm_states_shape : tuple of int or None
+        Per-state shapes (``None``: the layers have no such state, and no scratch).
     conv_dtype, ssm_dtype : dtype
         Storage dtypes of the states.
 
     Attributes
     ----------
-    conv_out, ssm_out : arrays [num_mamba_layers, max_count, *shape]
+    conv_out, ssm_out : arrays [num_mamba_layers, max_count, *shape] or None
         Scratch the model writes boundary states into (zero-initialised).
     max_count : int
         ``MAX_INTERMEDIATE_OFFSETS_PER_REQUEST * max_requests``.
@@ -107,8 +107,9 @@ class IntermediateStates:
         xp, L, R = device.xp, num_mamba_layers, max_requests
         self.device, self.max_requests, self.max_count = device, R, _K * R
         with device.scope():
-            self.conv_out = xp.zeros((L, self.max_count, *conv_states_shape), dtype=conv_dtype)
-            self.ssm_out = xp.zeros((L, self.max_count, *ssm_states_shape), dtype=ssm_dtype)
+            self.conv_out, self.ssm_out = (
+                None if shape is None else xp.zeros((L, self.max_count, *shape), dtype=dt)
+                for shape, dt in ((conv_states_shape, conv_dtype), (ssm_states_shape, ssm_dtype)))
             # Staging for get_intermediate_gpu_data, so steps allocate no device memory.
             self._offsets_dev = xp.zeros((R, _K), dtype=np.int32)
             self._counts_dev = xp.zeros((R,), dtype=np.int32)
@@ -337,8 +338,9 @@ class IntermediateStates:
     def reset(self) -> None:
         """Forget every entry and zero the scratch (device fills, no allocation)."""
         with self.device.scope():
-            self.conv_out.fill(0)
-            self.ssm_out.fill(0)
+            for scratch in (self.conv_out, self.ssm_out):
+                if scratch is not None:
+                    scratch.fill(0)
         self.clear()
 
     def broken_invariants(self) -> list[str]:

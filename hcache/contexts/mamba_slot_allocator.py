@@ -27,14 +27,14 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, check_index, host_ints, index_array, int_shape
+from .._checks import as_int, check_index, host_ints, index_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..device import Device, array_module_of, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .mamba_hash_map import MambaHashMap
 from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, IntermediateStates
 from .mamba_slot_pool import MambaSlotCapacityError, MambaSlotPool
-from .mamba_state_copies import MambaStateCopies, check_live_states, context_parts
+from .mamba_state_copies import MambaStateCopies, check_live_states, context_parts, state_shapes
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotCapacityError", "MambaSlotAllocator"]
 
@@ -54,20 +54,19 @@ class MambaSlotAllocator:
     max_slots : int
         Durable cache slots (>= 1).
     num_mamba_layers : int
-    conv_states_shape, ssm_states_shape : tuple of int
-        Per-slot shapes (without the layer and slot axes).
+    conv_states_shape, ssm_states_shape : tuple of int or None (no such state, no arrays)
     conv_states_dtype, ssm_states_dtype : str or dtype
         One of the docs/design.md §2 dtypes; must match the live states' storage dtype.
 
     Attributes
     ----------
-    conv_states, ssm_states : arrays [num_mamba_layers, max_slots, *shape]
+    conv_states, ssm_states : arrays [num_mamba_layers, max_slots, *shape] or None
         The cache slots.
     block_to_slot, slot_to_block, free_slots, free_count
         The slot pool's maps and free stack (see :class:`MambaSlotPool`).
     hash_to_block_id : dict[int, int]
         The Mamba hash map: KV hash -> block whose state a prefix match can reach.
-    intermediate_conv_out, intermediate_ssm_out : arrays
+    intermediate_conv_out, intermediate_ssm_out : arrays or None
         The scratch ``[num_mamba_layers, max_intermediate_count, *shape]``.
 
     Raises
@@ -83,20 +82,21 @@ class MambaSlotAllocator:
         self.context = context
         self.max_slots = as_int("max_slots", max_slots, 1)
         self.num_mamba_layers = as_int("num_mamba_layers", num_mamba_layers, 1)
-        self.conv_states_shape = int_shape("conv_states_shape", conv_states_shape)
-        self.ssm_states_shape = int_shape("ssm_states_shape", ssm_states_shape)
+        self.conv_states_shape, self.ssm_states_shape = state_shapes(conv_states_shape,
+                                                                     ssm_states_shape)
         kv, live_conv, live_ssm = context_parts(context)
         self.num_blocks = int(len(kv.block_ref_counts))
-        xp = array_module_of(live_conv)
+        live = live_conv if self.conv_states_shape is not None else live_ssm
+        xp = array_module_of(live)
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
         L = self.num_mamba_layers
-        self.max_requests = check_live_states("context.mamba_conv_states", live_conv, xp, L,
-                                              self.conv_states_shape, conv_dt, None)
-        check_live_states("context.mamba_ssm_states", live_ssm, xp, L, self.ssm_states_shape,
-                          ssm_dt, self.max_requests)
+        rows = check_live_states("context.mamba_conv_states", live_conv, xp, L,
+                                 self.conv_states_shape, conv_dt, None)
+        self.max_requests = check_live_states("context.mamba_ssm_states", live_ssm, xp, L,
+                                              self.ssm_states_shape, ssm_dt, rows)
         self.xp = xp
-        self.device = Device("cuda", live_conv.device.id) if xp is not np else Device("cpu")
+        self.device = Device("cuda", live.device.id) if xp is not np else Device("cpu")
         self._intermediate = IntermediateStates(
             self.device, self.num_mamba_layers, self.max_requests, self.conv_states_shape,
             self.ssm_states_shape, conv_dt, ssm_dt)

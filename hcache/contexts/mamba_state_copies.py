@@ -7,7 +7,8 @@ a scratch state the model emitted mid-prefill) into a cache slot owned by a bloc
 copies a block's cached state back into a live slot. Every batch of copies is a single
 :func:`hcache.ops.slot_copy` launch over conv and SSM of all Mamba layers, with its index arrays
 staged in buffers allocated once, and every call validates all of its arguments before copying
-anything.
+anything. A kind of state the layers do not have (short convolutions have no SSM state,
+lightning attention no conv state) has ``None`` for its shape and its arrays, everywhere.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .._checks import check_index, index_array
+from .._checks import check_index, index_array, int_shape
 from ..device import array_module_of, launch_scope, to_host, upload_ints
 from ..ops.tables import SlotSet
 
-__all__ = ["MambaStateCopies", "check_live_states", "context_parts"]
+__all__ = ["MambaStateCopies", "check_live_states", "context_parts", "state_shapes"]
 
 
 def context_parts(context):
@@ -33,17 +34,41 @@ def context_parts(context):
     return tuple(getattr(context, n) for n in names)
 
 
-def check_live_states(name, live, xp, num_mamba_layers, shape, dtype, rows) -> int:
+def state_shapes(conv_states_shape, ssm_states_shape) -> tuple:
+    """The two per-slot state shapes, each a tuple of ints or ``None`` (no such state; not
+    both).
+
+    Raises
+    ------
+    TypeError, ValueError
+        A shape that is not a sequence of positive ints, or both ``None``.
+    """
+    shapes = tuple(None if value is None else int_shape(name, value)
+                   for name, value in (("conv_states_shape", conv_states_shape),
+                                       ("ssm_states_shape", ssm_states_shape)))
+    if shapes == (None, None):
+        raise ValueError("ssm_states_shape: expected a shape (conv_states_shape is None: no "
+                         "conv state), got None")
+    return shapes
+
+
+def check_live_states(name, live, xp, num_mamba_layers, shape, dtype, rows) -> int | None:
     """Check a live state array ``[num_mamba_layers, rows, *shape]`` of module ``xp`` and
-    ``dtype``, C-contiguous (``rows`` None: any >= 1); returns its row count.
+    ``dtype``, C-contiguous (``rows`` None: any >= 1); returns its row count (``rows`` for a
+    state that does not exist: ``shape`` and ``live`` both ``None``).
 
     Raises
     ------
     TypeError
         Another array module.
     ValueError
-        Another shape or dtype, or not C-contiguous.
+        Another shape or dtype, not C-contiguous, or an array for a state that does not exist.
     """
+    if shape is None or live is None:
+        if shape is not None or live is not None:
+            want = "None (no such state)" if shape is None else "an array"
+            raise ValueError(f"{name}: expected {want}, got {type(live).__name__}")
+        return rows
     want = (num_mamba_layers, rows, *shape)
     if array_module_of(live) is not xp:
         raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(live).__name__}")
@@ -84,12 +109,15 @@ class MambaStateCopies:
     def __init__(self, context, pool, device, scratch_conv, scratch_ssm, conv_dtype, ssm_dtype):
         live_conv, live_ssm = context.mamba_conv_states, context.mamba_ssm_states
         self.context, self._pool, self.device = context, pool, device
-        self.num_mamba_layers, self.max_requests = int(live_conv.shape[0]), int(live_conv.shape[1])
-        self.max_scratch = int(scratch_conv.shape[1])
+        live = live_conv if live_conv is not None else live_ssm
+        self.num_mamba_layers, self.max_requests = int(live.shape[0]), int(live.shape[1])
+        self.max_scratch = int((scratch_conv if scratch_conv is not None
+                                else scratch_ssm).shape[1])
         xp, L, S = device.xp, self.num_mamba_layers, pool.max_slots
         with device.scope():
-            self.conv_states = xp.zeros((L, S, *live_conv.shape[2:]), dtype=conv_dtype)
-            self.ssm_states = xp.zeros((L, S, *live_ssm.shape[2:]), dtype=ssm_dtype)
+            self.conv_states, self.ssm_states = (
+                None if x is None else xp.zeros((L, S, *x.shape[2:]), dtype=dt)
+                for x, dt in ((live_conv, conv_dtype), (live_ssm, ssm_dtype)))
             # Staged index arrays: lanes (src, dst) for two launches per call. Every launch
             # writes distinct destination slots, so no call needs more than this many pairs.
             self._idx_dev = xp.full((4, max(S, self.max_requests, self.max_scratch)), -1,
@@ -105,8 +133,8 @@ class MambaStateCopies:
 
     def _slot_set(self, src_conv, src_ssm, dst_conv, dst_ssm) -> SlotSet:
         mamba_indices = range(self.num_mamba_layers)
-        return SlotSet([(src_conv[m], dst_conv[m]) for m in mamba_indices]
-                       + [(src_ssm[m], dst_ssm[m]) for m in mamba_indices])
+        return SlotSet([(src[m], dst[m]) for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm))
+                        if src is not None for m in mamba_indices])
 
     def _copy(self, slotset, src, dst, lane, stream) -> None:
         """One ``slot_copy`` launch of ``slotset`` for host index arrays ``src`` -> ``dst``,
@@ -142,21 +170,29 @@ class MambaStateCopies:
         TypeError
             A state is not an array.
         ValueError
-            ``slot`` is -1, or a state's shape or dtype is not the cache's. Nothing changes.
+            ``slot`` is -1, a state's shape or dtype is not the cache's, or a state the layers
+            do not have is not ``None``. Nothing changes.
         """
         mamba_index = check_index("layer_idx", layer_idx, self.num_mamba_layers)
         if slot < 0:
             raise ValueError(f"block_id: expected a block owning a slot, got {int(block_id)}")
+        states = []
         for name, value, cache in (("ssm_state", ssm_state, self.ssm_states),
                                    ("conv_state", conv_state, self.conv_states)):
+            if cache is None:
+                if value is not None:
+                    raise ValueError(f"{name}: expected None (the layers have no such state), "
+                                     f"got {type(value).__name__}")
+                continue
+            states.append((value, cache))
             if not (hasattr(value, "shape") and hasattr(value, "dtype")):
                 raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
             if tuple(value.shape) != cache.shape[2:] or value.dtype != cache.dtype:
                 raise ValueError(f"{name}: expected {cache.dtype}{cache.shape[2:]}, "
                                  f"got {value.dtype}{tuple(value.shape)}")
         with launch_scope(self.device, stream):
-            self.ssm_states[mamba_index, slot] = self.device.xp.asarray(ssm_state)
-            self.conv_states[mamba_index, slot] = self.device.xp.asarray(conv_state)
+            for value, cache in states:
+                cache[mamba_index, slot] = self.device.xp.asarray(value)
 
     def store_from_live(self, slots, request_indices, *, stream=None) -> None:
         """``cache[:, slots[i]] = live[:, live slot of request_indices[i]]`` (one launch).
@@ -232,5 +268,6 @@ class MambaStateCopies:
     def zero(self) -> None:
         """Zero every cache slot (device fills, no allocation)."""
         with self.device.scope():
-            self.conv_states.fill(0)
-            self.ssm_states.fill(0)
+            for cache in (self.conv_states, self.ssm_states):
+                if cache is not None:
+                    cache.fill(0)

@@ -2,11 +2,13 @@
 (docs/design.md §6).
 
 Attention layer ``i`` (an ``attention_index``: its position among the layers that own a KV cache)
-owns ``[num_blocks, 2, H_i, block_size, D_i]`` (HND: K at ``[:, 0]``, V at ``[:, 1]``). Block ids
-are shared by all layers (one :class:`KVBlockAllocator` hands them out), so a block table row
-addresses every layer. Layers of one head dim form a :class:`KVGroup` (groups in first-seen
-order; a layer's row in its group is its ``group_position``), the unit of one write launch; a
-:class:`SlotSet` of all layers is the unit of one copy-on-write launch.
+owns ``[num_blocks, C_i, H_i, block_size, D_i]`` (HND: K at ``[:, 0]``, V at ``[:, 1]``; a latent
+MLA layer has ``C_i = 1``: ``[num_blocks, 1, 1, block_size, kv_lora_rank + qk_rope_head_dim]``, no
+V). Block ids are shared by all layers (one :class:`KVBlockAllocator` hands them out), so a block
+table row addresses every layer. Layers of one head dim and component count form a
+:class:`KVGroup` (groups in first-seen order; a layer's row in its group is its
+``group_position``), the unit of one write launch; a :class:`SlotSet` of all layers is the unit
+of one copy-on-write launch.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class PagedKVPool:
     Parameters
     ----------
     layer_configs : sequence of KVLayerConfig, or KVCacheConfig
-        One entry per attention layer (its ``num_kv_heads`` and ``head_dim``).
+        One entry per attention layer (its ``num_kv_heads``, ``head_dim`` and ``components``).
     num_blocks : int
         Blocks per layer (>= 1).
     block_size : int
@@ -43,11 +45,11 @@ class PagedKVPool:
 
     Attributes
     ----------
-    layers : tuple of arrays [num_blocks, 2, H_i, block_size, D_i]
+    layers : tuple of arrays [num_blocks, C_i, H_i, block_size, D_i]
         Zero-initialised at construction; zero-copy views for a runtime's attention kernels.
     groups : tuple of KVGroup
-        One per distinct head dim, in first-seen order; ``groups[g].layer_indices`` are the
-        attention indices of its layers.
+        One per distinct (head dim, components), in first-seen order;
+        ``groups[g].layer_indices`` are the attention indices of its layers.
     """
 
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
@@ -57,10 +59,6 @@ class PagedKVPool:
         if isinstance(layer_configs, KVCacheConfig):
             layer_configs = layer_configs.layer_configs
         configs = kv_layer_list("layer_configs", layer_configs)
-        for i, lc in enumerate(configs):
-            if lc.components != 2:  # latent (MLA) caches: issue 13, not wired yet
-                raise ValueError(f"layer_configs[{i}].components: expected 2 (latent MLA "
-                                 f"caches are not supported yet), got {lc.components}")
         self.layer_configs = configs
         self.num_blocks = as_int("num_blocks", num_blocks, 1)
         self.block_size = as_int("block_size", block_size, 1)
@@ -70,9 +68,10 @@ class PagedKVPool:
         self.storage_dtype = storage_dtype(self.dtype, xp)
         with self.device.scope():
             self.layers = tuple(
-                xp.zeros((self.num_blocks, 2, lc.num_kv_heads, self.block_size, lc.head_dim),
-                         dtype=self.storage_dtype) for lc in configs)
-            members = group_layers_by_head_dim([lc.head_dim for lc in configs])
+                xp.zeros((self.num_blocks, lc.components, lc.num_kv_heads, self.block_size,
+                          lc.head_dim), dtype=self.storage_dtype) for lc in configs)
+            members = group_layers_by_head_dim([lc.head_dim for lc in configs],
+                                               [lc.components for lc in configs])
             self.groups = tuple(KVGroup([self.layers[a] for a in indices], layout="HND",
                                         layer_indices=indices) for indices in members)
             # None without attention layers (a pure-Mamba model): blocks carry only hashes.
@@ -91,7 +90,8 @@ class PagedKVPool:
 
     @property
     def bytes_per_block(self) -> int:
-        """Bytes one block id occupies across all layers (K and V)."""
+        """Bytes one block id occupies across all layers (K and V, or a latent layer's one
+        component)."""
         return sum(int(a.nbytes) for a in self.layers) // self.num_blocks
 
     @property
@@ -99,7 +99,7 @@ class PagedKVPool:
         return sum(int(a.nbytes) for a in self.layers)
 
     def get_layer(self, i: int):
-        """The cache of attention layer ``i``, ``[num_blocks, 2, H_i, block_size, D_i]`` (a
+        """The cache of attention layer ``i``, ``[num_blocks, C_i, H_i, block_size, D_i]`` (a
         view; writes through it are writes to the pool).
 
         Raises
@@ -120,13 +120,14 @@ class PagedKVPool:
             "bytes_per_block": self.bytes_per_block,
             "total_bytes": self.nbytes,
             "layer_bytes": [int(a.nbytes) for a in self.layers],
-            "groups": [{"head_dim": g.head_dim, "layers": list(g.layer_indices),
+            "groups": [{"head_dim": g.head_dim, "components": g.components,
+                        "layers": list(g.layer_indices),
                         "bytes": sum(int(a.nbytes) for a in g.layers)} for g in self.groups],
         }
 
     # --- commands -----------------------------------------------------------------------
 
-    def write_kv(self, k, v, *, block_table, layer=None, seq_offsets=None, uniform_tokens=0,
+    def write_kv(self, k, v=None, *, block_table, layer=None, seq_offsets=None, uniform_tokens=0,
                  batch=None, cache_lengths=None, positions=None, k_scale=None, v_scale=None,
                  status=None, stream=None):
         """Write new tokens' K and V through a block table (in place); ``write`` is an alias.
@@ -137,7 +138,9 @@ class PagedKVPool:
             With ``layer=None``, one array per attention layer (one launch per head-dim group);
             with ``layer=i``, layer ``i``'s arrays (one launch). One dtype: the pool's storage
             dtype, or for an FP8 pool float32, float16 or bfloat16 rows quantized on write
-            (``fp8(x / scale)``, docs/design.md §3.7).
+            (``fp8(x / scale)``, docs/design.md §3.7). A latent layer's rows are ``k`` and its
+            ``v`` is None (None in its place in a list, or ``v=None`` when every layer is
+            latent).
         block_table : int32 [batch, max_blocks_per_seq]
             Position ``p`` of row ``b`` goes to block ``block_table[b, p // block_size]`` at
             offset ``p % block_size``; -1 entries are skipped.
@@ -147,7 +150,8 @@ class PagedKVPool:
         k_scale, v_scale : float or float32 array, optional
             Scales of a quantizing write: a float, or a device table ``[num_layers]`` (per
             attention layer) or ``[num_layers, >= max H_i]`` (per head); None means 1.0 (the
-            pool records no scales). Must be None for any other write.
+            pool records no scales). Must be None for any other write; ``v_scale`` must be None
+            when every written layer is latent.
 
         Raises
         ------
@@ -170,25 +174,33 @@ class PagedKVPool:
 
     write = write_kv
 
-    def check_write(self, k, v, *, layer=None, k_scale=None, v_scale=None):
+    def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None):
         """The row and scale checks of :meth:`write_kv` (nothing else is read); returns the
         checked call for :meth:`launch_write`. Raises as :meth:`write_kv`."""
         if layer is None:
-            ks, vs = self._per_layer("k", k), self._per_layer("v", v)
+            written = list(range(self.num_layers))
+            ks = self._per_layer("k", k)
+            vs = [None] * self.num_layers if v is None and all(
+                self.layer_configs[a].components == 1 for a in written) else \
+                self._per_layer("v", v)
             if not self.num_layers:
                 return None  # no attention layer: nothing to write
             num_tokens = self._check_rows("k[0]", ks[0], 0, None, ks[0])
             source_dtype("k[0]", ks[0].dtype, self.dtype, self.xp)   # k named before v
-            for a in range(self.num_layers):
+            for a in written:
                 self._check_rows(f"k[{a}]", ks[a], a, num_tokens, ks[0])
-                self._check_rows(f"v[{a}]", vs[a], a, num_tokens, ks[0])
+                self._check_v(f"v[{a}]", vs[a], a, num_tokens, ks[0])
             attention_index, first = None, ks[0]
         else:
             attention_index = self._attention_index(layer, "layer")
+            written = [attention_index]
             num_tokens = self._check_rows("k", k, attention_index, None, k)
             source_dtype("k", k.dtype, self.dtype, self.xp)
-            self._check_rows("v", v, attention_index, num_tokens, k)
+            self._check_v("v", v, attention_index, num_tokens, k)
             ks, vs, first = k, v, k
+        if v_scale is not None and all(self.layer_configs[a].components == 1 for a in written):
+            raise ValueError(f"v_scale: expected None (latent layers have no V), "
+                             f"got {type(v_scale).__name__}")
         src = source_dtype("k", first.dtype, self.dtype, self.xp)
         heads = max(lc.num_kv_heads for lc in self.layer_configs)
         scales = [check_scale(n, s, src is not None, self.xp, self.num_layers, heads)
@@ -283,6 +295,18 @@ class PagedKVPool:
         got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per layer), "
                          f"got {got}")
+
+    def _check_v(self, name, a, attention_index, num_tokens, first) -> None:
+        """V rows of a layer with a V plane, or None for a latent layer."""
+        if self.layer_configs[attention_index].components == 1:
+            if a is not None:
+                raise ValueError(f"{name}: expected None (attention layer {attention_index} is "
+                                 f"a latent cache: its rows go in k), got {type(a).__name__}")
+            return
+        if a is None:
+            raise ValueError(f"{name}: expected V rows (attention layer {attention_index} has "
+                             f"a V plane), got None")
+        self._check_rows(name, a, attention_index, num_tokens, first)
 
     def _check_rows(self, name, a, attention_index, num_tokens, first) -> int:
         lc = self.layer_configs[attention_index]

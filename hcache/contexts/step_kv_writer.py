@@ -38,7 +38,7 @@ class StepKVWriter:
             self._offsets_dev = xp.zeros(max_requests + 1, dtype=np.int32)
             self._positions_dev = xp.zeros(max_step_tokens, dtype=np.int32)
 
-    def write(self, requests, rows: np.ndarray, k, v, *, layer=None, k_scale=None,
+    def write(self, requests, rows: np.ndarray, k, v=None, *, layer=None, k_scale=None,
               v_scale=None, stream=None) -> None:
         """Write the K/V rows of the scheduled tokens of request ``rows`` (concatenated in
         order). Everything is checked before the index arrays are staged.

@@ -121,17 +121,17 @@ class ContinuousBatchingKVCacheCollection:
 
     def value_cache(self, layer: int):
         """Values of decoder layer ``layer``: a view of ``blocks_buf[:, 1, layer]``; see
-        :meth:`key_cache`."""
+        :meth:`key_cache`. Raises ``ValueError`` for an MLA cache (``is_mla``: keys only)."""
         return self._store.kv_view(1, layer)
 
     # --- command ----------------------------------------------------------------------------
 
-    def write(self, layer: int, key, value, *, seq_lengths=None, stream=None) -> None:
+    def write(self, layer: int, key, value=None, *, seq_lengths=None, stream=None) -> None:
         """MAX's name of :meth:`write_kv` (rows of the cache dtype, or float rows of an FP8
         cache quantized with scale 1.0); errors name ``key`` / ``value``."""
         self._write(layer, key, value, ("key", "value"), seq_lengths, None, None, stream)
 
-    def write_kv(self, layer: int, k, v, *, seq_lengths=None, k_scale=None, v_scale=None,
+    def write_kv(self, layer: int, k, v=None, *, seq_lengths=None, k_scale=None, v_scale=None,
                  stream=None) -> None:
         """Append new tokens of one layer at each row's committed length (one kernel launch).
 
@@ -150,7 +150,9 @@ class ContinuousBatchingKVCacheCollection:
             manager's array module, one dtype: the manager's (on cuda a float8 or bfloat16
             cache that CuPy cannot type is written from arrays of its storage dtype, see
             :func:`hcache.dtypes.storage_dtype`), or for an FP8 cache float32, float16 or
-            bfloat16 rows quantized on write (docs/design.md §3.7).
+            bfloat16 rows quantized on write (docs/design.md §3.7). An MLA cache
+            (``kv_params.is_mla``) takes its latent rows as ``k`` and ``v`` must be None; any
+            other cache requires ``v``.
         seq_lengths : host ints [batch], optional
             New tokens of each row for a ragged write (their sum is ``total_tokens``). The row
             offsets go to a device buffer preallocated by the manager.
@@ -159,7 +161,8 @@ class ContinuousBatchingKVCacheCollection:
             stored as ``fp8(x / scale)``): a float for every head, or a device table
             ``[num_layers]`` (per layer) or ``[num_layers, >= num_heads]`` (per head) whose row
             ``layer`` is used. None means 1.0: the manager records no scales (the caller keeps
-            them for its attention kernel). Must be None for any other write.
+            them for its attention kernel). Must be None for any other write (``v_scale`` also
+            for an MLA cache).
         stream : optional
             Stream of the launch (docs/design.md §2); use the stream of ``fetch``. Ignored on cpu.
 
@@ -195,15 +198,26 @@ class ContinuousBatchingKVCacheCollection:
                     raise ValueError(f"seq_lengths[{big[0]}]: expected at most "
                                      f"{store.max_seq_len} new tokens, got {listed[big[0]]}")
                 counts = np.asarray(listed, dtype=np.int64)
-            for name, a in zip(names, (key, value)):
-                self._check_rows(name, a, heads, size, group.xp, ragged)
-            src = source_dtype(names[0], key.dtype, store.dtype, group.xp)
-            if key.shape != value.shape:
-                raise ValueError(f"{names[1]}: expected the shape of {names[0]} "
-                                 f"{tuple(key.shape)}, got {tuple(value.shape)}")
-            if key.dtype != value.dtype:
-                raise ValueError(f"{names[1]}: expected dtype {key.dtype} (as {names[0]}), "
-                                 f"got {value.dtype}")
+            mla = group.components == 1
+            self._check_rows(names[0], key, heads, size, group.xp, ragged)
+            src = source_dtype(names[0], key.dtype, store.dtype, group.xp)  # k before v
+            if mla:
+                if value is not None:
+                    raise ValueError(f"{names[1]}: expected None (an MLA cache stores keys "
+                                     f"only), got {type(value).__name__}")
+                if v_scale is not None:
+                    raise ValueError(f"v_scale: expected None (an MLA cache stores keys "
+                                     f"only), got {type(v_scale).__name__}")
+            elif value is None:
+                raise ValueError(f"{names[1]}: expected values shaped as {names[0]}, got None")
+            else:
+                self._check_rows(names[1], value, heads, size, group.xp, ragged)
+                if key.shape != value.shape:
+                    raise ValueError(f"{names[1]}: expected the shape of {names[0]} "
+                                     f"{tuple(key.shape)}, got {tuple(value.shape)}")
+                if key.dtype != value.dtype:
+                    raise ValueError(f"{names[1]}: expected dtype {key.dtype} (as "
+                                     f"{names[0]}), got {value.dtype}")
             scales = [check_scale(n, s, src is not None, group.xp, store.num_layers, heads)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
             if ragged and int(counts.sum()) != key.shape[0]:

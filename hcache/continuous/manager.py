@@ -3,8 +3,9 @@
 After MAX's Mojo ``ContinuousBatchingKVCacheManager``. ``blocks_buf`` is
 ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]`` with ``num_blocks =
 max_batch_size``: block ``b`` holds one sequence's K (``[:, 0]``) and V (``[:, 1]``) of every
-layer. The call order of a request is ``claim`` -> (``fetch`` -> ``write`` per layer -> ``step``)
-for the prompt and then per generated token -> ``release``.
+layer; with ``kv_params.is_mla`` it is ``[num_blocks, 1, ...]``, latent vectors as K and no V.
+The call order of a request is ``claim`` -> (``fetch`` -> ``write`` per layer -> ``step``) for
+the prompt and then per generated token -> ``release``.
 
 Design decisions (where the reference is silent or not thread-safe):
 
@@ -89,7 +90,8 @@ class ContinuousBatchingKVCacheManager:
         self._device = resolve_device(device)
         n = self._num_blocks
         self._store = KVBlockStore(self._device, self._dtype, n, self._num_layers,
-                                   self._max_seq_len, kv_params.num_heads, kv_params.head_size)
+                                   self._max_seq_len, kv_params.num_heads, kv_params.head_size,
+                                   kv_params.components)
         self._cond = self._store.lock                  # one lock for the manager and its batch
         self._sequences = SequenceBlocks(n, self._max_seq_len)
         self._inflight: ContinuousBatchingKVCacheCollection | None = None
@@ -108,7 +110,8 @@ class ContinuousBatchingKVCacheManager:
     @property
     def blocks_buf(self):
         """The cache, ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]``
-        (K at ``[:, 0]``, V at ``[:, 1]``), allocated once; zero-copy on both devices."""
+        (K at ``[:, 0]``, V at ``[:, 1]``; ``[num_blocks, 1, ...]``, K only, for an MLA
+        ``kv_params``), allocated once; zero-copy on both devices."""
         return self._store.blocks
 
     # --- queries ----------------------------------------------------------------------------
@@ -365,6 +368,7 @@ class ContinuousBatchingKVCacheManager:
     def __repr__(self) -> str:
         return (f"ContinuousBatchingKVCacheManager(dtype={dtype_name(self._dtype)}, "
                 f"num_heads={self._kv_params.num_heads}, head_size={self._kv_params.head_size}, "
+                f"is_mla={self._kv_params.is_mla}, "
                 f"max_batch_size={self._num_blocks}, max_seq_len={self._max_seq_len}, "
                 f"num_layers={self._num_layers}, device={self._device}, "
                 f"live={self.num_live_sequences})")

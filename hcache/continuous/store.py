@@ -32,16 +32,18 @@ class KVBlockStore:
         The resolved cache dtype.
     num_blocks, num_layers, max_seq_len, num_heads, head_size : int
         Each >= 1 (checked by the manager).
+    components : int
+        2 (K and V) or 1 (an MLA cache: K only).
 
     Attributes
     ----------
     device : Device
     dtype : numpy.dtype
         The cache dtype.
-    blocks : array [num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]
-        ``blocks_buf``, zeroed at construction; it never moves.
+    blocks : array [num_blocks, C, num_layers, max_seq_len, num_heads, head_size]
+        ``blocks_buf`` (``C = components``), zeroed at construction; it never moves.
     group : KVGroup
-        One NHD group of the per-layer views ``blocks[:, :, layer]``, ``[num_blocks, 2,
+        One NHD group of the per-layer views ``blocks[:, :, layer]``, ``[num_blocks, C,
         max_seq_len, num_heads, head_size]``: row (``group_position``) ``layer`` is decoder
         layer ``layer``, so one launch serves any layer.
     lookup_table, cache_lengths : array, int32 [num_blocks]
@@ -55,12 +57,12 @@ class KVBlockStore:
     """
 
     def __init__(self, device, dtype, num_blocks: int, num_layers: int, max_seq_len: int,
-                 num_heads: int, head_size: int):
+                 num_heads: int, head_size: int, components: int = 2):
         xp = device.xp
         self.device, self.dtype = device, dtype
         with launch_scope(device, None):   # the current stream: construction takes none
-            self.blocks = xp.zeros((num_blocks, 2, num_layers, max_seq_len, num_heads, head_size),
-                                   dtype=storage_dtype(dtype, xp))
+            self.blocks = xp.zeros((num_blocks, components, num_layers, max_seq_len, num_heads,
+                                    head_size), dtype=storage_dtype(dtype, xp))
             self.group = KVGroup([self.blocks[:, :, layer] for layer in range(num_layers)],
                                  layout="NHD")
             self.lookup_table = xp.zeros((num_blocks,), dtype=np.int32)
@@ -98,8 +100,13 @@ class KVBlockStore:
 
     def kv_view(self, kv: int, layer):
         """``blocks[:, kv, layer]``, ``[num_blocks, max_seq_len, num_heads, head_size]`` (``kv``
-        0 for keys, 1 for values). Raises like :meth:`check_layer`."""
-        return self.blocks[:, kv, self.check_layer(layer)]
+        0 for keys, 1 for values). Raises like :meth:`check_layer`, and ``ValueError`` for
+        values of an MLA cache (it has none)."""
+        layer = self.check_layer(layer)
+        if kv >= self.blocks.shape[1]:
+            raise ValueError("value_cache: expected a cache with values, got an MLA cache "
+                             "(is_mla: keys only)")
+        return self.blocks[:, kv, layer]
 
     def load_batch(self, blocks: np.ndarray, lengths: np.ndarray, stream) -> None:
         """``lookup_table[:batch] = blocks``, ``cache_lengths[:batch] = lengths`` (host to
@@ -117,7 +124,8 @@ class KVBlockStore:
         ----------
         key, value : arrays
             Checked by the caller: ``[batch, new_tokens, num_heads, head_size]``, or
-            ``[total_tokens, num_heads, head_size]`` if ``ragged``.
+            ``[total_tokens, num_heads, head_size]`` if ``ragged``; ``value`` is None for an
+            MLA cache.
         counts : numpy.ndarray, int64 [batch]
             New tokens of each row (used for the ragged row offsets).
         src_dtype : numpy.dtype, optional
@@ -138,5 +146,6 @@ class KVBlockStore:
                 upload_ints(self.seq_offsets, np.concatenate([[0], np.cumsum(counts)]))
                 op(self.group, key, value, seq_offsets=self.seq_offsets[:batch + 1], **rows)
             else:
-                op(self.group, key.reshape(-1, heads, size), value.reshape(-1, heads, size),
+                op(self.group, key.reshape(-1, heads, size),
+                   None if value is None else value.reshape(-1, heads, size),
                    uniform_tokens=int(key.shape[1]), **rows)

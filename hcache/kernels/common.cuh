@@ -16,8 +16,9 @@ typedef unsigned long long hc_u64;
 typedef long long hc_i64;
 
 // One attention layer of a head-dim group, as seen by a multi-layer kernel (16 bytes).
-// data: layer base address; layout [num_slots, 2, num_kv_heads, max_seq_len, head_dim]
-// unless a kernel says otherwise (a paged pool uses max_seq_len = block size).
+// data: layer base address; layout [num_slots, C, num_kv_heads, max_seq_len, head_dim] unless a
+// kernel says otherwise (a paged pool uses max_seq_len = block size). C, the components, is a
+// launch argument shared by the group: 2 (K then V) or 1 (a latent MLA cache).
 struct KVLayerInfo {
     hc_u64 data;
     int num_kv_heads;
@@ -33,7 +34,8 @@ struct SlotTensorInfo {
     int dst_slots;
 };
 
-// New K and V rows of one layer for a write: [num_tokens, num_kv_heads, head_dim] each.
+// New K and V rows of one layer for a write: [num_tokens, num_kv_heads, head_dim] each (v is
+// not read, and may be null, when the group has one component).
 struct KVSrcInfo {
     hc_u64 k;
     hc_u64 v;

@@ -157,19 +157,20 @@ __device__ void hc_kv_compact_body(char* base, hc_i64 slot_stride,
 
 // Moves the first lengths[old] tokens of every kept slot, for every layer of a head-dim group,
 // none at or past the plan's max length (span_limit: the bytes no chunk may pass).
-// layers: KVLayerInfo [num_layers], each cache [num_slots, 2, H_l, S_l, D] with D*itemsize ==
-// row_bytes; lengths: int32 [num_slots], read before any length is compacted.
-// Launch: grid (2 * max_kv_heads, num_layers, z), block (B); blocks past a layer's heads exit.
+// layers: KVLayerInfo [num_layers], each cache [num_slots, C, H_l, S_l, D] with C = components
+// (2: K and V, 1: a latent cache) and D*itemsize == row_bytes; lengths: int32 [num_slots], read
+// before any length is compacted.
+// Launch: grid (C * max_kv_heads, num_layers, z), block (B); blocks past a layer's heads exit.
 extern "C" __global__ void hc_kv_compact(const KVLayerInfo* __restrict__ layers,
                                          const int* __restrict__ plan, int max_batch,
-                                         const int* __restrict__ lengths, int row_bytes,
-                                         int num_slots) {
+                                         const int* __restrict__ lengths, int components,
+                                         int row_bytes, int num_slots) {
     if (plan[HC_PLAN_STATUS] != 0) return;
     const KVLayerInfo info = layers[blockIdx.y];
     const int kvh = blockIdx.x;  // kv * H + head
-    if (kvh >= 2 * info.num_kv_heads) return;
+    if (kvh >= components * info.num_kv_heads) return;
     const hc_i64 head_span = (hc_i64)info.max_seq_len * row_bytes;
-    const hc_i64 slot_stride = 2 * (hc_i64)info.num_kv_heads * head_span;
+    const hc_i64 slot_stride = components * (hc_i64)info.num_kv_heads * head_span;
     char* base = reinterpret_cast<char*>(info.data) + kvh * head_span;
     const int w = hc_vec_width(info.data | (hc_u64)head_span | (hc_u64)slot_stride);
     const hc_i64 limit = hc_span_bytes(plan[HC_PLAN_MAX_LEN], info.max_seq_len, row_bytes);

@@ -12,9 +12,11 @@
 // Anything else out of range (pos < -1, p >= S, a block-table column past its width, a slot
 // outside [0, num_slots)) is skipped and counted in *status.
 //
+// Components: 2 writes K (kv 0) and V (kv 1); 1 writes only the rows of k (a latent MLA cache,
+// one component per token; v is not read and may be null).
 // Cache addressing, in bytes: slot * slot_stride + kv * kv_stride + head * head_stride +
-// p * tok_stride. slot_stride == 0 means the layout [num_slots, 2, H_l, S_l, D] of the layer's
-// KVLayerInfo (strides derived per layer, so heads may differ within a group).
+// p * tok_stride. slot_stride == 0 means the layout [num_slots, C, H_l, S_l, D] (C = components)
+// of the layer's KVLayerInfo (strides derived per layer, so heads may differ within a group).
 //
 // hc_kv_write copies rows of bytes. hc_kv_write_fp8 writes float32 / float16 / bfloat16 rows into
 // a float8_e4m3fn or float8_e5m2 cache, quantizing each element on the way (docs/design.md §3.7):
@@ -60,6 +62,7 @@ struct HcWriteArgs {
     const int* block_table;
     int max_blocks_per_seq;
     int num_slots;
+    int components;
     int row_bytes;
 };
 
@@ -104,7 +107,7 @@ __device__ void hc_kv_write_impl(const HcWriteArgs& a, const KVLayerInfo& info, 
                                  hc_i64 head_stride, hc_i64 tok_stride, int* status) {
     const int H = info.num_kv_heads;
     const I chunks = (I)((a.row_bytes + W - 1) / W);
-    const I heads2 = (I)(2 * H);
+    const I heads2 = (I)(a.components * H);
     const I total = (I)a.num_tokens * heads2 * chunks;
     const I step = (I)gridDim.x * blockDim.x;
     for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
@@ -131,7 +134,7 @@ template <int W>
 __device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, const char* k,
                                  const char* v, hc_i64 slot_stride, hc_i64 kv_stride,
                                  hc_i64 head_stride, hc_i64 tok_stride, int* status) {
-    const hc_u64 bound = (hc_u64)a.num_tokens * 2 * info.num_kv_heads * a.row_bytes;
+    const hc_u64 bound = (hc_u64)a.num_tokens * a.components * info.num_kv_heads * a.row_bytes;
     if (hc_fits_u32(bound))
         hc_kv_write_impl<W, unsigned>(a, info, k, v, slot_stride, kv_stride, head_stride,
                                       tok_stride, status);
@@ -142,7 +145,8 @@ __device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, 
 
 // layers: the group's KVLayerInfo array; this launch writes layers layer_offset + blockIdx.y.
 // srcs: KVSrcInfo [gridDim.y] (per launched layer), or null to use k_ptr / v_ptr (grid.y == 1).
-// Launch: grid (x, num_launched_layers), block (B); x covers tokens * 2 * H * chunks per row.
+// components: 2 (K and V) or 1 (latent: k only), the same for every layer of the group.
+// Launch: grid (x, num_launched_layers), block (B); x covers tokens * C * H * chunks per row.
 extern "C" __global__ void hc_kv_write(const KVLayerInfo* __restrict__ layers, int layer_offset,
                                        const KVSrcInfo* __restrict__ srcs, hc_u64 k_ptr,
                                        hc_u64 v_ptr, const int* __restrict__ seq_offsets,
@@ -151,7 +155,8 @@ extern "C" __global__ void hc_kv_write(const KVLayerInfo* __restrict__ layers, i
                                        const int* __restrict__ positions,
                                        const int* __restrict__ row_to_slot,
                                        const int* __restrict__ block_table,
-                                       int max_blocks_per_seq, int num_slots, int row_bytes,
+                                       int max_blocks_per_seq, int num_slots, int components,
+                                       int row_bytes,
                                        hc_i64 slot_stride, hc_i64 kv_stride, hc_i64 head_stride,
                                        hc_i64 tok_stride, int* status) {
     const KVLayerInfo info = layers[layer_offset + blockIdx.y];
@@ -161,11 +166,11 @@ extern "C" __global__ void hc_kv_write(const KVLayerInfo* __restrict__ layers, i
         tok_stride = row_bytes;
         head_stride = (hc_i64)info.max_seq_len * row_bytes;
         kv_stride = info.num_kv_heads * head_stride;
-        slot_stride = 2 * kv_stride;
+        slot_stride = components * kv_stride;
     }
     const HcWriteArgs a = {seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths,
                            positions, row_to_slot, block_table, max_blocks_per_seq, num_slots,
-                           row_bytes};
+                           components, row_bytes};
     const int w = hc_vec_width(k | v | info.data | (hc_u64)row_bytes | (hc_u64)slot_stride |
                                (hc_u64)kv_stride | (hc_u64)head_stride | (hc_u64)tok_stride);
     HC_DISPATCH_WIDTH(w, hc_kv_write_body, a, info, reinterpret_cast<const char*>(k),
@@ -326,7 +331,7 @@ __device__ void hc_kv_write_fp8_impl(const HcWriteArgs& a, const KVLayerInfo& in
     const int H = info.num_kv_heads;
     const int D = a.row_bytes;  // one byte per FP8 element
     const I chunks = (I)((D + E - 1) / E);
-    const I heads2 = (I)(2 * H);
+    const I heads2 = (I)(a.components * H);
     const I total = (I)a.num_tokens * heads2 * chunks;
     const I step = (I)gridDim.x * blockDim.x;
     for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
@@ -360,7 +365,7 @@ __device__ void hc_kv_write_fp8_body(const HcWriteArgs& a, const KVLayerInfo& in
                                      const HcScaleArgs& sc, hc_i64 slot_stride,
                                      hc_i64 kv_stride, hc_i64 head_stride, hc_i64 tok_stride,
                                      int* status) {
-    const hc_u64 bound = (hc_u64)a.num_tokens * 2 * info.num_kv_heads * a.row_bytes;
+    const hc_u64 bound = (hc_u64)a.num_tokens * a.components * info.num_kv_heads * a.row_bytes;
     if (hc_fits_u32(bound))
         hc_kv_write_fp8_impl<E, SZ, unsigned>(a, info, q, k, v, sc, slot_stride, kv_stride,
                                               head_stride, tok_stride, status);
@@ -400,7 +405,8 @@ extern "C" __global__ void hc_kv_write_fp8(
     hc_u64 k_ptr, hc_u64 v_ptr, const int* __restrict__ seq_offsets, int uniform_tokens,
     int batch, int num_tokens, const int* __restrict__ cache_lengths,
     const int* __restrict__ positions, const int* __restrict__ row_to_slot,
-    const int* __restrict__ block_table, int max_blocks_per_seq, int num_slots, int head_dim,
+    const int* __restrict__ block_table, int max_blocks_per_seq, int num_slots, int components,
+    int head_dim,
     int src_dtype, int fp8_format, const int* __restrict__ scale_rows,
     const float* __restrict__ k_scales, const float* __restrict__ v_scales, int k_layer_stride,
     int k_head_stride, int v_layer_stride, int v_head_stride, float k_scale, float v_scale,
@@ -413,11 +419,11 @@ extern "C" __global__ void hc_kv_write_fp8(
         tok_stride = head_dim;
         head_stride = (hc_i64)info.max_seq_len * head_dim;
         kv_stride = info.num_kv_heads * head_stride;
-        slot_stride = 2 * kv_stride;
+        slot_stride = components * kv_stride;
     }
     const HcWriteArgs a = {seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths,
                            positions, row_to_slot, block_table, max_blocks_per_seq, num_slots,
-                           head_dim};
+                           components, head_dim};
     const HcScaleArgs sc = {scale_rows, k_scales, v_scales, k_layer_stride, k_head_stride,
                             v_layer_stride, v_head_stride, k_scale, v_scale};
     const HcQuantArgs q = {scale_rows != nullptr ? scale_rows[gp] : gp, src_dtype,

@@ -200,7 +200,8 @@ def write_rows(layer, layout: str, kv: int, rows, target) -> None:
 def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, batch=None,
              cache_lengths=None, positions=None, row_to_slot=None, block_table=None,
              status=None):
-    """Write new K/V rows into the group's caches (semantics in ``kernels/kv_write.cu``)."""
+    """Write new K/V rows into the group's caches (semantics in ``kernels/kv_write.cu``); a
+    latent group (one component) writes ``k`` only."""
     _write_layers(group, k, v, layers, lambda li, kv, rows: rows, status,
                   seq_offsets=seq_offsets, uniform_tokens=uniform_tokens, batch=batch,
                   cache_lengths=cache_lengths, positions=positions, row_to_slot=row_to_slot,
@@ -209,9 +210,11 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
 
 def _write_layers(group, k, v, layers, convert, status, **rows):
     """The write both kernels share: map the tokens once (``rows``: the index arguments), then
-    put ``convert(group_position, kv, rows)`` of each layer's K (kv 0) and V (kv 1) in place."""
+    put ``convert(group_position, kv, rows)`` of each layer's K (kv 0) and V (kv 1, only when
+    the group has two components) in place."""
     if layers is None:
-        idx, ks, vs = range(group.num_layers), k, v
+        idx, ks = range(group.num_layers), k
+        vs = [None] * group.num_layers if v is None else v
     else:
         idx, ks, vs = (int(layers),), (k,), (v,)
     targets, reported = kv_write_targets(group, idx, int(ks[0].shape[0]), **rows)
@@ -219,7 +222,8 @@ def _write_layers(group, k, v, layers, convert, status, **rows):
         for li, kk, vv, target in zip(idx, ks, vs, targets):
             layer = group.layers[li]
             write_rows(layer, group.layout, 0, convert(li, 0, kk), target)
-            write_rows(layer, group.layout, 1, convert(li, 1, vv), target)
+            if group.components == 2:
+                write_rows(layer, group.layout, 1, convert(li, 1, vv), target)
     if status is not None and reported:
         status[0] += reported
 

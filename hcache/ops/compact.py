@@ -54,7 +54,8 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
 
 def kv_compact(group, plan, lengths, *, stream=None, backend=None):
     """Move the first ``lengths[old]`` tokens of every kept slot of every layer of ``group``
-    (one launch). ``group`` must be HND. In place; ``lengths`` are the pre-compaction lengths
+    (one launch), every component (K and V, or a latent cache's one). ``group`` must be HND.
+    In place; ``lengths`` are the pre-compaction lengths
     ``int32 [num_slots]`` (the ones the plan was built with: no token at or past the plan's
     longest span ``plan[2]`` moves). The plan must be for at most ``group.num_slots`` slots."""
     xp = group.xp
@@ -66,10 +67,11 @@ def kv_compact(group, plan, lengths, *, stream=None, backend=None):
     if run is None:
         return ref.kv_compact(group, plan, lengths)
     span = max(group.max_seq_lens) * group.row_bytes
-    grid = (2 * group.max_kv_heads, group.num_layers, grid_z(span))
+    grid = (group.components * group.max_kv_heads, group.num_layers, grid_z(span))
     run.launch("compact", "hc_kv_compact", grid, (BLOCK, 1, 1),
                (ptr(group.device_layer_infos), ptr(plan), i32(max_batch),
-                ptr(lengths), i32(group.row_bytes), i32(group.num_slots)))
+                ptr(lengths), i32(group.components), i32(group.row_bytes),
+                i32(group.num_slots)))
 
 
 def slots_compact(slots, plan, *, stream=None, backend=None):

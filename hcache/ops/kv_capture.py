@@ -1,7 +1,8 @@
 """Prompt-cache capture and restore (kernels/kv_capture.cu, docs/design.md §3.5).
 
 One kernel, ``hc_kv_capture``, copies the first tokens of one slot of every layer of a group to
-or from compact per-layer tensors (its ``to_cache`` argument is the direction). Ops:
+or from compact per-layer tensors ``[C, H_l, n, D]`` (``C = group.components``: 2 for K and V,
+1 for a latent cache; its ``to_cache`` argument is the direction). Ops:
 :func:`kv_capture` (cache -> tensors) and :func:`kv_restore` (tensors -> cache) check the slot
 and the length first; :func:`kv_prefix_copy` launches the kernel unchecked, either direction,
 and counts what the kernel skips in ``status``.
@@ -30,7 +31,7 @@ __all__ = ["kv_capture", "kv_restore", "kv_prefix_copy"]
 
 def kv_capture(group, slot, num_tokens, out, *, stream=None, backend=None):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer into ``out`` (list of
-    ``[2, H_l, num_tokens, D]``), one launch. Raises ``IndexError`` / ``ValueError`` before
+    ``[C, H_l, num_tokens, D]``), one launch. Raises ``IndexError`` / ``ValueError`` before
     touching anything."""
     _check_slot_and_length(group, slot, num_tokens)
     for j, t in enumerate(out):
@@ -44,7 +45,7 @@ def kv_capture(group, slot, num_tokens, out, *, stream=None, backend=None):
 
 
 def kv_restore(group, saved, slot, *, stream=None, backend=None):
-    """Copy every ``saved[l]`` (``[2, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)``
+    """Copy every ``saved[l]`` (``[C, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)``
     of ``slot`` of layer ``l``, one launch. Validates everything before touching anything."""
     if len(saved) != group.num_layers:
         raise ValueError(f"saved: expected {group.num_layers} tensors, got {len(saved)}")
@@ -63,7 +64,7 @@ def kv_restore(group, saved, slot, *, stream=None, backend=None):
 def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, stream=None,
                    backend=None):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer of ``group`` to or from
-    ``compact`` (one ``[2, H_l, n, D]`` tensor per layer, ``n >= num_tokens``), one launch.
+    ``compact`` (one ``[C, H_l, n, D]`` tensor per layer, ``n >= num_tokens``), one launch.
     The slot and the length are not checked: a layer the kernel cannot copy is skipped and
     counted in ``status[0]``. Prefer :func:`kv_capture` / :func:`kv_restore`.
     """
@@ -88,7 +89,7 @@ def _check_slot_and_length(group, slot, num_tokens):
 
 def _checked_launcher(group, compact, status, stream, backend):
     """Check what every op of the family shares (an HND group, one C-contiguous
-    ``[2, H_l, n, D]`` tensor of the group's dtype and module per layer, ``status``); return
+    ``[C, H_l, n, D]`` tensor of the group's dtype and module per layer, ``status``); return
     the launcher (``None``: the NumPy reference)."""
     xp = group.xp
     if group.layout != "HND":
@@ -99,9 +100,10 @@ def _checked_launcher(group, compact, status, stream, backend):
         if array_module_of(t) is not xp:
             raise TypeError(f"compact[{j}]: expected a {xp.__name__} array, "
                             f"got {type(t).__name__}")
-        if t.ndim != 4 or t.shape[0] != 2 or t.shape[1] != heads \
+        c = group.components
+        if t.ndim != 4 or t.shape[0] != c or t.shape[1] != heads \
                 or t.shape[3] != group.head_dim:
-            raise ValueError(f"compact[{j}]: expected shape [2, {heads}, n, {group.head_dim}], "
+            raise ValueError(f"compact[{j}]: expected shape [{c}, {heads}, n, {group.head_dim}], "
                              f"got {tuple(t.shape)}")
         if t.dtype != group.dtype:
             raise ValueError(f"compact[{j}]: expected dtype {group.dtype}, got {t.dtype}")
@@ -119,8 +121,9 @@ def _launch(run, group, slot, num_tokens, compact, to_cache, status):
                                 [int(t.shape[1]) for t in compact],
                                 [int(t.shape[2]) for t in compact])
     upload_table(run, group, table)
-    grid = (2 * group.max_kv_heads, group.num_layers, grid_z(num_tokens * group.row_bytes))
+    grid = (group.components * group.max_kv_heads, group.num_layers,
+            grid_z(num_tokens * group.row_bytes))
     run.launch("kv_capture", "hc_kv_capture", grid, (BLOCK, 1, 1),
                (ptr(group.device_layer_infos), ptr(group.scratch_infos), i32(slot),
-                i32(num_tokens), i32(group.row_bytes), i32(group.num_slots),
-                i32(1 if to_cache else 0), ptr(status)))
+                i32(num_tokens), i32(group.components), i32(group.row_bytes),
+                i32(group.num_slots), i32(1 if to_cache else 0), ptr(status)))

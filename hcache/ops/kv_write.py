@@ -70,9 +70,13 @@ def _check_write(group, k, v, layers, seq_offsets, uniform_tokens, batch, cache_
     """Every check of a write; returns ``(launched group positions, ks, vs, num_tokens,
     uniform_tokens, batch)``."""
     xp = group.xp
+    latent = group.components == 1
+    if v is None and not latent:
+        raise ValueError("v: expected V rows (the group's caches have a V plane), got None")
     if layers is None:
         launched = list(range(group.num_layers))
-        ks, vs = list(k), list(v)
+        ks = list(k)
+        vs = [None] * len(ks) if latent and v is None else list(v)
         if len(ks) != group.num_layers or len(vs) != group.num_layers:
             raise ValueError(f"k, v: expected {group.num_layers} arrays each, "
                              f"got {len(ks)} and {len(vs)}")
@@ -87,7 +91,12 @@ def _check_write(group, k, v, layers, seq_offsets, uniform_tokens, batch, cache_
     num_tokens = int(ks[0].shape[0]) if getattr(ks[0], "ndim", 0) else 0
     for j, li in enumerate(launched):
         _check_rows("k", j, ks[j], group, li, num_tokens, xp, dtypes)
-        _check_rows("v", j, vs[j], group, li, num_tokens, xp, dtypes)
+        if latent:
+            if vs[j] is not None:
+                raise ValueError(f"v[{j}]: expected None (a latent cache has no V), "
+                                 f"got {type(vs[j]).__name__}")
+        else:
+            _check_rows("v", j, vs[j], group, li, num_tokens, xp, dtypes)
     uniform_tokens = check_int("uniform_tokens", uniform_tokens, 0)
     int32_array("seq_offsets", seq_offsets, xp)
     if batch is None:
@@ -108,8 +117,8 @@ def _sources(run, group, layers, ks, vs):
     """``(srcs, k_ptr, v_ptr, layer_offset)``: the per-layer pointer table (uploaded into the
     group's scratch) for every layer, the two pointers for one."""
     if layers is None:
-        table = np.array([[data_pointer(a), data_pointer(b)] for a, b in zip(ks, vs)],
-                         dtype=np.uint64)
+        table = np.array([[data_pointer(a), 0 if b is None else data_pointer(b)]
+                          for a, b in zip(ks, vs)], dtype=np.uint64)
         upload_table(run, group, table)
         return group.scratch_infos, np.uint64(0), np.uint64(0), 0
     return None, ptr(ks[0]), ptr(vs[0]), int(layers)
@@ -123,10 +132,12 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
     Parameters
     ----------
     group : KVGroup
-        HND caches ``[num_slots, 2, H_l, S, D]`` (contiguous slots; with ``block_table`` a paged
-        pool whose ``S`` is the block size) or NHD caches ``[num_slots, 2, S, H, D]``.
+        HND caches ``[num_slots, C, H_l, S, D]`` (contiguous slots; with ``block_table`` a paged
+        pool whose ``S`` is the block size) or NHD caches ``[num_slots, C, S, H, D]``; ``C =
+        group.components``.
     k, v : arrays ``[num_tokens, H_l, D]``
         One layer's new rows when ``layers`` is an int; else lists, one per layer of the group.
+        A latent group (``C == 1``) takes its rows as ``k`` and ``v=None`` (or a list of None).
     layers : int or None
         The group position of the one layer to write; ``None`` writes every layer.
     seq_offsets : int32 [batch + 1], optional
@@ -154,7 +165,8 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
     Raises
     ------
     ValueError, TypeError
-        A shape, dtype or array module does not match the group.
+        A shape, dtype or array module does not match the group; ``v`` given for a latent
+        group, or missing for a K/V group.
     """
     launched, ks, vs, num_tokens, uniform_tokens, batch = _check_write(
         group, k, v, layers, seq_offsets, uniform_tokens, batch, cache_lengths, positions,
@@ -176,19 +188,21 @@ def _launch_rows(run, kernel, group, layers, ks, vs, launched, row_bytes, rows, 
     """Launch ``kernel`` of ``kv_write.cu`` over the rows of ``launched`` layers: the argument
     list both write kernels share (layer table, sources, row mapping, strides), with ``extra``
     (the quantizing kernel's codes and scales) between the row width and the strides. One
-    thread per 16-byte chunk of a ``row_bytes`` row (one row per token, K/V and head)."""
+    thread per 16-byte chunk of a ``row_bytes`` row (one row per token, component and head)."""
     seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths, positions, row_to_slot, \
         block_table = rows
     srcs, k_ptr, v_ptr, offset = _sources(run, group, layers, ks, vs)
     max_blocks = int(block_table.shape[1]) if block_table is not None else 0
     heads = max(group.num_kv_heads[i] for i in launched)
-    grid = (grid_x(num_tokens * 2 * heads * ceil_div(row_bytes, 16)), len(launched), 1)
+    grid = (grid_x(num_tokens * group.components * heads * ceil_div(row_bytes, 16)),
+            len(launched), 1)
     slot_s, kv_s, head_s, tok_s = group.byte_strides
     run.launch("kv_write", kernel, grid, (BLOCK, 1, 1),
                (ptr(group.device_layer_infos), i32(offset), ptr(srcs), k_ptr, v_ptr,
                 ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
                 ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(block_table),
-                i32(max_blocks), i32(group.num_slots), i32(row_bytes), *extra,
+                i32(max_blocks), i32(group.num_slots), i32(group.components), i32(row_bytes),
+                *extra,
                 i64(slot_s), i64(kv_s), i64(head_s), i64(tok_s), ptr(status)))
 
 
@@ -260,8 +274,9 @@ def kv_write_fp8(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0
         ``fp8_dtype``), HND or NHD, as in :func:`kv_write`.
     k, v : float32, float16 or bfloat16 arrays ``[num_tokens, H_l, D]``, or lists of them
         One layer's rows when ``layers`` is an int, else one per layer of the group;
-        C-contiguous. A bfloat16 array that the array module cannot type may be given as
-        ``uint16`` with ``src_dtype="bfloat16"``.
+        C-contiguous. ``v`` is None for a latent group (and ``v_scale`` is then not used). A
+        bfloat16 array that the array module cannot type may be given as ``uint16`` with
+        ``src_dtype="bfloat16"``.
     layers, seq_offsets, uniform_tokens, batch, cache_lengths, positions, row_to_slot, \
 block_table, status
         As in :func:`kv_write`.

@@ -14,6 +14,8 @@ quantization alone), ``slot_copy``, ``kv_capture`` (kv_capture, kv_restore, kv_p
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ._ref_kv_write import kv_write, kv_write_fp8, quantize_fp8
@@ -184,7 +186,7 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
 
     src0, dst0 = slots.pairs[0]
     _bump(status, int(np.count_nonzero(copied(src0.shape[0], dst0.shape[0])[0])))
-    for src, dst in slots.pairs:
+    for src, dst in _slot_records(slots):
         good = copied(src.shape[0], dst.shape[0])[1]
         if good is None:
             dst[d] = src[s]
@@ -192,23 +194,42 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
             dst[d[good]] = src[s[good]]
 
 
+_records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _slot_records(slots) -> list:
+    """The pairs of ``slots`` as 1-D arrays of one opaque record per slot (views, cached until
+    the set is rebound): a gather of whole records costs one copy per slot, not one per
+    element."""
+    cached = _records.get(slots)
+    if cached is None or cached[0] is not slots.pairs:
+        def record(a):
+            if a.ndim < 2 or a.size == 0:
+                return a
+            n = a.shape[0]
+            return a.reshape(n, -1).view(np.dtype((np.void, a.nbytes // n))).reshape(n)
+        cached = (slots.pairs, [(record(src), record(dst)) for src, dst in slots.pairs])
+        _records[slots] = cached
+    return cached[1]
+
+
 # --- kv_capture: kernels/kv_capture.cu ------------------------------------------------------------
 
 def kv_capture(group, slot, num_tokens, out):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer into ``out[l]``
-    (``[2, H_l, num_tokens, D]``)."""
+    (``[C, H_l, num_tokens, D]``, ``C = group.components``)."""
     kv_prefix_copy(group, slot, num_tokens, out, to_cache=False)
 
 
 def kv_restore(group, saved, slot):
-    """Copy every ``saved[l]`` (``[2, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)`` of
+    """Copy every ``saved[l]`` (``[C, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)`` of
     ``slot`` of layer ``l``."""
     kv_prefix_copy(group, slot, int(saved[0].shape[2]) if saved else 0, saved, to_cache=True)
 
 
 def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer to (``to_cache=False``) or from
-    (``to_cache=True``) compact tensors ``[2, H_l, n, D]``; a layer with bad arguments is
+    (``to_cache=True``) compact tensors ``[C, H_l, n, D]``; a layer with bad arguments is
     skipped and counted. ``num_tokens == 0`` does nothing (no launch on the device)."""
     if num_tokens == 0:
         return

@@ -1,11 +1,12 @@
 """What the kernels read besides the caches: descriptor tables and the compaction plan's format.
 
 A :class:`KVGroup` is the unit of one launch for attention data (docs/design.md §3.1): the layers
-of one head dim, with a device array of ``KVLayerInfo {uint64 data; int32 num_kv_heads; int32
-max_seq_len}`` built once. A :class:`SlotSet` is the unit of one launch for whole-slot copies
-(Mamba states, lengths, paged blocks): a device array of ``SlotTensorInfo {uint64 src, dst;
-int64 slot_bytes; int32 src_slots, dst_slots}``. Both are stored as ``uint64`` words because
-CuPy has no structured dtypes; the byte layout is the C struct's.
+of one head dim and one component count (K and V, or one latent MLA vector), with a device array
+of ``KVLayerInfo {uint64 data; int32 num_kv_heads; int32 max_seq_len}`` built once. A
+:class:`SlotSet` is the unit of one launch for whole-slot copies (Mamba states, lengths, paged
+blocks): a device array of ``SlotTensorInfo {uint64 src, dst; int64 slot_bytes; int32
+src_slots, dst_slots}``. Both are stored as ``uint64`` words because CuPy has no structured
+dtypes; the byte layout is the C struct's.
 
 A compaction plan is an int32 array laid out as ``kernels/compact.cu`` says: a header of
 :data:`PLAN_HEADER` words, the inverse mapping, done flags, then ``(src, dst)`` schedule pairs
@@ -76,16 +77,18 @@ def _to_device(host: np.ndarray, xp):
 
 
 class KVGroup:
-    """Attention layers sharing one head dim, launched together.
+    """Attention layers sharing one head dim and one component count, launched together.
 
     Parameters
     ----------
     layers : list of arrays
         Per-layer caches, all of one dtype and one array module. ``layout="HND"``: each
-        ``[num_slots, 2, H_l, S, D]`` and C-contiguous (``H_l`` may differ between layers).
-        ``layout="NHD"``: each ``[num_slots, 2, S, H, D]``, any strides with a contiguous last
+        ``[num_slots, C, H_l, S, D]`` and C-contiguous (``H_l`` may differ between layers).
+        ``layout="NHD"``: each ``[num_slots, C, S, H, D]``, any strides with a contiguous last
         axis, and the same strides for every layer (the continuous-batching buffer's views).
         For a paged pool, ``S`` is the block size and ``num_slots`` the number of blocks.
+        ``C``, the components, is the same for every layer: 2 (K plane then V plane) or 1 (a
+        latent MLA cache: one vector per token, no V).
     layout : {"HND", "NHD"}
     layer_indices : sequence of int, optional
         Labels of the layers (e.g. attention indices), ints in ``[0, 2**31)``; default
@@ -93,6 +96,8 @@ class KVGroup:
 
     Attributes
     ----------
+    components : int
+        2 (K and V) or 1 (latent): the kernels' ``components`` argument.
     device_layer_infos : array, uint64 [num_layers, 2]
         The ``KVLayerInfo`` array on the layers' device (built once).
     device_layer_indices : array, int32 [num_layers]
@@ -114,11 +119,14 @@ class KVGroup:
         self.dtype = first.dtype
         self.head_dim = int(first.shape[-1])
         self.num_slots = int(first.shape[0])
+        self.components = int(first.shape[1]) if first.ndim == 5 else 0
         heads, seqs = [], []
         for i, layer in enumerate(self.layers):
-            if layer.ndim != 5 or layer.shape[1] != 2:
-                raise ValueError(f"layers[{i}]: expected shape [slots, 2, ., ., D], "
-                                 f"got {tuple(layer.shape)}")
+            if layer.ndim != 5 or layer.shape[1] not in (1, 2) \
+                    or layer.shape[1] != self.components:
+                want = self.components if self.components in (1, 2) else "1 or 2"
+                raise ValueError(f"layers[{i}]: expected shape [slots, {want}, ., ., D] "
+                                 f"(components as layers[0]), got {tuple(layer.shape)}")
             if layer.dtype != self.dtype or layer.shape[-1] != self.head_dim \
                     or layer.shape[0] != self.num_slots:
                 raise ValueError(f"layers[{i}]: expected dtype {self.dtype}, {self.num_slots} "
@@ -184,18 +192,25 @@ class KVGroup:
     @property
     def byte_strides(self) -> tuple[int, int, int, int]:
         """``(slot, kv, head, token)`` strides in bytes for NHD groups; zeros for HND (derived
-        per layer by the kernels)."""
+        per layer by the kernels from the head count, length and ``components``)."""
         if self.layout == "HND":
             return (0, 0, 0, 0)
         s = self.layers[0].strides
         return (int(s[0]), int(s[1]), int(s[3]), int(s[2]))
 
 
-def group_layers_by_head_dim(head_dims) -> list[list[int]]:
-    """Positions of ``head_dims`` grouped by value, groups in first-seen order."""
-    groups: dict[int, list[int]] = {}
-    for i, d in enumerate(head_dims):
-        groups.setdefault(int(d), []).append(i)
+def group_layers_by_head_dim(head_dims, components=None) -> list[list[int]]:
+    """Positions of ``head_dims`` grouped by value, groups in first-seen order; with
+    ``components`` (one per layer, 2 or 1), by ``(head dim, components)``: a latent layer never
+    shares a launch with a K/V layer of its head dim."""
+    dims = [int(d) for d in head_dims]
+    comps = [2] * len(dims) if components is None else [int(c) for c in components]
+    if len(comps) != len(dims):
+        raise ValueError(f"components: expected {len(dims)} values (one per layer), "
+                         f"got {len(comps)}")
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, key in enumerate(zip(dims, comps)):
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 

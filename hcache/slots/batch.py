@@ -283,7 +283,7 @@ class BatchAPI:
 
     # --- KV writes (slots/kv_writes.py) ------------------------------------------------------
 
-    def write_kv(self, layer, k, v, *, seq_lengths=None, positions=None, k_scale=None,
+    def write_kv(self, layer, k, v=None, *, seq_lengths=None, positions=None, k_scale=None,
                  v_scale=None, stream=None) -> None:
         """Write the new tokens of the active batch into the KV cache, in place (docs/design.md
         §4.9): row ``b`` is slot ``b``; its tokens land at its committed length (or at
@@ -302,7 +302,9 @@ class BatchAPI:
             rows ``< b``); ``batch`` is the active batch. C-contiguous, this device's array
             module, of the cache dtype (its storage dtype on cuda); for an FP8 cache also
             float32, float16 or bfloat16, quantized on write (bfloat16 held as uint16 on a
-            CuPy without bfloat16).
+            CuPy without bfloat16). A latent (MLA) layer's rows are ``k`` (``H = 1``, ``D =
+            kv_lora_rank + qk_rope_head_dim``) and its ``v`` is None: None in its place in the
+            list, or ``v=None`` when every written layer is latent.
         seq_lengths : host ints [batch], optional
             New tokens per row of a ragged write (their sum is ``total_tokens``).
         positions : ints shaped like ``k``'s leading axes, optional
@@ -312,9 +314,10 @@ class BatchAPI:
             :meth:`skipped_kv_write_count`).
         k_scale, v_scale : None, float, or float32 device array [L] or [L, >= H]
             FP8 caches written from float rows only: ``q = fp8(x / scale)`` per layer (and per
-            KV head), ``L`` the cache-owning attention layers. ``None`` uses the manager's
-            recorded scales (:meth:`get_kv_scales`); a given scale is recorded first for the
-            written layers (a device copy, none for a float equal to the last one).
+            KV head), ``L`` the cache-owning attention layers (``v_scale`` must be None when
+            every written layer is latent). ``None`` uses the manager's recorded scales
+            (:meth:`get_kv_scales`); a given scale is recorded first for the written layers (a
+            device copy, none for a float equal to the last one).
         stream : optional
 
         Raises

@@ -41,6 +41,9 @@ class KVHeadDimGroupView:
     layer_indices : tuple of int
         ``layer_indices[group_position]``: the decoder layer that owns the cache in row
         ``group_position`` of ``device_layer_infos``.
+    components : int
+        2 (each cache ``[max_batch, 2, H, S, D]``) or 1 (latent MLA caches ``[max_batch, 1,
+        1, S, D]``): one group never mixes the two.
     """
 
     device_layer_infos: object
@@ -48,6 +51,7 @@ class KVHeadDimGroupView:
     head_dim: int
     max_kv_heads: int
     layer_indices: tuple
+    components: int = 2
 
 
 class HybridCacheManager(BatchAPI):
@@ -92,7 +96,7 @@ class HybridCacheManager(BatchAPI):
         self._owner_layer = tuple(owners)
         self._group_views = tuple(
             KVHeadDimGroupView(g.device_layer_infos, g.num_layers, g.head_dim, g.max_kv_heads,
-                               tuple(owners[a] for a in g.layer_indices))
+                               tuple(owners[a] for a in g.layer_indices), g.components)
             for g in self._kv.groups)
         states = self._mamba.state_tensors if self._mamba is not None else ()
         self._kv_writer = self._kv._writer   # write_kv (BatchAPI) through the KV sub-manager
@@ -161,7 +165,8 @@ class HybridCacheManager(BatchAPI):
 
     def get_combined_kv_cache(self, i):
         """KV cache read by decoder layer ``i`` (its owner's for a shared layer), a view
-        ``[max_batch, 2, H, S, D]``.
+        ``[max_batch, 2, H, S, D]``, or ``[max_batch, 1, 1, S, kv_lora_rank +
+        qk_rope_head_dim]`` for a latent (MLA) layer (``c_kv`` then ``k_pe``).
 
         Raises
         ------
@@ -174,19 +179,33 @@ class HybridCacheManager(BatchAPI):
 
     def get_separate_kv_cache(self, i):
         """K and V caches of decoder layer ``i``: strided views ``[max_batch, H, S, D]``.
-        Raises like :meth:`get_combined_kv_cache`."""
-        return self._kv.get_separate_kv_cache(self._attention_index(i))
+        Raises like :meth:`get_combined_kv_cache`, and ``ValueError`` for a latent (MLA) layer,
+        which has no V."""
+        index = self._attention_index(i)
+        if self._kv.get_layer_config(index).components != 2:
+            raise ValueError(f"i: expected a layer with separate K and V, got layer {int(i)}, a "
+                             f"latent (MLA) layer (one component; use get_combined_kv_cache)")
+        return self._kv.get_separate_kv_cache(index)
 
     def get_recurrent_state(self, i):
         """Recurrent state of decoder layer ``i``, a view ``[max_batch, heads, head_dim,
-        state_size]``. Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer)."""
+        state_size]``. Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer, or
+        a conv-only one: LFM2's short convolutions)."""
         mamba_index = self._mamba_index(i)   # raises before the sub-manager is touched
+        if not self._mamba.config.has_recurrent_state:
+            raise ValueError(f"i: expected a layer with a recurrent state, got layer {i}, a "
+                             f"conv-only MAMBA layer (short convolution)")
         return self._mamba.get_recurrent_state(mamba_index)
 
     def get_conv_state(self, i):
         """Conv state of decoder layer ``i``, a view ``[max_batch, conv_dim, conv_kernel]``.
-        Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer)."""
-        return self._mamba.get_conv_state(self._mamba_index(i))
+        Raises ``IndexError`` (range) or ``ValueError`` (not a Mamba layer, or one without a
+        conv state: MiniMax's lightning attention)."""
+        mamba_index = self._mamba_index(i)
+        if not self._mamba.config.has_conv_state:
+            raise ValueError(f"i: expected a layer with a conv state, got layer {i}, a MAMBA "
+                             f"layer with a recurrent state only (lightning attention)")
+        return self._mamba.get_conv_state(mamba_index)
 
     def get_kv_scales(self):
         """FP8 scale tables ``(k_scales, v_scales)``, float32 views ``[num_kv_layers,
@@ -204,7 +223,8 @@ class HybridCacheManager(BatchAPI):
         return self._kv.skipped_kv_write_count(stream)
 
     def get_kv_head_dim_groups(self) -> list:
-        """One :class:`KVHeadDimGroupView` per head dim, in first-seen order."""
+        """One :class:`KVHeadDimGroupView` per head dim (and component count), in first-seen
+        order."""
         return list(self._group_views)
 
     def memory_report(self) -> dict:
@@ -235,10 +255,11 @@ class HybridCacheManager(BatchAPI):
     # --- prompt cache -----------------------------------------------------------------------
 
     def capture_kv_cache(self, b, sequence_length, stream=None, *, with_scales=False):
-        """Tokens ``[0, sequence_length)`` of slot ``b``, one **new** ``[2, H_i, n, D_i]`` array
-        per cache-owning attention layer (attention-index order, which is decoder-layer order;
-        one launch per head-dim group); with ``with_scales`` (FP8) also copies of the scale
-        tables. See :meth:`KVCacheManager.capture_kv_cache`."""
+        """Tokens ``[0, sequence_length)`` of slot ``b``, one **new** ``[C_i, H_i, n, D_i]``
+        array (``[1, 1, n, D_i]`` for a latent layer) per cache-owning attention layer
+        (attention-index order, which is decoder-layer order; one launch per head-dim group);
+        with ``with_scales`` (FP8) also copies of the scale tables. See
+        :meth:`KVCacheManager.capture_kv_cache`."""
         return self._kv.capture_kv_cache(b, sequence_length, stream, with_scales=with_scales)
 
     def restore_kv_cache(self, saved, b, stream=None, *, scales=None) -> None:
@@ -249,7 +270,7 @@ class HybridCacheManager(BatchAPI):
 
     def capture_recurrent_states(self, b, stream=None) -> list:
         """Slot ``b``'s recurrent state per Mamba layer (**new** ``[1, ...]`` arrays; empty
-        without Mamba layers). Raises ``IndexError`` for a bad slot."""
+        without Mamba layers or recurrent states). Raises ``IndexError`` for a bad slot."""
         if self._mamba is None:
             check_index("b", b, self._config.max_batch_size)
             return []
@@ -257,7 +278,7 @@ class HybridCacheManager(BatchAPI):
 
     def capture_conv_states(self, b, stream=None) -> list:
         """Slot ``b``'s conv state per Mamba layer (**new** ``[1, ...]`` arrays; empty without
-        Mamba layers). Raises ``IndexError`` for a bad slot."""
+        Mamba layers or conv states). Raises ``IndexError`` for a bad slot."""
         if self._mamba is None:
             check_index("b", b, self._config.max_batch_size)
             return []

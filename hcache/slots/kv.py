@@ -1,10 +1,12 @@
 """Per-layer KV caches for attention layers of any head count and head dim (docs/design.md §4).
 
 The manager's layers are attention indices (docs/design.md §9): attention layer ``a`` owns one
-C-contiguous cache ``[max_batch, 2, H_a, S, D_a]`` (K plane then V plane, HND). Layers are
-grouped by head dim in first-seen order; each group is a :class:`~hcache.ops.tables.KVGroup`,
-the unit of one kernel launch (compaction, capture, restore), whose ``layer_indices`` give the
-attention index of each ``group_position``.
+C-contiguous cache ``[max_batch, C_a, H_a, S, D_a]``, HND: ``C_a = 2`` planes (K then V), or
+``C_a = 1`` for a latent MLA layer (``components=1``: one ``kv_lora_rank + qk_rope_head_dim``
+vector per token, ``H_a = 1``, no memory for a V). Layers are grouped by head dim and component
+count in first-seen order; each group is a :class:`~hcache.ops.tables.KVGroup`, the unit of one
+kernel launch (writes, compaction, capture, restore), whose ``layer_indices`` give the attention
+index of each ``group_position``.
 """
 
 from __future__ import annotations
@@ -44,22 +46,20 @@ class KVCacheManager:
     def __init__(self, config, stream=None, *, device=None):
         if not isinstance(config, KVCacheConfig):
             raise TypeError(f"config: expected KVCacheConfig, got {type(config).__name__}")
-        for i, lc in enumerate(config.layer_configs):
-            if lc.components != 2:  # latent (MLA) caches: issue 13, not wired yet
-                raise ValueError(f"config.layer_configs[{i}].components: expected 2 (latent "
-                                 f"MLA caches are not supported yet), got {lc.components}")
         self._config = config
         self._device = resolve_device(device)
         xp = self._device.xp
         dtype = storage_dtype(config.dtype, xp)
         b, s = config.max_batch_size, config.max_sequence_length
         with launch_scope(self._device, stream):
-            self._caches = tuple(xp.zeros((b, 2, lc.num_kv_heads, s, lc.head_dim), dtype=dtype)
-                                 for lc in config.layer_configs)
+            self._caches = tuple(
+                xp.zeros((b, lc.components, lc.num_kv_heads, s, lc.head_dim), dtype=dtype)
+                for lc in config.layer_configs)
             self._groups = tuple(
                 KVGroup([self._caches[a] for a in indices], layer_indices=indices)
-                for indices in group_layers_by_head_dim(lc.head_dim
-                                                        for lc in config.layer_configs))
+                for indices in group_layers_by_head_dim(
+                    [lc.head_dim for lc in config.layer_configs],
+                    [lc.components for lc in config.layer_configs]))
             self._writer = KVWriter(self._device, self._caches, self._groups, config.dtype,
                                     config.max_sequence_length)
 
@@ -79,23 +79,38 @@ class KVCacheManager:
 
     @property
     def is_uniform(self) -> bool:
-        """True when every layer has the same ``(num_kv_heads, head_dim)`` (or there are none)."""
-        return len({(lc.num_kv_heads, lc.head_dim) for lc in self._config.layer_configs}) <= 1
+        """True when every layer has the same ``(num_kv_heads, head_dim, components)`` (or there
+        are none)."""
+        return len({(lc.num_kv_heads, lc.head_dim, lc.components)
+                    for lc in self._config.layer_configs}) <= 1
 
     @property
     def groups(self) -> tuple:
-        """The head-dim groups (:class:`~hcache.ops.tables.KVGroup`, first-seen order of head dim;
-        ``layer_indices[group_position]`` is an attention index)."""
+        """The head-dim groups (:class:`~hcache.ops.tables.KVGroup`, first-seen order of
+        ``(head dim, components)``; ``layer_indices[group_position]`` is an attention index)."""
         return self._groups
 
     def get_combined_kv_cache(self, i):
-        """Layer ``i``'s cache, a view ``[max_batch, 2, H_i, S, D_i]``. Raises ``IndexError``."""
+        """Layer ``i``'s cache, a view ``[max_batch, C_i, H_i, S, D_i]``: ``C_i = 2`` (K, V), or
+        ``[max_batch, 1, 1, S, kv_lora_rank + qk_rope_head_dim]`` for a latent (MLA) layer,
+        ``c_kv`` then ``k_pe`` in each row. Raises ``IndexError``."""
         return self._caches[check_index("i", i, self.num_layers)]
 
     def get_separate_kv_cache(self, i):
         """Layer ``i``'s K and V caches: strided views ``[max_batch, H_i, S, D_i]`` of the
-        combined cache (``cache[:, 0]`` and ``cache[:, 1]``). Raises ``IndexError``."""
+        combined cache (``cache[:, 0]`` and ``cache[:, 1]``).
+
+        Raises
+        ------
+        IndexError
+            ``i`` out of range.
+        ValueError
+            Layer ``i`` is a latent (MLA) layer: it has no V (use :meth:`get_combined_kv_cache`).
+        """
         cache = self.get_combined_kv_cache(i)
+        if cache.shape[1] != 2:
+            raise ValueError(f"i: expected a layer with separate K and V, got layer {int(i)}, a "
+                             f"latent (MLA) layer (one component; use get_combined_kv_cache)")
         return cache[:, 0], cache[:, 1]
 
     def get_layer_config(self, i) -> KVLayerConfig:
@@ -114,7 +129,7 @@ class KVCacheManager:
 
     # --- batched writes (docs/design.md §4.9) -------------------------------------------------
 
-    def write_kv(self, layer, k, v, *, seq_lengths=None, positions=None, k_scale=None,
+    def write_kv(self, layer, k, v=None, *, seq_lengths=None, positions=None, k_scale=None,
                  v_scale=None, stream=None) -> None:
         """Write new tokens' K/V at explicit positions, in place: row ``b`` is slot ``b``.
 
@@ -127,6 +142,8 @@ class KVCacheManager:
         ----------
         layer : int or None
         k, v : arrays ``[batch, new_tokens, H_a, D_a]`` or ragged ``[total_tokens, H_a, D_a]``
+            A latent layer's rows are ``k`` and its ``v`` is None (with ``layer=None``: None in
+            its place in the list, or ``v=None`` when every layer is latent).
         seq_lengths : host ints [batch], optional
         positions : ints shaped like ``k``'s leading axes
             Host ints (checked: in ``[-1, max_sequence_length)``, -1 skips a token, distinct
@@ -172,9 +189,10 @@ class KVCacheManager:
 
         Returns
         -------
-        list of arrays ``[2, H_a, sequence_length, D_a]``
+        list of arrays ``[C_a, H_a, sequence_length, D_a]``
             One **newly allocated** array per layer (attention-index order), K plane then V
-            plane: the cache's bytes (FP8 bytes for an FP8 cache).
+            plane (``[1, 1, n, D]`` for a latent layer): the cache's bytes (FP8 bytes for an
+            FP8 cache).
         (list, (k_scales, v_scales))
             With ``with_scales=True`` (FP8 caches): also **new** copies of the scale tables
             (:meth:`get_kv_scales`) that dequantize the captured bytes.
@@ -197,7 +215,8 @@ class KVCacheManager:
         tables = self._writer.scales() if with_scales else None
         xp = self._device.xp
         with launch_scope(self._device, stream):
-            out = [xp.empty((2, c.shape[2], n, c.shape[4]), dtype=c.dtype) for c in self._caches]
+            out = [xp.empty((c.shape[1], c.shape[2], n, c.shape[4]), dtype=c.dtype)
+                   for c in self._caches]
             for group in self._groups:
                 ops.kv_capture(group, b, n, [out[a] for a in group.layer_indices],
                                stream=stream)
@@ -211,7 +230,7 @@ class KVCacheManager:
 
         Parameters
         ----------
-        saved : sequence of ``num_layers`` arrays ``[2, H_i, n, D_i]``
+        saved : sequence of ``num_layers`` arrays ``[C_i, H_i, n, D_i]``
             One ``n`` for all layers, ``n <= max_sequence_length``; C-contiguous, of this device
             and the cache dtype.
         b : int
@@ -255,9 +274,9 @@ class KVCacheManager:
             if array_module_of(t) is not xp or not hasattr(t, "shape"):
                 raise TypeError(f"saved[{i}]: expected a {xp.__name__} array, "
                                 f"got {type(t).__name__}")
-            heads, dim = cache.shape[2], cache.shape[4]
-            if t.ndim != 4 or t.shape[0] != 2 or t.shape[1] != heads or t.shape[3] != dim:
-                raise ValueError(f"saved[{i}]: expected shape [2, {heads}, n, {dim}], "
+            comps, heads, dim = cache.shape[1], cache.shape[2], cache.shape[4]
+            if t.ndim != 4 or t.shape[0] != comps or t.shape[1] != heads or t.shape[3] != dim:
+                raise ValueError(f"saved[{i}]: expected shape [{comps}, {heads}, n, {dim}], "
                                  f"got {tuple(t.shape)}")
             n = int(t.shape[2]) if n is None else n
             if t.shape[2] != n:

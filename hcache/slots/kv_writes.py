@@ -2,8 +2,9 @@
 :class:`~hcache.slots.kv.KVCacheManager`, :class:`~hcache.slots.hybrid.HybridCacheManager` and
 :class:`~hcache.slots.linear.LinearKVCache` (docs/design.md §4.9).
 
-A :class:`KVWriter` belongs to one set of per-attention-layer caches ``[max_batch, 2, H_a, S,
-D_a]`` and their head-dim groups. It validates a call completely, then stages its index arrays in
+A :class:`KVWriter` belongs to one set of per-attention-layer caches ``[max_batch, C_a, H_a, S,
+D_a]`` (``C_a`` = 2 for K and V, 1 for a latent MLA cache written from ``k`` alone) and their
+head-dim groups. It validates a call completely, then stages its index arrays in
 buffers allocated at construction (ragged row offsets, host positions) and launches
 :func:`hcache.ops.kv_write` (rows of the cache dtype) or :func:`hcache.ops.kv_write_fp8` (float
 rows into an FP8 cache) once per head-dim group. Row ``b`` of a batch is slot ``b``; its tokens
@@ -17,14 +18,13 @@ divided by, which an attention kernel multiplies back (``x ~= q * scale``).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .. import ops
 from .._checks import token_counts
 from ..device import array_module_of, launch_scope, stream_handle, upload, upload_ints
 from ..dtypes import is_fp8, resolve_dtype, storage_dtype
+from .kv_scale_tables import check_table_scale, record_scale
 
 __all__ = ["KVWriter"]
 
@@ -37,8 +37,9 @@ class KVWriter:
     Parameters
     ----------
     device : Device
-    caches : sequence of arrays ``[max_batch, 2, H_a, S, D_a]``
-        One per attention layer (its attention index is its position), C-contiguous.
+    caches : sequence of arrays ``[max_batch, C_a, H_a, S, D_a]``
+        One per attention layer (its attention index is its position), C-contiguous; ``C_a`` is
+        2 (K and V) or 1 (a latent cache: no V rows).
     groups : sequence of KVGroup
         The caches by head dim; ``layer_indices`` are attention indices.
     dtype : str or dtype
@@ -140,7 +141,11 @@ class KVWriter:
         """
         stream_handle(stream)
         layers = list(range(self.num_layers)) if index is None else [index]
-        ks, vs = self._per_layer("k", k, index), self._per_layer("v", v, index)
+        ks = self._per_layer("k", k, index)
+        if v is None and index is None and all(self._latent(a) for a in layers):
+            vs = [None] * len(layers)   # a model of latent layers only: no V anywhere
+        else:
+            vs = self._per_layer("v", v, index)
         if not layers:
             return
         ragged = seq_lengths is not None
@@ -174,6 +179,9 @@ class KVWriter:
         if quantize:
             scales = [self._check_scale(n, s, layers)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
+            if v_scale is not None and all(self._latent(a) for a in layers):
+                raise ValueError(f"v_scale: expected None (latent layers have no V), "
+                                 f"got {type(v_scale).__name__}")
         else:
             for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
                 if s is not None:
@@ -201,6 +209,10 @@ class KVWriter:
 
     # --- internals --------------------------------------------------------------------------
 
+    def _latent(self, index) -> bool:
+        """Attention layer ``index`` caches one latent vector per token (no V plane)."""
+        return int(self._caches[index].shape[1]) == 1
+
     def _per_layer(self, name, arrays, index) -> list:
         if index is not None:
             return [arrays]
@@ -221,12 +233,22 @@ class KVWriter:
         return tuple(int(n) for n in a.shape[:want - 2])
 
     def _check_rows(self, ks, vs, layers, lead, single):
-        """Every K/V array; returns the float dtype of a quantizing write, or None."""
+        """Every K/V array (a latent layer's ``v`` must be None, any other layer's an array);
+        returns the float dtype of a quantizing write, or None."""
         xp, dtype = self._device.xp, ks[0].dtype
         for kind, arrays in (("k", ks), ("v", vs)):
             for j, (a, index) in enumerate(zip(arrays, layers)):
                 name = kind if single else f"{kind}[{j}]"
                 cache = self._caches[index]
+                if kind == "v" and self._latent(index):
+                    if a is not None:
+                        raise ValueError(f"{name}: expected None (attention layer {index} is a "
+                                         f"latent cache: its rows go in k), "
+                                         f"got {type(a).__name__}")
+                    continue
+                if kind == "v" and a is None:
+                    raise ValueError(f"{name}: expected V rows (attention layer {index} has a "
+                                     f"V plane), got None")
                 if array_module_of(a) is not xp or not hasattr(a, "shape"):
                     raise TypeError(f"{name}: expected a {xp.__name__} array, "
                                     f"got {type(a).__name__}")
@@ -305,53 +327,11 @@ class KVWriter:
         return flat
 
     def _check_scale(self, name, scale, layers):
-        """A scale argument as ``None`` (the recorded tables), a float or a device table."""
-        if scale is None:
-            return None
-        if isinstance(scale, (bool, np.bool_)):
-            raise TypeError(f"{name}: expected a float or a float32 array, got bool")
-        if isinstance(scale, (int, float, np.integer, np.floating)):
-            value = float(np.float32(scale))
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name}: expected a finite scale > 0 (as float32), "
-                                 f"got {scale}")
-            return value
-        xp = self._device.xp
-        if array_module_of(scale) is not xp or not hasattr(scale, "shape"):
-            raise TypeError(f"{name}: expected a float or a {xp.__name__} float32 array, "
-                            f"got {type(scale).__name__}")
         heads = max((int(self._caches[a].shape[2]) for a in layers), default=0)
-        ok = scale.dtype == np.float32 and scale.ndim in (1, 2) \
-            and scale.shape[0] == self.num_layers and (scale.ndim == 1
-                                                       or scale.shape[1] >= heads)
-        if not ok:
-            raise ValueError(f"{name}: expected a float32 array [{self.num_layers}] (per "
-                             f"layer) or [{self.num_layers}, >= {heads}] (per head), got "
-                             f"{scale.dtype} {list(scale.shape)}")
-        return scale
+        return check_table_scale(name, scale, self._device.xp, self.num_layers, heads)
 
     def _record(self, kv: int, scale, layers) -> None:
-        """Copy a checked scale into the table rows of ``layers`` (device order, no
-        allocation); a float equal to the one recorded last is not copied again."""
-        if scale is None:
-            return
-        table, memo = self._scales[kv], self._recorded[kv]
-        if isinstance(scale, float):
-            todo = [a for a in layers if memo[a] != scale]
-            if len(todo) == self.num_layers:
-                table.fill(scale)
-            else:
-                for a in todo:
-                    table[a].fill(scale)
-            for a in todo:
-                memo[a] = scale
-            return
-        width = min(table.shape[1], scale.shape[1]) if scale.ndim == 2 else table.shape[1]
-        rows = slice(layers[0], layers[0] + 1) if len(layers) == 1 else slice(None)
-        src = scale[rows, :width] if scale.ndim == 2 else scale[rows, None]
-        table[rows, :width] = src
-        for a in layers:
-            memo[a] = None
+        record_scale(self._scales[kv], self._recorded[kv], scale, layers)
 
     def _stage(self, staged, total):
         """Host positions into the staging buffer (grown, once, past its capacity); device
@@ -367,7 +347,7 @@ class KVWriter:
         op = ops.kv_write_fp8 if quantize else ops.kv_write
 
         def rows(a, cache):
-            return a.reshape(total, cache.shape[2], cache.shape[4])
+            return None if a is None else a.reshape(total, cache.shape[2], cache.shape[4])
 
         if index is not None:
             g, p = self._where[index]

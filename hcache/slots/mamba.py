@@ -1,10 +1,12 @@
 """Recurrent (Mamba / state-space / gated delta-net) states of every slot (docs/design.md §4).
 
 One buffer per kind, ``recurrent [L, max_batch, num_heads, head_dim, state_size]`` and
-``conv [L, max_batch, conv_dim, conv_kernel]``, zeroed at construction. The manager's layers
-are Mamba indices (docs/design.md §9): Mamba layer ``m``'s state is the C-contiguous view
-``buffer[m]``. Every multi-layer copy (compaction, capture, restore) is one
-:func:`hcache.ops` launch over a :class:`~hcache.ops.tables.SlotSet` of all layers.
+``conv [L, max_batch, conv_dim, conv_kernel]``, zeroed at construction; a kind the layers do not
+have (short convolutions have no recurrent state, lightning attention no conv state) has no
+buffer, and every copy covers only the kinds that exist. The manager's layers are Mamba indices
+(docs/design.md §9): Mamba layer ``m``'s state is the C-contiguous view ``buffer[m]``. Every
+multi-layer copy (compaction, capture, restore) is one :func:`hcache.ops` launch over a
+:class:`~hcache.ops.tables.SlotSet` of all layers.
 """
 
 from __future__ import annotations
@@ -48,19 +50,26 @@ class MambaCacheManager:
         xp = self._device.xp
         n, b = config.num_layers, config.max_batch_size
         with launch_scope(self._device, stream):
-            self._recurrent = xp.zeros((n, b) + config.recurrent_state_shape,
-                                       dtype=storage_dtype(config.ssm_dtype, xp))
-            self._conv = xp.zeros((n, b) + config.conv_state_shape,
-                                  dtype=storage_dtype(config.conv_dtype, xp))
-            self._recurrent_views = tuple(self._recurrent[i] for i in range(n))
-            self._conv_views = tuple(self._conv[i] for i in range(n))
+            # None: the layers have no state of this kind (nothing allocated, nothing copied).
+            self._recurrent = (xp.zeros((n, b) + config.recurrent_state_shape,
+                                        dtype=storage_dtype(config.ssm_dtype, xp))
+                               if config.has_recurrent_state else None)
+            self._conv = (xp.zeros((n, b) + config.conv_state_shape,
+                                   dtype=storage_dtype(config.conv_dtype, xp))
+                          if config.has_conv_state else None)
+            self._recurrent_views = (tuple(self._recurrent[i] for i in range(n))
+                                     if self._recurrent is not None else ())
+            self._conv_views = (tuple(self._conv[i] for i in range(n))
+                                if self._conv is not None else ())
             self._slot_idx = xp.zeros(1, dtype=np.int32)
             self._zero_idx = xp.zeros(1, dtype=np.int32)
+            self._capture_sets = {}
+            self._restore_set = None
             if n:
                 self._capture_sets = {
                     kind: SlotSet([(v, v) for v in views])
                     for kind, views in (("recurrent", self._recurrent_views),
-                                        ("conv", self._conv_views))}
+                                        ("conv", self._conv_views)) if views}
                 self._restore_set = SlotSet([(v, v) for v in self.state_tensors])
 
     # --- queries ----------------------------------------------------------------------------
@@ -79,50 +88,80 @@ class MambaCacheManager:
 
     @property
     def state_tensors(self) -> tuple:
-        """Every per-layer state view, recurrent then conv (``[max_batch, ...]`` each)."""
+        """Every per-layer state view that exists, recurrent then conv (``[max_batch, ...]``
+        each)."""
         return self._recurrent_views + self._conv_views
 
     def get_recurrent_state(self, i):
         """Layer ``i``'s recurrent state, a view ``[max_batch, num_heads, head_dim,
-        state_size]`` (``ssm_dtype``). Raises ``IndexError`` for a bad layer."""
-        return self._recurrent_views[check_index("i", i, self.num_layers)]
+        state_size]`` (``ssm_dtype``).
+
+        Raises
+        ------
+        IndexError
+            ``i`` out of range.
+        ValueError
+            The layers have no recurrent state (short-convolution layers).
+        """
+        i = check_index("i", i, self.num_layers)
+        if self._recurrent is None:
+            raise ValueError(f"i: expected a layer with a recurrent state, got layer {i}, a "
+                             f"conv-only layer (short convolution)")
+        return self._recurrent_views[i]
 
     def get_conv_state(self, i):
         """Layer ``i``'s conv state, a view ``[max_batch, conv_dim, conv_kernel]``
-        (``conv_dtype``). Raises ``IndexError`` for a bad layer."""
-        return self._conv_views[check_index("i", i, self.num_layers)]
+        (``conv_dtype``).
+
+        Raises
+        ------
+        IndexError
+            ``i`` out of range.
+        ValueError
+            The layers have no conv state (lightning-attention layers).
+        """
+        i = check_index("i", i, self.num_layers)
+        if self._conv is None:
+            raise ValueError(f"i: expected a layer with a conv state, got layer {i}, with a "
+                             f"recurrent state only (lightning attention)")
+        return self._conv_views[i]
 
     @property
     def metadata_nbytes(self) -> int:
         """Device bytes of the slot indices and descriptor tables of the one-launch copies
         (not in :meth:`memory_report`, which counts the states)."""
-        tables = (list(self._capture_sets.values()) + [self._restore_set]
-                  if self.num_layers else [])
+        tables = list(self._capture_sets.values()) + (
+            [self._restore_set] if self._restore_set is not None else [])
         return int(self._slot_idx.nbytes + self._zero_idx.nbytes
                    + sum(t.device_infos.nbytes for t in tables))
 
     def memory_report(self) -> dict:
-        """Device bytes: ``recurrent``, ``conv``, ``total`` and ``layers`` (per layer)."""
+        """Device bytes: ``recurrent``, ``conv`` (0 for a kind the layers do not have),
+        ``total`` and ``layers`` (per layer)."""
         n = self.num_layers
-        per_layer = (self._recurrent.nbytes + self._conv.nbytes) // n if n else 0
-        return {"recurrent": int(self._recurrent.nbytes), "conv": int(self._conv.nbytes),
-                "total": int(self._recurrent.nbytes + self._conv.nbytes),
+        recurrent, conv = (int(x.nbytes) if x is not None else 0
+                           for x in (self._recurrent, self._conv))
+        per_layer = (recurrent + conv) // n if n else 0
+        return {"recurrent": recurrent, "conv": conv, "total": recurrent + conv,
                 "layers": (int(per_layer),) * n}
 
     # --- commands ---------------------------------------------------------------------------
 
+    def _buffers(self) -> list:
+        return [x for x in (self._recurrent, self._conv) if x is not None]
+
     def clear_states(self, stream=None) -> None:
         """Zero every state of every layer and slot (in place)."""
         with launch_scope(self._device, stream):
-            self._recurrent.fill(0)
-            self._conv.fill(0)
+            for buffer in self._buffers():
+                buffer.fill(0)
 
     def clear_slot(self, b, stream=None) -> None:
         """Zero slot ``b`` of every layer (in place). Raises ``IndexError`` for a bad slot."""
         b = check_index("b", b, self._config.max_batch_size)
         with launch_scope(self._device, stream):
-            self._recurrent[:, b] = 0
-            self._conv[:, b] = 0
+            for buffer in self._buffers():
+                buffer[:, b] = 0
 
     def capture_recurrent_states(self, b, stream=None) -> list:
         """Copy slot ``b``'s recurrent state of every layer (one launch).
@@ -130,7 +169,8 @@ class MambaCacheManager:
         Returns
         -------
         list of arrays ``[1, num_heads, head_dim, state_size]``
-            One per layer: views of one **newly allocated** ``[L, 1, ...]`` array.
+            One per layer: views of one **newly allocated** ``[L, 1, ...]`` array; empty when
+            the layers have no recurrent state.
         """
         return self._capture("recurrent", self._recurrent_views, b, stream)
 
@@ -140,7 +180,8 @@ class MambaCacheManager:
         Returns
         -------
         list of arrays ``[1, conv_dim, conv_kernel]``
-            One per layer: views of one **newly allocated** ``[L, 1, ...]`` array.
+            One per layer: views of one **newly allocated** ``[L, 1, ...]`` array; empty when
+            the layers have no conv state.
         """
         return self._capture("conv", self._conv_views, b, stream)
 
@@ -148,7 +189,9 @@ class MambaCacheManager:
         b = check_index("b", b, self._config.max_batch_size)
         buffer = self._recurrent if kind == "recurrent" else self._conv
         n = self.num_layers
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream):   # the stream is checked even with no state
+            if buffer is None:
+                return []
             out = self._device.xp.empty((n, 1) + buffer.shape[2:], dtype=buffer.dtype)
             if n:
                 slots = self._capture_sets[kind]
@@ -164,7 +207,7 @@ class MambaCacheManager:
         ----------
         recurrent, conv : sequences of ``num_layers`` arrays
             Each ``[1, *slot_shape]`` (as captured) or ``[*slot_shape]``, C-contiguous, of this
-            device and of the state's dtype.
+            device and of the state's dtype; empty for a kind the layers do not have.
         b : int
             Target slot.
 
@@ -183,9 +226,9 @@ class MambaCacheManager:
         b = check_index("b", b, self._config.max_batch_size)
         saved = (self._check_saved(recurrent_name, recurrent, self._recurrent_views)
                  + self._check_saved("conv", conv, self._conv_views))
-        if not saved:
-            return
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream):   # the stream is checked even with no state
+            if not saved:
+                return
             self._restore_set.rebind(list(zip(saved, self.state_tensors, strict=True)),
                                     stream=stream)
             self._slot_idx.fill(b)
