@@ -14,11 +14,12 @@ from itertools import repeat
 
 import numpy as np
 
-from .device import array_module_of
+from .device import host_array as _import_host
+from .device import on_device
 
 __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host_ints",
            "index_array", "block_id_array", "hash_array", "int_shape", "int32_array",
-           "exact_int", "token_counts", "token_list", "host_array"]
+           "exact_int", "token_counts", "token_list", "host_array", "is_array"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1   # the C ``int`` of the kernels, int32 lengths
 _INT64_MAX = np.iinfo(np.int64).max
@@ -58,14 +59,41 @@ def check_index(name: str, value, size: int) -> int:
     return value
 
 
+_ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__array_struct__",
+                    "__cuda_array_interface__")
+
+
+def is_array(values) -> bool:
+    """True for an array of any library (NumPy, JAX, CuPy, an object with an array protocol):
+    what :func:`host_array` imports rather than reads as a Python sequence."""
+    return isinstance(values, np.ndarray) or any(hasattr(values, p) for p in _ARRAY_PROTOCOLS)
+
+
 def host_array(name: str, values) -> np.ndarray:
-    """``values`` (a NumPy array, or a flat sequence of numbers) as a NumPy array; refuses a
-    string, a scalar, a nested or ragged sequence and bool entries of a sequence (which
-    ``np.asarray`` would read as 0 and 1) with ``TypeError``."""
+    """``values`` as a NumPy array: the one host coercion of integer arguments.
+
+    A NumPy array is returned as it is; an array of any other library (``__dlpack__``,
+    ``__array__``, ``__array_interface__``, JAX) through :func:`hcache.device.host_array`,
+    without a copy where its producer allows; a flat sequence (a list, a tuple, a range, a
+    generator) through ``np.asarray``.
+
+    Raises
+    ------
+    TypeError
+        Device memory ("expected host integers, got device memory"), an array NumPy cannot
+        import, a string, a scalar, a nested or ragged sequence, or a bool entry of a sequence
+        (which ``np.asarray`` would read as 0 or 1).
+    ValueError
+        A Python int of a sequence beyond int64.
+    """
     if isinstance(values, np.ndarray):
         return values
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__") \
-            or array_module_of(values) is not np or hasattr(values, "__cuda_array_interface__"):
+    if any(hasattr(values, p) for p in _ARRAY_PROTOCOLS):
+        if on_device(values):
+            raise TypeError(f"{name}: expected host integers, got device memory "
+                            f"({type(values).__name__})")
+        return _import_host(name, values)
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name}: expected a 1-D sequence of ints, got {type(values).__name__}")
     if not isinstance(values, (list, tuple)):
         values = list(values)          # a set, a generator, a range
@@ -96,8 +124,6 @@ def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
     ValueError
         Not 1-D, not ``length`` entries, or a ``uint64`` value that int64 cannot hold.
     """
-    if array_module_of(values) is not np or hasattr(values, "__cuda_array_interface__"):
-        raise TypeError(f"{name}: expected host integers, got {type(values).__name__}")
     arr = host_array(name, values)
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)

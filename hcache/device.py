@@ -15,7 +15,8 @@ from functools import cache
 import numpy as np
 
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
-           "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer"]
+           "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer",
+           "as_array", "host_array", "on_device", "ALIGNMENT", "zeros", "cuda_free_bytes"]
 
 
 @cache
@@ -228,6 +229,45 @@ def _cuda_launch_scope(device: Device, stream):
         yield
 
 
+ALIGNMENT = 64   # bytes: the first byte of every cache buffer (DLPack importers copy less)
+
+
+def zeros(device: Device, shape, dtype):
+    """A zeroed C-contiguous array of ``device``'s module whose first byte is
+    :data:`ALIGNMENT`-aligned: the allocator of every cache buffer.
+
+    On ``cpu`` the buffer is over-allocated by ``ALIGNMENT`` bytes and the array starts at the
+    first aligned byte (``numpy.zeros`` gives only 16 bytes, and JAX copies a less than
+    64-byte aligned buffer that it imports). CuPy's allocations are 256-byte aligned already.
+    ``TypeError`` / ``ValueError`` for a bad ``device``, ``shape`` or ``dtype``.
+    """
+    device = resolve_device(device)
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or any(
+            isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer))
+            or n < 0 for n in shape):
+        raise TypeError(f"shape: expected a sequence of ints >= 0, got {shape!r:.60}")
+    try:
+        dtype = np.dtype(dtype if dtype is not None else "")   # np.dtype(None) is float64
+    except TypeError:
+        raise TypeError(f"dtype: expected a dtype, got {dtype!r:.60}") from None
+    if device.is_cuda:
+        return _cupy().zeros(shape, dtype=dtype)
+    shape = tuple(int(n) for n in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)   # calloc: untouched pages stay free
+    start = -raw.ctypes.data % ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def cuda_free_bytes(device: Device) -> int:
+    """Free memory of a CUDA ``device``, CuPy's pooled free blocks included (see
+    :func:`hcache.memory.available_bytes`)."""
+    cp = _cupy()
+    with cp.cuda.Device(device.index):
+        free, _ = cp.cuda.runtime.memGetInfo()
+        return int(free) + int(cp.get_default_memory_pool().free_bytes())
+
+
 def upload(dst, host: np.ndarray) -> None:
     """``dst[:len(host)] = host``: host to device on the current stream (a plain copy for a NumPy
     ``dst``). The one way the package copies host data into device buffers; ``host`` must have
@@ -251,3 +291,107 @@ def to_host(array) -> np.ndarray:
     if isinstance(array, np.ndarray):
         return array
     return np.asarray(array.get() if hasattr(array, "get") else array)
+
+
+# --- foreign arrays (docs/design.md §2) ---------------------------------------------------------
+
+_DLPACK_HOST = (1, 3)   # kDLCPU, kDLCUDAHost: memory the host reads in place
+_FOREIGN_ERRORS = (BufferError, RuntimeError, TypeError, ValueError)
+
+
+def on_device(value) -> bool:
+    """True when ``value`` says its memory is device memory (CuPy, the CUDA array interface, a
+    DLPack device other than the host)."""
+    cp = _cupy()
+    if (cp is not None and isinstance(value, cp.ndarray)) \
+            or hasattr(value, "__cuda_array_interface__"):
+        return True
+    where = getattr(value, "__dlpack_device__", None)
+    if where is None:
+        return False
+    try:
+        return int(where()[0]) not in _DLPACK_HOST
+    except _FOREIGN_ERRORS:
+        return False
+
+
+def host_array(name: str, value) -> np.ndarray:
+    """``value`` as a NumPy array, sharing its memory where it can.
+
+    A NumPy array is returned as it is; an object with ``__dlpack__`` goes through
+    ``numpy.from_dlpack`` (zero-copy; read-only when the producer says so); one with
+    ``__array_interface__`` / ``__array__`` through ``numpy.asarray`` (zero-copy when the
+    producer hands out its buffer, as JAX and NumPy-backed containers do). DLPack has no
+    NumPy equivalent of bfloat16 or float8: such an object is read through ``__array__`` when
+    it has one (JAX), else refused.
+
+    Raises
+    ------
+    TypeError
+        ``value`` is device memory, not an array (a list, a scalar, ``None``), or an array
+        NumPy cannot import (the message says why).
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    kind = type(value).__name__
+    if on_device(value):
+        raise TypeError(f"{name}: expected a numpy array (host memory: the device is cpu), "
+                        f"got device memory ({kind})")
+    problem = ""
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except _FOREIGN_ERRORS as exc:
+            problem = f": {exc}"
+    if any(hasattr(value, p) for p in ("__array_interface__", "__array_struct__", "__array__")):
+        try:
+            arr = np.asarray(value)
+        except _FOREIGN_ERRORS as exc:
+            problem = f": {exc}"
+        else:
+            if arr.dtype != object:
+                return arr
+            problem = problem or ": it converts to dtype object"
+    raise TypeError(f"{name}: expected a numpy array (or an array with __dlpack__ or "
+                    f"__array__), got {kind}{problem}")
+
+
+def as_array(name: str, value, device: Device, stream=None):
+    """``value`` as an array of ``device``'s module (``device.xp``), without a copy.
+
+    On ``cpu`` see :func:`host_array`. On ``cuda`` a CuPy array is returned as it is and any
+    other device array is imported by :func:`_cuda_import` (``__cuda_array_interface__`` or
+    DLPack, on ``stream``); host memory is refused, since using it would mean a copy.
+
+    Raises
+    ------
+    TypeError
+        ``value`` is not an array, lives in the other kind of memory, or has a dtype the array
+        module cannot import (the message says which).
+    TypeError, ValueError
+        ``device`` is not a device, or ``stream`` not a stream (:func:`stream_handle`).
+    """
+    device = resolve_device(device)
+    stream_handle(stream)   # a bad stream is the stream's error, not the array's
+    if not device.is_cuda:
+        return host_array(name, value)
+    if isinstance(value, _cupy().ndarray):
+        return value
+    if not on_device(value):
+        raise TypeError(f"{name}: expected a cupy array (or an array on {device} with "
+                        f"__cuda_array_interface__ or __dlpack__), got {type(value).__name__}")
+    try:
+        return _cuda_import(value, device, stream)
+    except _FOREIGN_ERRORS as exc:
+        raise TypeError(f"{name}: expected an array CuPy can import, got "
+                        f"{type(value).__name__}: {exc}") from None
+
+
+def _cuda_import(value, device: Device, stream):
+    """A CuPy view of a foreign device array: the CUDA array interface, else DLPack (the
+    producer orders its work before ``stream``)."""
+    cp = _cupy()
+    with launch_scope(device, stream):
+        if hasattr(value, "__cuda_array_interface__"):
+            return cp.asarray(value)
+        return cp.from_dlpack(value)

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["DTYPE_NAMES", "resolve_dtype", "dtype_name", "storage_dtype", "is_fp8", "fp8_max",
-           "fp8_scales"]
+           "fp8_scales", "dlpack_view"]
 
 _BY_NAME: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -83,6 +83,33 @@ def storage_dtype(dtype, xp) -> np.dtype:
     if xp is np:
         return dt
     return dt if _module_handles(xp, dt.name) else _UINT_OF_SIZE[dt.itemsize]
+
+
+_NO_DLPACK = frozenset(_BY_NAME[n] for n in ("bfloat16", "float8_e4m3fn", "float8_e5m2"))
+
+
+def dlpack_view(array):
+    """``array`` in a dtype that DLPack carries: the array itself, or for bfloat16 and float8
+    (ml_dtypes types that NumPy cannot export through DLPack) a view of the same memory as
+    the unsigned integer of its size, its storage type (``uint16`` / ``uint8``). No copy
+    either way; the importer views the bytes back as the cache dtype (JAX:
+    ``jax.numpy.from_dlpack(dlpack_view(a)).view(jax.numpy.bfloat16)``).
+
+    Parameters
+    ----------
+    array : numpy.ndarray or cupy.ndarray
+        A cache view of any dtype (a CuPy cache stored as its storage dtype is returned as it
+        is).
+
+    Raises
+    ------
+    TypeError
+        ``array`` is not an array (no ``dtype`` and ``view``).
+    """
+    if not (hasattr(array, "dtype") and hasattr(array, "view")):
+        raise TypeError(f"array: expected a numpy or cupy array, got {type(array).__name__}")
+    dt = np.dtype(array.dtype)
+    return array.view(_UINT_OF_SIZE[dt.itemsize]) if dt in _NO_DLPACK else array
 
 
 @functools.cache

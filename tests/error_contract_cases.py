@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 from error_contract_kinds import (
     Absent,
+    AnyArray,
     Array,
     Arrays,
     Bool,
@@ -126,6 +127,46 @@ ctor(LinearCacheConfig, {"num_attention_layers": 1, "max_batch_size": 2,
      conv_dim=Int(0), conv_kernel=Int(0), conv_dtype=Choice())
 ctor(KVCacheStaticParams, {"num_heads": 1, "head_size": 2, "is_mla": False}, num_heads=Int(1),
      head_size=Int(1), is_mla=Bool())
+# --- sizing before allocation, and the interop functions of hcache.device / dtypes / memory --
+
+_BUDGET = {"budget": 4096}
+for _cfg in (KVCacheConfig(2, 4, (KVLayerConfig(1, 4),)), MambaCacheConfig(1, 2, 1, 2, 2, 2, 2),
+             HybridCacheConfig(("attention", "mamba"), KVCacheConfig(2, 4, (KVLayerConfig(1, 4),)),
+                               MambaCacheConfig(1, 2, 1, 2, 2, 2, 2), 2),
+             LinearCacheConfig(1, 2, 4, 1, 4)):
+    case(type(_cfg).__name__, "max_batch_size_for", lambda c=_cfg: (c, c), lambda _: _BUDGET,
+         budget=Int(0))
+_STATIC = KVCacheStaticParams(1, 2)
+_SIZES = {"dtype": "float16", "max_seq_len": 6, "num_layers": 2}
+case("KVCacheStaticParams", "nbytes", lambda: (_STATIC, _STATIC),
+     lambda _: dict(_SIZES, max_batch_size=3), dtype=Choice(), max_batch_size=Int(1),
+     max_seq_len=Int(1, 2**31 - 1), num_layers=Int(1))
+case("KVCacheStaticParams", "max_batch_size_for", lambda: (_STATIC, _STATIC),
+     lambda _: dict(_SIZES, budget=4096), budget=Int(0), dtype=Choice(),
+     max_seq_len=Int(1, 2**31 - 1), num_layers=Int(1))
+_POOL_LAYERS = [KVLayerConfig(2, 4), KVLayerConfig(1, 8, components=1)]
+case("PagedKVPool", "nbytes_for", lambda: (None, PagedKVPool),
+     lambda _: {"layer_configs": list(_POOL_LAYERS), "num_blocks": 6, "block_size": 2,
+                "dtype": "float16"},
+     layer_configs=Instance(), num_blocks=Int(1), block_size=Int(1), dtype=Choice())
+case("PagedKVPool", "num_blocks_for", lambda: (None, PagedKVPool),
+     lambda _: {"layer_configs": list(_POOL_LAYERS), "block_size": 2, "budget": 4096,
+                "dtype": "float16"},
+     layer_configs=Instance(), block_size=Int(1), budget=Int(0), dtype=Choice())
+_LABEL = Fixed("the label of the checked argument", label=True)
+fn("device.as_array", {"name": "x", "value": np.zeros((2, 3), np.float16), "device": CPU,
+                       "stream": None},
+   name=_LABEL, value=AnyArray(), device=Choice(none_ok=True), stream=Stream())
+fn("device.host_array", {"name": "x", "value": np.zeros(3, np.int32)}, name=_LABEL,
+   value=AnyArray())
+fn("device.zeros", {"device": CPU, "shape": (2, 3), "dtype": "bfloat16"},
+   device=Choice(none_ok=True), shape=Ints(fixed_length=False), dtype=Choice())
+fn("dtypes.dlpack_view", {"array": np.zeros(2, hcache.dtypes.resolve_dtype("bfloat16"))},
+   array=AnyArray())
+fn("memory.available_bytes", {"device": CPU}, device=Choice(none_ok=True))
+fn("memory.check_fits", {"name": "x", "nbytes": 1, "device": CPU}, name=_LABEL,
+   nbytes=Int(0), device=Choice(none_ok=True))
+
 ctor(LayerType, {"value": "attention"}, value=Choice(),
      **{n: Fixed("the functional API of Enum, not a lookup") for n in
         ("names", "module", "qualname", "type", "start", "boundary")})
@@ -396,9 +437,9 @@ def make_pool():
 CASES[("PagedKVPool", "__init__")] = Case(
     lambda: (None, None),
     lambda _: {"layer_configs": [KVLayerConfig(1, 4)], "num_blocks": 2, "block_size": 2,
-               "dtype": "float16", "device": CPU},
+               "dtype": "float16", "device": CPU, "extra_nbytes": 64},
     {"layer_configs": Instance(), "num_blocks": Int(1), "block_size": Int(1),
-     "dtype": Choice(), "device": Choice(none_ok=True)})
+     "dtype": Choice(), "device": Choice(none_ok=True), "extra_nbytes": Int(0)})
 case("PagedKVPool", "get_layer", make_pool, lambda _: {"i": 1}, i=Index(2))
 case("PagedKVPool", "copy_blocks", make_pool,
      lambda _: {"src_ids": [0, 1], "dst_ids": [2, 3], "status": None, "stream": None},

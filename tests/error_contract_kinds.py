@@ -22,6 +22,46 @@ JUNK = (1.5, float("nan"), "3", b"3", object(), 2 + 0j, {"a": 1})
 SPECIAL_INTS = (-1, -(2**31) - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30)
 
 
+class DLPackOnly:
+    """A host array behind ``__dlpack__`` only (what a CuPy-less library hands out)."""
+
+    def __init__(self, a):
+        self._a = np.ascontiguousarray(a)
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return (1, 0)   # kDLCPU
+
+    def __repr__(self):
+        return f"DLPackOnly({self._a.dtype} {self._a.shape})"
+
+
+class ArrayOnly:
+    """A host array behind ``__array__`` only (a lazily converted container)."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __array__(self, dtype=None, copy=None):
+        return self._a
+
+    def __repr__(self):
+        return f"ArrayOnly({self._a.dtype} {self._a.shape})"
+
+
+def foreign(values):
+    """Each refused array also behind either foreign protocol: foreign arrays are accepted
+    (zero-copy), so their shape and dtype must be checked as a NumPy array's are."""
+    out = []
+    for v in values:
+        out.append(v)
+        if isinstance(v, np.ndarray):
+            out += [DLPackOnly(v), ArrayOnly(v)]
+    return out
+
+
 class Kind:
     """What a parameter accepts; ``bad(valid)`` draws refused values. ``also``: other
     arguments a message may name instead, when the value is refused for disagreeing with them
@@ -90,10 +130,11 @@ class Ints(Kind):
             entry = st.one_of(st.sampled_from(junk), self.entry.out_of_range())
             options.append(st.tuples(st.integers(0, len(base) - 1), entry).map(
                 lambda je: base[:je[0]] + [je[1]] + base[je[0] + 1:]))
-            options.append(st.just(np.array(base, dtype=np.float64)))
+            arrays = [np.array(base, dtype=np.float64), np.array(base, dtype=np.bool_)]
             if not self.nested_ok:
-                options.append(st.just(np.array(base, dtype=np.int64).reshape(-1, 1)))
+                arrays.append(np.array(base, dtype=np.int64).reshape(-1, 1))
                 options.append(st.just([[x] for x in base]))
+            options.append(st.sampled_from(foreign(arrays)))
             if self.fixed_length:
                 options.append(st.just(base + [base[0]]))
             if self.unique and len(base) >= 2:
@@ -123,7 +164,7 @@ class Array(Kind):
         if a.ndim >= 2 and not self.squeezable:
             options.append(a[0])
         options += [a.astype(dt) for dt in self.bad_dtypes if np.dtype(dt) != a.dtype]
-        return st.one_of(self._junk(), st.sampled_from(options))
+        return st.one_of(self._junk(), st.sampled_from(foreign(options)))
 
 
 class Arrays(Kind):
@@ -150,8 +191,9 @@ class Scale(Kind):
 
     def bad(self, valid):
         return st.sampled_from(["3", object(), [1.0], -1.0, 0.0, float("nan"), float("inf"),
-                                True, np.ones(7, np.float32), np.ones(2, np.float64),
-                                np.ones((2, 1, 1), np.float32)])
+                                True, DeviceMemory(), *foreign([
+                                    np.ones(7, np.float32), np.ones(2, np.float64),
+                                    np.ones((2, 1, 1), np.float32)])])
 
 
 class OnlyNone(Kind):
@@ -177,6 +219,21 @@ class Absent(Kind):
         if not self.empty:
             values += [self.like, np.zeros(1, np.float16)]
         return st.one_of(st.sampled_from(values), self._junk())
+
+
+class DeviceMemory:
+    """An array that says its memory is a GPU's (the CUDA array interface), on a cpu device."""
+
+    __cuda_array_interface__ = {"shape": (2,), "typestr": "<f4", "data": (0, False),
+                                "version": 3}
+
+
+class AnyArray(Kind):
+    """An array of any shape and dtype (NumPy or any library with an array protocol): junk,
+    a list, a tuple, and device memory where host memory is due."""
+
+    def bad(self, valid):
+        return self._junk([1, 2], (1,), DeviceMemory())
 
 
 class Junk(Kind):

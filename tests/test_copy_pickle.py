@@ -76,3 +76,15 @@ def test_the_block_allocator_copies_deeply_and_pickles(clone):
     assert int(a.block_ref_counts[1]) == 1 and int(b.block_ref_counts[1]) == 0
     assert not any(np.shares_memory(x, y) for x in vars(a).values() if isinstance(x, np.ndarray)
                    for y in vars(b).values() if isinstance(y, np.ndarray))
+
+
+def test_every_public_cache_owner_is_covered():
+    """A public class that owns cache memory (it reports it: ``memory_report``) refuses copies:
+    a new cache owner must join ``OWNERS``."""
+    import inspect
+
+    import hcache
+
+    owners = {n for n in hcache.__all__ if inspect.isclass(getattr(hcache, n))
+              and hasattr(getattr(hcache, n), "memory_report")}
+    assert owners and owners <= set(OWNERS), sorted(owners - set(OWNERS))

@@ -3,17 +3,21 @@ raises ``IndexError``, ``ValueError``, ``TypeError`` or ``CacheCapacityError`` w
 starts with the name of the argument the caller passed ("name: expected X, got Y", or
 ``name[i]`` / ``name.field`` for a part of it), and changes nothing.
 
-The callables are enumerated by introspection, so a new public method without a case in
-:mod:`error_contract_cases` fails ``test_every_public_callable_has_a_case``. Each case's valid
-call must succeed (``test_valid_calls_succeed``); the fuzzer perturbs one argument of it with a
-value its kind refuses (:mod:`error_contract_kinds`) and compares a snapshot of everything the
-owning object reaches (buffer bytes, lengths, allocator state) before and after (derived
-caches and scratch excepted, listed in ``error_contract_kinds.MEMO``).
+The callables are enumerated by introspection (with the interop functions of ``hcache.device``,
+``hcache.dtypes`` and ``hcache.memory`` listed in ``MODULE_FUNCTIONS``), so a new public method
+without a case in :mod:`error_contract_cases` fails ``test_every_public_callable_has_a_case``.
+Each case's valid call must succeed (``test_valid_calls_succeed``); the fuzzer perturbs one
+argument of it with a value its kind refuses (:mod:`error_contract_kinds`) and compares a
+snapshot of everything the owning object reaches (buffer bytes, lengths, allocator state) before
+and after (derived caches and scratch excepted, listed in ``error_contract_kinds.MEMO``).
 
 Skipped: exception constructors, two classes that users receive rather than build, and the
 methods without parameters (listed by introspection, nothing to perturb). A parameter the
 fuzzer leaves alone is a ``Fixed`` kind with its reason in the case. The ``ci`` profile runs 20
-examples per method (about 15 s on one core, no GPU needed).
+examples per method (about 15 s on one core, no GPU needed). Foreign arrays are accepted without
+a copy, so every array kind also draws its refused arrays behind ``__dlpack__`` only and
+``__array__`` only, and ``test_a_foreign_array_of_a_wrong_dtype_is_refused`` passes both for
+every array parameter.
 """
 
 from __future__ import annotations
@@ -25,7 +29,16 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from error_contract_cases import CASES, VARIANTS
-from error_contract_kinds import Fixed, first_difference, snapshot
+from error_contract_kinds import (
+    Array,
+    ArrayOnly,
+    DLPackOnly,
+    Fixed,
+    Ints,
+    Scale,
+    first_difference,
+    snapshot,
+)
 from hypothesis import given, settings
 
 import hcache
@@ -44,7 +57,16 @@ SKIPPED = {
     ("KVHeadDimGroupView", "__init__"): "built by HybridCacheManager.get_kv_head_dim_groups",
     ("ContinuousBatchingKVCacheCollection", "__init__"): "built by "
                                                          "ContinuousBatchingKVCacheManager.fetch",
+    ("device.on_device", ""): "a predicate: every value has an answer, none is an error",
+    ("device.cuda_free_bytes", ""): "needs a CUDA device; memory.available_bytes is the "
+                                    "checked entry point",
 }
+
+
+# Functions of public modules (README "Binding hcache into your engine") that issue 12's
+# interop half added: foreign arrays, aligned allocation, DLPack views, memory checks.
+MODULE_FUNCTIONS = {"device": ("as_array", "host_array", "on_device", "zeros", "cuda_free_bytes"),
+                    "dtypes": ("dlpack_view",), "memory": ("available_bytes", "check_fits")}
 
 
 def _public_callables():
@@ -68,6 +90,9 @@ def _public_callables():
                     out[(name, attr)] = member
         elif callable(obj):
             out[(name, "")] = obj
+    for module, names in MODULE_FUNCTIONS.items():
+        for name in names:
+            out[(f"{module}.{name}", "")] = getattr(getattr(hcache, module), name)
     return out
 
 
@@ -109,8 +134,9 @@ def test_every_parameter_has_a_kind(key):
 
 def _call(key, target, kwargs):
     owner, method = key[:2]
-    if method in ("", "__init__"):      # a function, or a constructor
-        return getattr(hcache, owner)(**kwargs)
+    if method in ("", "__init__"):      # a function (of a public module), or a constructor
+        module, _, name = owner.rpartition(".")
+        return getattr(getattr(hcache, module) if module else hcache, name)(**kwargs)
     return getattr(target, method)(**kwargs)
 
 
@@ -231,7 +257,46 @@ REGRESSIONS = [
     (("MambaCacheManager", "restore_states", "conv-only"), "recurrent",
      [np.zeros((1, 1, 2, 3), np.float32)] * 2),
     (("KVCacheStaticParams", "__init__", "mla"), "is_mla", 1),
+    # merged with issue 12's interop half: foreign arrays, sizing, memory
+    (("LinearKVCache", "write_kv"), "k", None),
 ]
+
+
+def _foreign_wrong():
+    """``(key, name, wrong)`` for every array parameter: a NumPy array of a wrong dtype that
+    its kind refuses, to be passed behind a foreign protocol."""
+    out = []
+    for key, case in sorted(ALL.items()):
+        kinds = case.kinds
+        for name in sorted(n for n, k in kinds.items() if isinstance(k, (Array, Ints, Scale))):
+            kind = kinds[name]
+            if isinstance(kind, Scale):
+                wrong = np.ones(2, np.float64)
+            else:
+                _, target = case.make()
+                valid = np.asarray(case.args(target)[name])
+                if valid.size == 0:
+                    continue   # an empty array of any dtype is an empty list, as np.asarray([])
+                if isinstance(kind, Ints):
+                    wrong = valid.astype(np.float64)
+                else:
+                    wrong = valid.astype(next(d for d in kind.bad_dtypes
+                                              if np.dtype(d) != valid.dtype))
+            out.append((key, name, wrong))
+    return out
+
+
+FOREIGN_WRONG = _foreign_wrong()
+
+
+@pytest.mark.parametrize("wrap", [DLPackOnly, ArrayOnly], ids=["dlpack", "array"])
+@pytest.mark.parametrize("key, name, wrong", FOREIGN_WRONG,
+                         ids=[f"{'-'.join(k)}-{n}" for k, n, _ in FOREIGN_WRONG])
+def test_a_foreign_array_of_a_wrong_dtype_is_refused(key, name, wrong, wrap):
+    """Foreign arrays are accepted without a copy, so a ``__dlpack__``-only or an
+    ``__array__``-only object of a wrong dtype must be refused as the NumPy array would be,
+    naming the argument, with nothing changed (every array parameter, not a sample)."""
+    check_refused(key, name, wrap(wrong))
 
 
 @pytest.mark.parametrize("key, name, value", REGRESSIONS,

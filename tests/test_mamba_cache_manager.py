@@ -161,7 +161,9 @@ def test_zero_layers():
     m.restore_states([], [], 1)
     m.clear_states()
     m.clear_slot(0)
-    assert m.memory_report() == {"recurrent": 0, "conv": 0, "total": 0, "layers": ()}
+    # two int32 slot indices, no descriptor table
+    assert m.memory_report() == {"recurrent": 0, "conv": 0, "metadata": 8, "total": 8,
+                                 "layers": ()}
     with pytest.raises(IndexError):
         m.get_recurrent_state(0)
 
@@ -170,8 +172,12 @@ def test_memory_report_by_hand():
     m = manager(ssm="float32", conv="int8")
     rec = B * int(np.prod(REC)) * 4
     conv = B * int(np.prod(CONV)) * 1
-    assert m.memory_report() == {"recurrent": L * rec, "conv": L * conv,
-                                 "total": L * (rec + conv), "layers": (rec + conv,) * L}
+    # metadata: two int32 slot indices and one 32-byte SlotTensorInfo per state view in the
+    # capture tables (L recurrent, L conv) and the restore table (2 L)
+    metadata = 2 * 4 + 4 * L * 32
+    assert m.memory_report() == {"recurrent": L * rec, "conv": L * conv, "metadata": metadata,
+                                 "total": L * (rec + conv) + metadata,
+                                 "layers": (rec + conv,) * L}
 
 
 @settings(max_examples=25)

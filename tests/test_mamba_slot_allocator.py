@@ -722,6 +722,6 @@ def test_store_from_tensors_names_a_state_that_is_not_an_array():
     before = snapshot(alloc)
     conv = np.zeros(alloc.conv_states.shape[2:], alloc.conv_states.dtype)
     for bad in (None, [0.0], 1.5, "x"):
-        with pytest.raises(TypeError, match="ssm_state: expected an array"):
+        with pytest.raises(TypeError, match="ssm_state: expected a numpy array"):
             alloc.store_from_tensors(int(ids[0]), 0, bad, conv)
         assert_unchanged(before, alloc)

@@ -8,10 +8,11 @@ tuples and dtypes by their docs/design.md §2 names, so configs are hashable and
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .._checks import INT32_MAX, as_int
 from ..dtypes import dtype_name, resolve_dtype
+from . import sizing
 from .hf import read_hf_layout
 from .layers import KVLayerConfig, LayerType, _set, kv_layer_list
 
@@ -32,6 +33,24 @@ def _dtype(obj, name):
         _set(obj, name, dtype_name(getattr(obj, name)))
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{name}: {str(exc).split(': ', 1)[-1]}") from None
+
+
+def _budget(budget) -> int:
+    """``budget`` (bytes) as an int >= 0.
+
+    Raises
+    ------
+    TypeError
+        ``budget`` is not an int (a float is refused: bytes are whole).
+    ValueError
+        ``budget`` is negative.
+    """
+    return as_int("budget", budget, 0)
+
+
+def _largest_batch(budget, with_batch) -> int:
+    budget = _budget(budget)
+    return sizing.largest_fitting(lambda b: with_batch(b).nbytes, budget)
 
 
 class _FrozenMapping(Mapping):
@@ -81,6 +100,18 @@ class KVCacheConfig:
     def num_attention_layers(self) -> int:
         return len(self.layer_configs)
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes a :class:`~hcache.KVCacheManager` of this config allocates: caches
+        and metadata, its ``memory_report()["total"]``, known before any allocation."""
+        return sizing.kv_manager_nbytes(self)
+
+    def max_batch_size_for(self, budget) -> int:
+        """The largest ``max_batch_size`` whose :class:`~hcache.KVCacheManager` fits in
+        ``budget`` bytes (the other fields as they are), or 0 if not even one slot fits.
+        ``TypeError`` / ``ValueError`` unless ``budget`` is an int >= 0."""
+        return _largest_batch(budget, lambda b: replace(self, max_batch_size=b))
+
 
 @dataclass(frozen=True)
 class MambaCacheConfig:
@@ -128,6 +159,18 @@ class MambaCacheConfig:
     def conv_state_shape(self) -> tuple[int, int]:
         """``(conv_dim, conv_kernel)``; both 0 without a conv state."""
         return (self.conv_dim, self.conv_kernel)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes a :class:`~hcache.MambaCacheManager` of this config allocates: caches
+        and metadata, its ``memory_report()["total"]``, known before any allocation."""
+        return sizing.mamba_manager_nbytes(self)
+
+    def max_batch_size_for(self, budget) -> int:
+        """The largest ``max_batch_size`` whose :class:`~hcache.MambaCacheManager` fits in
+        ``budget`` bytes (the other fields as they are), or 0 if not even one slot fits.
+        ``TypeError`` / ``ValueError`` unless ``budget`` is an int >= 0."""
+        return _largest_batch(budget, lambda b: replace(self, max_batch_size=b))
 
 
 def _state_fields(obj, recurrent: tuple, conv: tuple) -> None:
@@ -219,6 +262,23 @@ class HybridCacheConfig:
     def num_layers(self) -> int:
         return len(self.layer_types)
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes a :class:`~hcache.HybridCacheManager` of this config allocates: caches
+        and metadata, its ``memory_report()["total"]``, known before any allocation."""
+        return sizing.hybrid_manager_nbytes(self)
+
+    def max_batch_size_for(self, budget) -> int:
+        """The largest ``max_batch_size`` whose :class:`~hcache.HybridCacheManager` fits in
+        ``budget`` bytes (the other fields as they are), or 0 if not even one slot fits.
+        ``TypeError`` / ``ValueError`` unless ``budget`` is an int >= 0."""
+        return _largest_batch(budget, lambda b: self._with_batch(b))
+
+    def _with_batch(self, b: int) -> HybridCacheConfig:
+        mamba = None if self.mamba is None else replace(self.mamba, max_batch_size=b)
+        return replace(self, kv=replace(self.kv, max_batch_size=b), mamba=mamba,
+                       max_batch_size=b)
+
     @classmethod
     def from_hf_config(cls, config_dict, *, max_batch_size, max_sequence_length,
                        kv_dtype="float16", ssm_dtype="float32", conv_dtype=None):
@@ -265,6 +325,18 @@ class LinearCacheConfig:
             _set(self, name, as_int(name, getattr(self, name), 0))
         for name in ("dtype", "ssm_dtype", "conv_dtype"):
             _dtype(self, name)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes a :class:`~hcache.LinearKVCache` of this config allocates: caches
+        and metadata, its ``memory_report()["total"]``, known before any allocation."""
+        return sizing.linear_manager_nbytes(self)
+
+    def max_batch_size_for(self, budget) -> int:
+        """The largest ``max_batch_size`` whose :class:`~hcache.LinearKVCache` fits in
+        ``budget`` bytes (the other fields as they are), or 0 if not even one slot fits.
+        ``TypeError`` / ``ValueError`` unless ``budget`` is an int >= 0."""
+        return _largest_batch(budget, lambda b: replace(self, max_batch_size=b))
 
 
 def hybrid_config_from_hf(config_dict, *, max_batch_size, max_sequence_length,

@@ -13,11 +13,10 @@ from their last digests, so a growing sequence hashes each block once, when it c
 from __future__ import annotations
 
 import hashlib
-from itertools import repeat
 
 import numpy as np
 
-from .._checks import as_int
+from .._checks import as_int, host_array
 from ..device import array_module_of
 
 __all__ = ["compute_block_hashes", "chain_block_hashes", "DIGEST_BYTES"]
@@ -52,12 +51,10 @@ def compute_block_hashes(tokens, block_size: int) -> list[int]:
     block_size = as_int("block_size", block_size, 1)
     if array_module_of(tokens) is not np:
         tokens = tokens.get()   # host copy of a CuPy array (synchronizes)
-    if isinstance(tokens, (list, tuple)) and any(map(isinstance, tokens, repeat((bool, np.bool_)))):
-        raise TypeError("tokens: expected int64 token ids, got a bool entry")
     try:
-        arr = np.asarray(tokens)
-    except (OverflowError, ValueError) as exc:
-        raise TypeError(f"tokens: expected int64 token ids, got {exc}") from None
+        arr = host_array("tokens", tokens)   # bool entries, ragged lists: TypeError
+    except ValueError as exc:                 # a Python int beyond int64
+        raise TypeError(str(exc)) from None
     if arr.ndim != 1:
         raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
     if arr.size == 0:

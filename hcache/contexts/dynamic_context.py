@@ -1,5 +1,4 @@
-"""The cache-owning part of a serving context for hybrid models with prefix caching (docs/design.md
-§6).
+"""The cache-owning part of a serving context for hybrid models, prefix caching (docs/design.md §6).
 
 :class:`DynamicInferenceContext` owns the paged KV pool and its :class:`KVBlockAllocator`, the live
 per-request Mamba states, the :class:`MambaSlotAllocator`, request rows and block tables, and the
@@ -32,6 +31,7 @@ import numpy as np
 from .._checks import as_int
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.layers import kv_layer_list
+from ..config.sizing import context_states_nbytes
 from ..device import resolve_device, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
@@ -42,7 +42,7 @@ from .mamba_slot_allocator import MambaSlotAllocator
 from .mamba_state_copies import state_shapes
 from .paged_kv_pool import PagedKVPool
 from .prefix_match import blocks_to_register, pending_blocks_overlap
-from .requests import RequestTable, batch_tokens, token_array
+from .requests import RequestTable, batch_tokens, id_list, token_array
 from .step_kv_writer import StepKVWriter
 from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan
 from .step_scheduler import StepScheduler
@@ -115,25 +115,28 @@ class DynamicInferenceContext:
         self.max_step_tokens = as_int("max_step_tokens", self.max_requests
                                     * self.max_sequence_length if max_step_tokens is None
                                     else max_step_tokens, 1)
-        self.kv_pool = PagedKVPool(kv_layer_list("kv_layer_configs", kv_layer_configs), num_blocks,
-                                   self.block_size_tokens, resolve_dtype(kv_dtype, "kv_dtype"),
-                                   device=self.device)
         self.kv_block_allocator = KVBlockAllocator(
             num_blocks, enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy)
+        caching = self.kv_block_allocator.enable_prefix_caching
         conv_shape, ssm_shape = state_shapes(conv_states_shape, ssm_states_shape)
         L, R = self.num_mamba_layers, self.max_requests
+        configs = kv_layer_list("kv_layer_configs", kv_layer_configs)
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
+        self.kv_pool = PagedKVPool(configs, num_blocks, self.block_size_tokens,
+                                   resolve_dtype(kv_dtype, "kv_dtype"), device=self.device,
+                                   extra_nbytes=context_states_nbytes(
+                                       self, slots if caching else 0, conv_shape,
+                                       ssm_shape, conv_dt, ssm_dt))   # checked together
         self._live = LiveMambaStates(self.device, L, R, conv_shape, ssm_shape, conv_dt, ssm_dt)
         self._requests = RequestTable(R, self.max_blocks_per_request, self.block_size_tokens,
                                       hashing=self.kv_block_allocator.enable_prefix_caching)
         self._kv_writer = StepKVWriter(self.kv_pool, R, self.max_blocks_per_request,
                                        self.max_step_tokens)
-        self.mamba_slot_allocator = None
-        if L and slots and enable_prefix_caching:
-            self.mamba_slot_allocator = MambaSlotAllocator(
-                self, slots, L, conv_shape, ssm_shape, conv_states_dtype, ssm_states_dtype)
+        self.mamba_slot_allocator = MambaSlotAllocator(
+            self, slots, L, conv_shape, ssm_shape, conv_states_dtype, ssm_states_dtype) \
+            if L and slots and caching else None
         self._scheduler = StepScheduler(self._requests, self.kv_block_allocator,
                                         self.mamba_slot_allocator, self._live, L)
         self.stats = PrefixCacheStats()
@@ -286,7 +289,8 @@ class DynamicInferenceContext:
         """
         rows = self._requests.rows(request_ids)
         flat, counts = batch_tokens("tokens", tokens, len(rows))
-        plan = self._scheduler.extend(list(request_ids), rows, flat, counts, single=False)
+        plan = self._scheduler.extend(id_list("request_ids", request_ids), rows, flat, counts,
+                                      single=False)
         self.stats.computed_tokens += len(flat)
         return plan
 

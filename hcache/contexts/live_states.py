@@ -9,7 +9,7 @@ have (its shape ``None``) has no array.
 
 from __future__ import annotations
 
-from ..device import launch_scope
+from ..device import launch_scope, zeros
 
 __all__ = ["LiveMambaStates"]
 
@@ -26,11 +26,11 @@ class LiveMambaStates:
 
     def __init__(self, device, num_mamba_layers, max_requests, conv_states_shape,
                  ssm_states_shape, conv_dtype, ssm_dtype):
-        xp, L = device.xp, num_mamba_layers
+        L = num_mamba_layers
         self.device = device
         with device.scope():
             self.conv_states, self.ssm_states = (
-                None if shape is None else xp.zeros((L, max_requests, *shape), dtype=dt)
+                None if shape is None else zeros(device, (L, max_requests, *shape), dt)
                 for shape, dt in ((conv_states_shape, conv_dtype), (ssm_states_shape, ssm_dtype)))
 
     def zero(self, live_slot: int, *, stream=None) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import as_int, host_ints, index_array
-from ..device import launch_scope, stream_handle, to_host, upload_ints
+from ..device import launch_scope, stream_handle, to_host, upload_ints, zeros
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
 
@@ -108,7 +108,7 @@ class IntermediateStates:
         self.device, self.max_requests, self.max_count = device, R, _K * R
         with device.scope():
             self.conv_out, self.ssm_out = (
-                None if shape is None else xp.zeros((L, self.max_count, *shape), dtype=dt)
+                None if shape is None else zeros(device, (L, self.max_count, *shape), dt)
                 for shape, dt in ((conv_states_shape, conv_dtype), (ssm_states_shape, ssm_dtype)))
             # Staging for get_intermediate_gpu_data, so steps allocate no device memory.
             self._offsets_dev = xp.zeros((R, _K), dtype=np.int32)

@@ -17,7 +17,16 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, index_array, int_shape
-from ..device import array_module_of, launch_scope, to_host, upload_ints
+from ..device import (
+    array_module_of,
+    as_array,
+    host_array,
+    launch_scope,
+    on_device,
+    to_host,
+    upload_ints,
+    zeros,
+)
 from ..ops.tables import SlotSet
 
 __all__ = ["MambaStateCopies", "check_live_states", "context_parts", "state_shapes"]
@@ -116,7 +125,7 @@ class MambaStateCopies:
         xp, L, S = device.xp, self.num_mamba_layers, pool.max_slots
         with device.scope():
             self.conv_states, self.ssm_states = (
-                None if x is None else xp.zeros((L, S, *x.shape[2:]), dtype=dt)
+                None if x is None else zeros(device, (L, S, *x.shape[2:]), dt)
                 for x, dt in ((live_conv, conv_dtype), (live_ssm, ssm_dtype)))
             # Staged index arrays: lanes (src, dst) for two launches per call. Every launch
             # writes distinct destination slots, so no call needs more than this many pairs.
@@ -184,12 +193,13 @@ class MambaStateCopies:
                     raise ValueError(f"{name}: expected None (the layers have no such state), "
                                      f"got {type(value).__name__}")
                 continue
-            states.append((value, cache))
-            if not (hasattr(value, "shape") and hasattr(value, "dtype")):
-                raise TypeError(f"{name}: expected an array, got {type(value).__name__}")
+            # device memory of this device, or host memory (copied up: this is no hot path)
+            value = (as_array(name, value, self.device) if on_device(value)
+                     else host_array(name, value))
             if tuple(value.shape) != cache.shape[2:] or value.dtype != cache.dtype:
                 raise ValueError(f"{name}: expected {cache.dtype}{cache.shape[2:]}, "
                                  f"got {value.dtype}{tuple(value.shape)}")
+            states.append((value, cache))
         with launch_scope(self.device, stream):
             for value, cache in states:
                 cache[mamba_index, slot] = self.device.xp.asarray(value)

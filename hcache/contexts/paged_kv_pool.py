@@ -20,12 +20,22 @@ from .._checks import as_int, block_id_array, int32_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.caches import KVCacheConfig
 from ..config.layers import kv_layer_list
-from ..device import array_module_of, launch_scope, resolve_device, upload_ints
+from ..config.sizing import paged_pool_nbytes
+from ..device import as_array, launch_scope, on_device, resolve_device, upload_ints, zeros
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
+from ..memory import check_fits
 from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
 
 __all__ = ["PagedKVPool"]
+
+
+def _layer_configs(layer_configs) -> tuple:
+    """``layer_configs`` (a sequence of :class:`KVLayerConfig`, or a :class:`KVCacheConfig`)
+    as a tuple. Raises ``TypeError``."""
+    if isinstance(layer_configs, KVCacheConfig):
+        layer_configs = layer_configs.layer_configs
+    return kv_layer_list("layer_configs", layer_configs)
 
 
 class PagedKVPool:
@@ -42,6 +52,9 @@ class PagedKVPool:
     dtype : str or dtype
         One of the docs/design.md §2 dtypes. On CuPy, float8 is stored as ``uint8`` (same bytes).
     device : None, "cpu", "cuda" or "cuda:N"
+    extra_nbytes : int
+        Device bytes its owner allocates along with it (a context's states), checked with the
+        pool's before anything is allocated.
 
     Attributes
     ----------
@@ -50,26 +63,35 @@ class PagedKVPool:
     groups : tuple of KVGroup
         One per distinct (head dim, components), in first-seen order;
         ``groups[g].layer_indices`` are the attention indices of its layers.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument has the wrong type or value.
+    CacheCapacityError
+        The pool does not fit in the memory available on the device (:meth:`nbytes_for`);
+        nothing is allocated.
     """
 
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
-                 device=None):
-        if isinstance(layer_configs, KVCacheConfig):
-            layer_configs = layer_configs.layer_configs
-        configs = kv_layer_list("layer_configs", layer_configs)
+                 device=None, extra_nbytes: int = 0):
+        configs = _layer_configs(layer_configs)
         self.layer_configs = configs
         self.num_blocks = as_int("num_blocks", num_blocks, 1)
         self.block_size = as_int("block_size", block_size, 1)
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
+        check_fits("num_blocks", as_int("extra_nbytes", extra_nbytes) + paged_pool_nbytes(
+            configs, self.num_blocks, self.block_size, self.dtype), self.device)
         xp = self.xp = self.device.xp
         self.storage_dtype = storage_dtype(self.dtype, xp)
         with self.device.scope():
             self.layers = tuple(
-                xp.zeros((self.num_blocks, lc.components, lc.num_kv_heads, self.block_size,
-                          lc.head_dim), dtype=self.storage_dtype) for lc in configs)
+                zeros(self.device, (self.num_blocks, lc.components, lc.num_kv_heads,
+                                    self.block_size, lc.head_dim), self.storage_dtype)
+                for lc in configs)
             members = group_layers_by_head_dim([lc.head_dim for lc in configs],
                                                [lc.components for lc in configs])
             self.groups = tuple(KVGroup([self.layers[a] for a in indices], layout="HND",
@@ -81,6 +103,25 @@ class PagedKVPool:
         # attention_index -> (group index, group_position)
         self._group_position = {a: (g, position) for g, indices in enumerate(members)
                                 for position, a in enumerate(indices)}
+
+    # --- sizing before allocation ---------------------------------------------------------
+
+    @staticmethod
+    def nbytes_for(layer_configs, num_blocks, block_size, dtype="float16") -> int:
+        """Device bytes a pool of these arguments allocates: its ``memory_report()
+        ["total_bytes"]``, known before any allocation. Raises as the constructor."""
+        return paged_pool_nbytes(_layer_configs(layer_configs),
+                                 as_int("num_blocks", num_blocks, 1),
+                                 as_int("block_size", block_size, 1), resolve_dtype(dtype))
+
+    @staticmethod
+    def num_blocks_for(layer_configs, block_size, budget, dtype="float16") -> int:
+        """The most blocks whose pool fits in ``budget`` bytes, or 0 if not even one.
+        ``TypeError`` / ``ValueError`` for a bad argument."""
+        configs, budget = _layer_configs(layer_configs), as_int("budget", budget, 0)
+        fixed = PagedKVPool.nbytes_for(configs, 1, block_size, dtype)
+        per_block = PagedKVPool.nbytes_for(configs, 2, block_size, dtype) - fixed
+        return max(0, (budget - fixed) // per_block + 1) if budget >= fixed else 0
 
     # --- derived values -----------------------------------------------------------------
 
@@ -96,6 +137,8 @@ class PagedKVPool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the layers (the blocks); ``memory_report()["total_bytes"]`` adds the
+        metadata."""
         return sum(int(a.nbytes) for a in self.layers)
 
     def get_layer(self, i: int):
@@ -109,8 +152,15 @@ class PagedKVPool:
         """
         return self.layers[self._attention_index(i)]
 
+    @property
+    def metadata_nbytes(self) -> int:
+        """Device bytes besides the layers: the group and copy tables, the copy-id staging."""
+        slots = self._slots.device_infos.nbytes if self._slots is not None else 0
+        return int(sum(g.nbytes for g in self.groups) + slots + self._copy_ids.nbytes)
+
     def memory_report(self) -> dict:
-        """Sizes in bytes: total, per block, per layer, and the head-dim groups."""
+        """Sizes in bytes: ``total_bytes`` (layers and metadata: what :meth:`nbytes_for`
+        says), ``metadata_bytes``, per block (layers), per layer, and the head-dim groups."""
         return {
             "device": str(self.device),
             "dtype": dtype_name(self.dtype),
@@ -118,7 +168,8 @@ class PagedKVPool:
             "block_size": self.block_size,
             "num_layers": self.num_layers,
             "bytes_per_block": self.bytes_per_block,
-            "total_bytes": self.nbytes,
+            "total_bytes": self.nbytes + self.metadata_nbytes,
+            "metadata_bytes": self.metadata_nbytes,
             "layer_bytes": [int(a.nbytes) for a in self.layers],
             "groups": [{"head_dim": g.head_dim, "components": g.components,
                         "layers": list(g.layer_indices),
@@ -168,6 +219,11 @@ class PagedKVPool:
             if rows % uniform_tokens:   # the rows past the last whole one would be dropped
                 raise ValueError(f"k: expected a multiple of uniform_tokens ({uniform_tokens}) "
                                  f"rows, got {rows}")
+        # index arrays of any library, viewed as this pool's (the op checks them)
+        block_table, seq_offsets, cache_lengths, positions = (
+            a if a is None else as_array(name, a, self.device, stream) for name, a in (
+                ("block_table", block_table), ("seq_offsets", seq_offsets),
+                ("cache_lengths", cache_lengths), ("positions", positions)))
         self.launch_write(checked, block_table=block_table, seq_offsets=seq_offsets,
                           uniform_tokens=uniform_tokens, batch=batch, cache_lengths=cache_lengths,
                           positions=positions, status=status, stream=stream)
@@ -194,6 +250,7 @@ class PagedKVPool:
         else:
             attention_index = self._attention_index(layer, "layer")
             written = [attention_index]
+            k, v = as_array("k", k, self.device), self._coerce("v", v, attention_index)
             num_tokens = self._check_rows("k", k, attention_index, None, k)
             source_dtype("k", k.dtype, self.dtype, self.xp)
             self._check_v("v", v, attention_index, num_tokens, k)
@@ -203,7 +260,7 @@ class PagedKVPool:
                              f"got {type(v_scale).__name__}")
         src = source_dtype("k", first.dtype, self.dtype, self.xp)
         heads = max(lc.num_kv_heads for lc in self.layer_configs)
-        scales = [check_scale(n, s, src is not None, self.xp, self.num_layers, heads)
+        scales = [check_scale(n, s, src is not None, self.device, self.num_layers, heads)
                   for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
         return attention_index, ks, vs, src, scales
 
@@ -291,10 +348,19 @@ class PagedKVPool:
 
     def _per_layer(self, name, arrays) -> list:
         if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
-            return list(arrays)
+            if name == "v":
+                return [self._coerce(f"v[{a}]", t, a) for a, t in enumerate(arrays)]
+            return [as_array(f"{name}[{a}]", t, self.device) for a, t in enumerate(arrays)]
         got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per layer), "
                          f"got {got}")
+
+    def _coerce(self, name, v, attention_index):
+        """V rows as this pool's array; None, and anything given for a latent layer, stay as
+        they are for :meth:`_check_v` to judge."""
+        if v is None or self.layer_configs[attention_index].components == 1:
+            return v
+        return as_array(name, v, self.device)
 
     def _check_v(self, name, a, attention_index, num_tokens, first) -> None:
         """V rows of a layer with a V plane, or None for a latent layer."""
@@ -310,9 +376,6 @@ class PagedKVPool:
 
     def _check_rows(self, name, a, attention_index, num_tokens, first) -> int:
         lc = self.layer_configs[attention_index]
-        if array_module_of(a) is not self.xp or not hasattr(a, "shape"):
-            raise TypeError(f"{name}: expected a {self.xp.__name__} array, "
-                            f"got {type(a).__name__}")
         n = int(a.shape[0]) if a.ndim == 3 else -1
         want = (num_tokens if num_tokens is not None else max(n, 0), lc.num_kv_heads,
                 lc.head_dim)
@@ -326,7 +389,8 @@ class PagedKVPool:
         return n
 
     def _copy_index(self, name, ids):
-        if self.xp is not np and array_module_of(ids) is self.xp:
+        if self.xp is not np and on_device(ids):
+            ids = as_array(name, ids, self.device)
             if ids.dtype != np.int32 or ids.ndim != 1:
                 raise ValueError(f"{name}: expected a 1-D int32 array, got {ids.dtype} "
                                  f"{tuple(ids.shape)}")

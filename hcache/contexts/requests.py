@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import host_array
+from .._checks import host_array, is_array
 from .block_hashing import DIGEST_BYTES, chain_block_hashes, compute_block_hashes
 from .step_plans import PrefixCacheStats
 
@@ -53,6 +53,12 @@ def token_array(name: str, tokens) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+def id_list(name: str, request_ids) -> list:
+    """``request_ids`` as a list (an array of any library as Python scalars)."""
+    ids = host_array(name, request_ids) if is_array(request_ids) else request_ids
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+
+
 def batch_tokens(name: str, tokens, n: int):
     """The new tokens of ``n`` requests, flattened: ``(flat int64 [total], counts)``.
 
@@ -67,6 +73,7 @@ def batch_tokens(name: str, tokens, n: int):
     ValueError
         Not ``n`` entries, a bad shape, or a request with no token.
     """
+    tokens = host_array(name, tokens) if is_array(tokens) else tokens
     if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
         if tokens.shape[0] != n or tokens.shape[1] == 0:
             raise ValueError(f"{name}: expected shape [{n}, >= 1], got {tokens.shape}")
@@ -213,6 +220,8 @@ class RequestTable:
         if type(request_ids) is list and distinct and request_ids == self._last_ids \
                 and self._last_version == self._version:
             return self._last_rows.copy()   # the previous batch again, no admission between
+        if is_array(request_ids):   # ids in an array of any library
+            request_ids = host_array(name, request_ids)
         if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__len__"):
             raise TypeError(f"{name}: expected a sequence of request ids, "
                             f"got {type(request_ids).__name__}")

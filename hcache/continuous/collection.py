@@ -14,7 +14,7 @@ import numpy as np
 
 from .._checks import token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import array_module_of, stream_handle
+from ..device import as_array, stream_handle
 from ..kv_scales import check_scale, source_dtype
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
@@ -198,10 +198,10 @@ class ContinuousBatchingKVCacheCollection:
                     raise ValueError(f"seq_lengths[{big[0]}]: expected at most "
                                      f"{store.max_seq_len} new tokens, got {listed[big[0]]}")
                 counts = np.asarray(listed, dtype=np.int64)
-            mla = group.components == 1
-            self._check_rows(names[0], key, heads, size, group.xp, ragged)
+            key = as_array(names[0], key, store.device, stream)
+            self._check_rows(names[0], key, heads, size, ragged)
             src = source_dtype(names[0], key.dtype, store.dtype, group.xp)  # k before v
-            if mla:
+            if group.components == 1:   # MLA: the latent rows are the keys; no V plane
                 if value is not None:
                     raise ValueError(f"{names[1]}: expected None (an MLA cache stores keys "
                                      f"only), got {type(value).__name__}")
@@ -211,14 +211,15 @@ class ContinuousBatchingKVCacheCollection:
             elif value is None:
                 raise ValueError(f"{names[1]}: expected values shaped as {names[0]}, got None")
             else:
-                self._check_rows(names[1], value, heads, size, group.xp, ragged)
+                value = as_array(names[1], value, store.device, stream)
+                self._check_rows(names[1], value, heads, size, ragged)
                 if key.shape != value.shape:
                     raise ValueError(f"{names[1]}: expected the shape of {names[0]} "
                                      f"{tuple(key.shape)}, got {tuple(value.shape)}")
                 if key.dtype != value.dtype:
                     raise ValueError(f"{names[1]}: expected dtype {key.dtype} (as "
                                      f"{names[0]}), got {value.dtype}")
-            scales = [check_scale(n, s, src is not None, group.xp, store.num_layers, heads)
+            scales = [check_scale(n, s, src is not None, store.device, store.num_layers, heads)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
             if ragged and int(counts.sum()) != key.shape[0]:
                 raise ValueError(f"{names[0]}: expected {int(counts.sum())} tokens (the sum of "
@@ -235,9 +236,7 @@ class ContinuousBatchingKVCacheCollection:
                 store.write(layer, key, value, batch=self.batch_size, counts=counts,
                             ragged=ragged, src_dtype=src, scales=scales, stream=stream)
 
-    def _check_rows(self, name, a, heads, size, xp, ragged=False) -> None:
-        if array_module_of(a) is not xp or not hasattr(a, "shape"):
-            raise TypeError(f"{name}: expected a {xp.__name__} array, got {type(a).__name__}")
+    def _check_rows(self, name, a, heads, size, ragged=False) -> None:
         if ragged:
             if a.ndim != 3 or tuple(a.shape[1:]) != (heads, size):
                 raise ValueError(f"{name}: expected shape [total_tokens, {heads}, {size}], "

@@ -38,12 +38,13 @@ import threading
 
 import numpy as np
 
-from .._checks import INT32_MAX, as_int, exact_int, token_counts
+from .._checks import as_int, exact_int, token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..device import resolve_device, stream_handle, to_host
-from ..dtypes import dtype_name, resolve_dtype
+from ..dtypes import dtype_name
+from ..memory import check_fits
 from .collection import ContinuousBatchingKVCacheCollection
-from .params import KVCacheStaticParams
+from .params import KVCacheStaticParams, manager_arguments
 from .sequences import SequenceBlocks, seq_id_list, token_count_array
 from .store import KVBlockStore
 
@@ -71,24 +72,21 @@ class ContinuousBatchingKVCacheManager:
     ------
     TypeError, ValueError
         An argument has the wrong type or value.
+    CacheCapacityError
+        The blocks do not fit in the memory available on the device
+        (:meth:`KVCacheStaticParams.nbytes`); nothing is allocated.
     """
 
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
                  device=None):
-        if not isinstance(kv_params, KVCacheStaticParams):
-            raise TypeError(f"kv_params: expected KVCacheStaticParams, "
-                            f"got {type(kv_params).__name__}")
-        self._dtype = resolve_dtype(dtype)
-        self._kv_params = kv_params
-        self._num_blocks = as_int("max_batch_size", max_batch_size, 1)
-        self._max_seq_len = as_int("max_seq_len", max_seq_len, 1)
-        if self._max_seq_len > INT32_MAX:
-            raise ValueError(f"max_seq_len: expected at most {INT32_MAX}, got {max_seq_len}")
-        self._num_layers = as_int("num_layers", num_layers, 1)
+        self._dtype, n, self._max_seq_len, self._num_layers = manager_arguments(
+            dtype, kv_params, max_batch_size, max_seq_len, num_layers)
+        self._kv_params, self._num_blocks = kv_params, n
         self._device = resolve_device(device)
-        n = self._num_blocks
+        check_fits("max_batch_size", kv_params.nbytes(dtype, n, self._max_seq_len,
+                                                      self._num_layers), self._device)
         self._store = KVBlockStore(self._device, self._dtype, n, self._num_layers,
                                    self._max_seq_len, kv_params.num_heads, kv_params.head_size,
                                    kv_params.components)
@@ -346,19 +344,22 @@ class ContinuousBatchingKVCacheManager:
         return p
 
     def memory_report(self) -> dict:
-        """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``,
-        ``total_bytes``, ``bytes_per_block``, ``bytes_per_token`` (K and V, all layers),
-        ``num_blocks``, ``free_blocks``, ``live_sequences``, ``committed_tokens``,
-        ``capacity_tokens``, ``token_utilization``, ``dtype``, ``device``."""
+        """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``
+        (``lookup_table`` and ``cache_lengths``), ``metadata_bytes`` (those, the row offsets
+        and the layer tables), ``total_bytes`` (``blocks_buf`` and metadata: what
+        :meth:`KVCacheStaticParams.nbytes` says), ``bytes_per_block``, ``bytes_per_token``
+        (K and V, or the latent with ``is_mla``; all layers), ``num_blocks``, ``free_blocks``,
+        ``live_sequences``, ``committed_tokens``, ``capacity_tokens``, ``token_utilization``,
+        ``dtype``, ``device``."""
         with self._cond:
             blocks = int(self.blocks_buf.nbytes)
             per_block = blocks // self._num_blocks
             committed = int(self._sequences.block_len.sum())
             capacity = self._num_blocks * self._max_seq_len
-            index = self._store.index_nbytes
+            index, metadata = self._store.index_nbytes, self._store.metadata_nbytes
             return {"device": str(self._device), "dtype": dtype_name(self._dtype),
                     "blocks_buf_bytes": blocks, "index_buffer_bytes": index,
-                    "total_bytes": blocks + index,
+                    "metadata_bytes": metadata, "total_bytes": blocks + metadata,
                     "bytes_per_block": per_block,
                     "bytes_per_token": per_block // self._max_seq_len,
                     "num_blocks": self._num_blocks, "free_blocks": len(self._sequences.free),

@@ -1,12 +1,35 @@
-"""The KV head geometry of the continuous-batching API (docs/design.md §5)."""
+"""The KV head geometry of the continuous-batching API, the checks of the manager's arguments
+and the bytes a manager of them allocates (docs/design.md §5)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._checks import as_int
+from .._checks import INT32_MAX, as_int
+from ..config.sizing import continuous_manager_nbytes, largest_fitting
+from ..dtypes import resolve_dtype
 
-__all__ = ["KVCacheStaticParams"]
+__all__ = ["KVCacheStaticParams", "manager_arguments"]
+
+
+def manager_arguments(dtype, kv_params, max_batch_size, max_seq_len, num_layers) -> tuple:
+    """The arguments of a :class:`~hcache.ContinuousBatchingKVCacheManager`, checked:
+    ``(dtype, max_batch_size, max_seq_len, num_layers)`` (a resolved dtype, three ints).
+
+    Raises
+    ------
+    TypeError, ValueError
+        An argument has the wrong type or value (the message names it).
+    """
+    if not isinstance(kv_params, KVCacheStaticParams):
+        raise TypeError(f"kv_params: expected KVCacheStaticParams, "
+                        f"got {type(kv_params).__name__}")
+    dtype = resolve_dtype(dtype)
+    blocks = as_int("max_batch_size", max_batch_size, 1)
+    seq_len = as_int("max_seq_len", max_seq_len, 1)
+    if seq_len > INT32_MAX:
+        raise ValueError(f"max_seq_len: expected at most {INT32_MAX}, got {max_seq_len}")
+    return dtype, blocks, seq_len, as_int("num_layers", num_layers, 1)
 
 
 @dataclass(frozen=True)
@@ -37,3 +60,21 @@ class KVCacheStaticParams:
     def components(self) -> int:
         """Cache planes per layer: 2 (K and V), or 1 with ``is_mla``."""
         return 1 if self.is_mla else 2
+
+    def nbytes(self, dtype, max_batch_size, max_seq_len, num_layers) -> int:
+        """Device bytes a :class:`~hcache.ContinuousBatchingKVCacheManager` of this geometry
+        and these arguments allocates (its ``memory_report()["total_bytes"]``; one plane per
+        layer with ``is_mla``), known before any allocation. Raises as the manager's
+        constructor for a bad argument."""
+        dtype, n, s, layers = manager_arguments(dtype, self, max_batch_size, max_seq_len,
+                                                num_layers)
+        return continuous_manager_nbytes(dtype, self.num_heads, self.head_size, n, s, layers,
+                                         self.components)
+
+    def max_batch_size_for(self, budget, dtype, max_seq_len, num_layers) -> int:
+        """The largest ``max_batch_size`` (blocks) whose manager fits in ``budget`` bytes, or
+        0 if not even one block fits. ``TypeError`` / ``ValueError`` for a bad argument."""
+        budget = as_int("budget", budget, 0)
+        self.nbytes(dtype, 1, max_seq_len, num_layers)   # checks the other arguments
+        return largest_fitting(lambda n: self.nbytes(dtype, n, max_seq_len, num_layers),
+                               budget)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import exact_int
-from ..device import launch_scope, upload_ints
+from ..device import launch_scope, upload_ints, zeros
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
 
@@ -61,8 +61,8 @@ class KVBlockStore:
         xp = device.xp
         self.device, self.dtype = device, dtype
         with launch_scope(device, None):   # the current stream: construction takes none
-            self.blocks = xp.zeros((num_blocks, components, num_layers, max_seq_len, num_heads,
-                                    head_size), dtype=storage_dtype(dtype, xp))
+            self.blocks = zeros(device, (num_blocks, components, num_layers, max_seq_len,
+                                         num_heads, head_size), storage_dtype(dtype, xp))
             self.group = KVGroup([self.blocks[:, :, layer] for layer in range(num_layers)],
                                  layout="NHD")
             self.lookup_table = xp.zeros((num_blocks,), dtype=np.int32)
@@ -82,6 +82,11 @@ class KVBlockStore:
     def index_nbytes(self) -> int:
         """Device bytes of ``lookup_table`` and ``cache_lengths``."""
         return int(self.lookup_table.nbytes + self.cache_lengths.nbytes)
+
+    @property
+    def metadata_nbytes(self) -> int:
+        """Device bytes besides ``blocks``: the index buffers and the group's layer tables."""
+        return self.index_nbytes + int(self.seq_offsets.nbytes) + self.group.nbytes
 
     def check_layer(self, layer) -> int:
         """``layer`` as a decoder layer in ``[0, num_layers)``.

@@ -25,7 +25,7 @@ import numpy as np
 from .. import ops
 from .._checks import check_int, host_ints
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import array_module_of, launch_scope, to_host, upload_ints
+from ..device import as_array, launch_scope, on_device, to_host, upload_ints
 from .batch_compaction import BatchCompaction
 
 __all__ = ["BatchAPI"]
@@ -197,8 +197,7 @@ class BatchAPI:
             raise TypeError("increment: expected an int or an int array, got bool")
         if isinstance(increment, (int, np.integer)):
             self._commit_uniform(check_int("increment", increment, 0, self._max_len), stream)
-        elif self._device.is_cuda and (array_module_of(increment) is not np
-                                       or hasattr(increment, "__cuda_array_interface__")):
+        elif self._device.is_cuda and on_device(increment):
             self._commit_device(increment, stream)
         else:
             inc = host_ints("increment", increment, n)
@@ -264,9 +263,7 @@ class BatchAPI:
             self._all_empty = False
 
     def _commit_device(self, increment, stream) -> None:
-        xp = self._device.xp
-        if array_module_of(increment) is not xp:
-            increment = xp.asarray(increment)   # zero-copy for __cuda_array_interface__
+        increment = as_array("increment", increment, self._device, stream)
         n = self._active
         if increment.dtype != np.int32:
             raise ValueError(f"increment: expected dtype int32, got {increment.dtype}")

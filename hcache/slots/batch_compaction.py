@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import host_ints
-from ..device import array_module_of, to_host, upload_ints
+from ..device import as_array, on_device, to_host, upload_ints
 from ..ops.tables import SlotSet
 
 __all__ = ["BatchCompaction"]
@@ -72,9 +72,8 @@ class BatchCompaction:
             A device mapping that is not C-contiguous int32 ``[>= old]``; a host mapping with
             other than ``old`` entries, an entry out of range, or a slot named twice.
         """
-        if self._device.is_cuda and (array_module_of(batch_mapping) is not np or
-                                     hasattr(batch_mapping, "__cuda_array_interface__")):
-            mapping = self._device.xp.asarray(batch_mapping)
+        if self._device.is_cuda and on_device(batch_mapping):
+            mapping = as_array("batch_mapping", batch_mapping, self._device)
             if mapping.dtype != np.int32 or mapping.ndim != 1 or mapping.shape[0] < old \
                     or not mapping.flags.c_contiguous:
                 raise ValueError(f"batch_mapping: expected a C-contiguous int32 [>= {old}] "

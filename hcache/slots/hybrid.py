@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .._checks import check_index
 from ..config.caches import HybridCacheConfig, LayerType
 from ..device import launch_scope, resolve_device
+from ..memory import check_fits
 from .batch import BatchAPI
 from .kv import KVCacheManager
 from .mamba import MambaCacheManager
@@ -68,6 +69,9 @@ class HybridCacheManager(BatchAPI):
     ------
     TypeError
         ``config`` is not a :class:`HybridCacheConfig`.
+    CacheCapacityError
+        The caches do not fit in the memory available on the device
+        (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
 
     def __init__(self, config, stream=None, *, device=None):
@@ -75,6 +79,7 @@ class HybridCacheManager(BatchAPI):
             raise TypeError(f"config: expected HybridCacheConfig, got {type(config).__name__}")
         self._config = config
         device = resolve_device(device)
+        check_fits("config", config.nbytes, device)
         self._kv = KVCacheManager(config.kv, stream, device=device)
         self._mamba = (MambaCacheManager(config.mamba, stream, device=device)
                        if config.mamba is not None else None)

@@ -17,8 +17,9 @@ from .. import ops
 from .._checks import check_index, check_int
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import array_module_of, launch_scope, resolve_device
+from ..device import as_array, launch_scope, resolve_device, zeros
 from ..dtypes import is_fp8, storage_dtype
+from ..memory import check_fits
 from ..ops.tables import KVGroup, group_layers_by_head_dim
 from .kv_writes import KVWriter
 
@@ -39,6 +40,9 @@ class KVCacheManager:
     ------
     TypeError
         ``config`` is not a :class:`KVCacheConfig`.
+    CacheCapacityError
+        The caches do not fit in the memory available on the device
+        (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
 
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
@@ -48,12 +52,13 @@ class KVCacheManager:
             raise TypeError(f"config: expected KVCacheConfig, got {type(config).__name__}")
         self._config = config
         self._device = resolve_device(device)
+        check_fits("config", config.nbytes, self._device)
         xp = self._device.xp
         dtype = storage_dtype(config.dtype, xp)
         b, s = config.max_batch_size, config.max_sequence_length
         with launch_scope(self._device, stream):
             self._caches = tuple(
-                xp.zeros((b, lc.components, lc.num_kv_heads, s, lc.head_dim), dtype=dtype)
+                zeros(self._device, (b, lc.components, lc.num_kv_heads, s, lc.head_dim), dtype)
                 for lc in config.layer_configs)
             self._groups = tuple(
                 KVGroup([self._caches[a] for a in indices], layer_indices=indices)
@@ -250,7 +255,7 @@ class KVCacheManager:
             everything is checked before anything is written.
         """
         b = check_index("b", b, self._config.max_batch_size)
-        self._check_saved(saved)
+        saved = self._check_saved(saved, stream)
         if scales is not None:
             if not isinstance(scales, (tuple, list)) or len(scales) != 2:
                 raise TypeError(f"scales: expected a (k_scales, v_scales) pair, "
@@ -263,17 +268,16 @@ class KVCacheManager:
         if scales is not None:
             self._writer.set_scales(scales[0], scales[1], stream)
 
-    def _check_saved(self, saved) -> None:
+    def _check_saved(self, saved, stream) -> list:
+        """``saved`` as a list of checked ``device.xp`` arrays (any array library)."""
         if isinstance(saved, (str, bytes)) or not hasattr(saved, "__len__"):
             raise TypeError(f"saved: expected a sequence of arrays, got {type(saved).__name__}")
         if len(saved) != self.num_layers:
             raise ValueError(f"saved: expected {self.num_layers} tensors, got {len(saved)}")
-        xp = self._device.xp
-        n = None
+        n, out = None, []
         for i, (t, cache) in enumerate(zip(saved, self._caches, strict=True)):
-            if array_module_of(t) is not xp or not hasattr(t, "shape"):
-                raise TypeError(f"saved[{i}]: expected a {xp.__name__} array, "
-                                f"got {type(t).__name__}")
+            t = as_array(f"saved[{i}]", t, self._device, stream)
+            out.append(t)
             comps, heads, dim = cache.shape[1], cache.shape[2], cache.shape[4]
             if t.ndim != 4 or t.shape[0] != comps or t.shape[1] != heads or t.shape[3] != dim:
                 raise ValueError(f"saved[{i}]: expected shape [{comps}, {heads}, n, {dim}], "
@@ -289,3 +293,4 @@ class KVCacheManager:
                 raise ValueError(f"saved[{i}]: expected dtype {cache.dtype}, got {t.dtype}")
             if not t.flags.c_contiguous:
                 raise ValueError(f"saved[{i}]: expected a C-contiguous array")
+        return out

@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .._checks import token_counts
-from ..device import array_module_of, launch_scope, stream_handle, upload, upload_ints
+from .._checks import host_array, is_array, token_counts
+from ..device import as_array, launch_scope, on_device, stream_handle, upload, upload_ints
 from ..dtypes import is_fp8, resolve_dtype, storage_dtype
 from .kv_scale_tables import check_table_scale, record_scale
 
@@ -141,11 +141,11 @@ class KVWriter:
         """
         stream_handle(stream)
         layers = list(range(self.num_layers)) if index is None else [index]
-        ks = self._per_layer("k", k, index)
+        ks = self._per_layer("k", k, index, stream)
         if v is None and index is None and all(self._latent(a) for a in layers):
             vs = [None] * len(layers)   # a model of latent layers only: no V anywhere
         else:
-            vs = self._per_layer("v", v, index)
+            vs = self._per_layer("v", v, index, stream)
         if not layers:
             return
         ragged = seq_lengths is not None
@@ -213,19 +213,25 @@ class KVWriter:
         """Attention layer ``index`` caches one latent vector per token (no V plane)."""
         return int(self._caches[index].shape[1]) == 1
 
-    def _per_layer(self, name, arrays, index) -> list:
+    def _per_layer(self, name, arrays, index, stream) -> list:
+        """The K (or V) arrays of the layers written, each as a ``device.xp`` array; a V
+        entry that is None or belongs to a latent layer stays as given (:meth:`_check_rows`
+        requires it to be None exactly when the layer is latent)."""
         if index is not None:
-            return [arrays]
+            return [self._coerce(name, name, arrays, index, stream)]
         if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
-            return list(arrays)
+            return [self._coerce(name, f"{name}[{j}]", a, j, stream)
+                    for j, a in enumerate(arrays)]
         got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
         raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per "
                          f"attention layer), got {got}")
 
+    def _coerce(self, kind, name, a, index, stream):
+        if kind == "v" and (a is None or self._latent(index)):
+            return a   # judged by _check_rows: None exactly for a latent layer
+        return as_array(name, a, self._device, stream)
+
     def _lead(self, a, ragged) -> tuple:
-        xp = self._device.xp
-        if array_module_of(a) is not xp or not hasattr(a, "shape"):
-            raise TypeError(f"k: expected a {xp.__name__} array, got {type(a).__name__}")
         want = 3 if ragged else 4
         if a.ndim != want:
             form = "[total_tokens, H, D]" if ragged else "[batch, new_tokens, H, D]"
@@ -235,7 +241,7 @@ class KVWriter:
     def _check_rows(self, ks, vs, layers, lead, single):
         """Every K/V array (a latent layer's ``v`` must be None, any other layer's an array);
         returns the float dtype of a quantizing write, or None."""
-        xp, dtype = self._device.xp, ks[0].dtype
+        dtype = ks[0].dtype
         for kind, arrays in (("k", ks), ("v", vs)):
             for j, (a, index) in enumerate(zip(arrays, layers)):
                 name = kind if single else f"{kind}[{j}]"
@@ -249,9 +255,6 @@ class KVWriter:
                 if kind == "v" and a is None:
                     raise ValueError(f"{name}: expected V rows (attention layer {index} has a "
                                      f"V plane), got None")
-                if array_module_of(a) is not xp or not hasattr(a, "shape"):
-                    raise TypeError(f"{name}: expected a {xp.__name__} array, "
-                                    f"got {type(a).__name__}")
                 if kind == "k" and j == 0:
                     src = self._source_dtype(name, dtype)   # k's own dtype named before v's
                 want = lead + (int(cache.shape[2]), int(cache.shape[4]))
@@ -294,21 +297,25 @@ class KVWriter:
         if positions is None:
             return None
         xp = self._device.xp
-        if xp is not np and array_module_of(positions) is xp:   # device data: not read
+        if xp is not np and on_device(positions):   # device data: not read
+            positions = as_array("positions", positions, self._device)
             if positions.dtype != np.int32 or tuple(positions.shape) != lead \
                     or not positions.flags.c_contiguous:
                 raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
                                  f"{list(lead)}, got {positions.dtype} "
                                  f"{list(positions.shape)}")
             return positions.reshape(-1)
-        try:
-            pos = np.asarray(positions)
-        except (ValueError, TypeError, OverflowError):   # ragged
-            raise TypeError(f"positions: expected integers shaped {list(lead)}, got a ragged "
-                            "sequence") from None
-        if isinstance(positions, (list, tuple)) and pos.dtype.kind in "iu" and any(
-                isinstance(v, bool) for v in np.asarray(positions, dtype=object).ravel()):
-            raise TypeError("positions: expected integers, got a bool entry")
+        if is_array(positions):   # an array of any library, without a copy
+            pos = host_array("positions", positions)
+        else:
+            try:
+                pos = np.asarray(positions)
+            except (ValueError, TypeError, OverflowError):   # ragged
+                raise TypeError(f"positions: expected integers shaped {list(lead)}, got a "
+                                "ragged sequence") from None
+            if isinstance(positions, (list, tuple)) and pos.dtype.kind in "iu" and any(
+                    isinstance(v, bool) for v in np.asarray(positions, dtype=object).ravel()):
+                raise TypeError("positions: expected integers, got a bool entry")
         if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
             raise TypeError(f"positions: expected integers, got dtype {pos.dtype}")
         if tuple(pos.shape) != lead:
@@ -327,6 +334,11 @@ class KVWriter:
         return flat
 
     def _check_scale(self, name, scale, layers):
+        """A scale argument as ``None`` (the recorded tables), a float or a device table of
+        any array library (:func:`~hcache.slots.kv_scale_tables.check_table_scale`)."""
+        if scale is not None and not isinstance(scale, (bool, np.bool_, int, float, np.integer,
+                                                        np.floating)):
+            scale = as_array(name, scale, self._device)
         heads = max((int(self._caches[a].shape[2]) for a in layers), default=0)
         return check_table_scale(name, scale, self._device.xp, self.num_layers, heads)
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from .._checks import check_index
 from ..config.caches import LinearCacheConfig, MambaCacheConfig
-from ..device import launch_scope, resolve_device
+from ..device import launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
+from ..memory import check_fits
 from ..ops.tables import KVGroup
 from .batch import BatchAPI
 from .kv_writes import KVWriter
@@ -36,6 +37,9 @@ class LinearKVCache(BatchAPI):
     ------
     TypeError
         ``config`` is not a :class:`LinearCacheConfig`.
+    CacheCapacityError
+        The caches do not fit in the memory available on the device
+        (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
 
     def __init__(self, config, stream=None, *, device=None):
@@ -43,6 +47,7 @@ class LinearKVCache(BatchAPI):
             raise TypeError(f"config: expected LinearCacheConfig, got {type(config).__name__}")
         self._config = config
         device = resolve_device(device)
+        check_fits("config", config.nbytes, device)
         xp = device.xp
         c = config
         self._mamba = None
@@ -53,9 +58,9 @@ class LinearKVCache(BatchAPI):
                                  ssm_dtype=c.ssm_dtype, conv_dtype=c.conv_dtype),
                 stream, device=device)
         with launch_scope(device, stream):
-            self._buffer = xp.zeros((c.num_attention_layers, c.max_batch_size, 2, c.num_kv_heads,
-                                     c.max_sequence_length, c.head_dim),
-                                    dtype=storage_dtype(c.dtype, xp))
+            self._buffer = zeros(device, (c.num_attention_layers, c.max_batch_size, 2,
+                                          c.num_kv_heads, c.max_sequence_length, c.head_dim),
+                                 storage_dtype(c.dtype, xp))
             self._layers = tuple(self._buffer[i] for i in range(c.num_attention_layers))
             self._groups = (KVGroup(list(self._layers)),) if self._layers else ()
             self._kv_writer = KVWriter(device, self._layers, self._groups, c.dtype,

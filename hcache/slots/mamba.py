@@ -17,8 +17,9 @@ from .. import ops
 from .._checks import check_index
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.caches import MambaCacheConfig
-from ..device import array_module_of, launch_scope, resolve_device
+from ..device import as_array, launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
+from ..memory import check_fits
 from ..ops.tables import SlotSet
 
 __all__ = ["MambaCacheManager"]
@@ -38,6 +39,9 @@ class MambaCacheManager:
     ------
     TypeError
         ``config`` is not a :class:`MambaCacheConfig`.
+    CacheCapacityError
+        The caches do not fit in the memory available on the device
+        (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
 
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
@@ -47,15 +51,16 @@ class MambaCacheManager:
             raise TypeError(f"config: expected MambaCacheConfig, got {type(config).__name__}")
         self._config = config
         self._device = resolve_device(device)
+        check_fits("config", config.nbytes, self._device)
         xp = self._device.xp
         n, b = config.num_layers, config.max_batch_size
         with launch_scope(self._device, stream):
             # None: the layers have no state of this kind (nothing allocated, nothing copied).
-            self._recurrent = (xp.zeros((n, b) + config.recurrent_state_shape,
-                                        dtype=storage_dtype(config.ssm_dtype, xp))
+            self._recurrent = (zeros(self._device, (n, b) + config.recurrent_state_shape,
+                                     storage_dtype(config.ssm_dtype, xp))
                                if config.has_recurrent_state else None)
-            self._conv = (xp.zeros((n, b) + config.conv_state_shape,
-                                   dtype=storage_dtype(config.conv_dtype, xp))
+            self._conv = (zeros(self._device, (n, b) + config.conv_state_shape,
+                                storage_dtype(config.conv_dtype, xp))
                           if config.has_conv_state else None)
             self._recurrent_views = (tuple(self._recurrent[i] for i in range(n))
                                      if self._recurrent is not None else ())
@@ -129,7 +134,7 @@ class MambaCacheManager:
     @property
     def metadata_nbytes(self) -> int:
         """Device bytes of the slot indices and descriptor tables of the one-launch copies
-        (not in :meth:`memory_report`, which counts the states)."""
+        (``memory_report()["metadata"]``)."""
         tables = list(self._capture_sets.values()) + (
             [self._restore_set] if self._restore_set is not None else [])
         return int(self._slot_idx.nbytes + self._zero_idx.nbytes
@@ -137,13 +142,14 @@ class MambaCacheManager:
 
     def memory_report(self) -> dict:
         """Device bytes: ``recurrent``, ``conv`` (0 for a kind the layers do not have),
-        ``total`` and ``layers`` (per layer)."""
+        ``metadata`` (:attr:`metadata_nbytes`), ``total`` (all three: ``config.nbytes``) and
+        ``layers`` (states per layer)."""
         n = self.num_layers
         recurrent, conv = (int(x.nbytes) if x is not None else 0
                            for x in (self._recurrent, self._conv))
-        per_layer = (recurrent + conv) // n if n else 0
-        return {"recurrent": recurrent, "conv": conv, "total": recurrent + conv,
-                "layers": (int(per_layer),) * n}
+        return {"recurrent": recurrent, "conv": conv, "metadata": self.metadata_nbytes,
+                "total": recurrent + conv + self.metadata_nbytes,
+                "layers": ((recurrent + conv) // n if n else 0,) * n}
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -224,8 +230,8 @@ class MambaCacheManager:
     def _restore(self, recurrent, conv, b, stream, recurrent_name) -> None:
         """:meth:`restore_states`, the recurrent states named as the caller passed them."""
         b = check_index("b", b, self._config.max_batch_size)
-        saved = (self._check_saved(recurrent_name, recurrent, self._recurrent_views)
-                 + self._check_saved("conv", conv, self._conv_views))
+        saved = (self._check_saved(recurrent_name, recurrent, self._recurrent_views, stream)
+                 + self._check_saved("conv", conv, self._conv_views, stream))
         with launch_scope(self._device, stream):   # the stream is checked even with no state
             if not saved:
                 return
@@ -234,19 +240,16 @@ class MambaCacheManager:
             self._slot_idx.fill(b)
             ops.slot_copy(self._restore_set, self._zero_idx, self._slot_idx, stream=stream)
 
-    def _check_saved(self, name, tensors, views) -> list:
+    def _check_saved(self, name, tensors, views, stream) -> list:
         if isinstance(tensors, (str, bytes)) or not hasattr(tensors, "__len__"):
             raise TypeError(f"{name}: expected a sequence of arrays, got "
                             f"{type(tensors).__name__}")
         if len(tensors) != len(views):
             raise ValueError(f"{name}: expected {len(views)} tensors, got {len(tensors)}")
-        xp = self._device.xp
         out = []
         for i, (t, view) in enumerate(zip(tensors, views, strict=True)):
             where = f"{name}[{i}]"
-            if array_module_of(t) is not xp or not hasattr(t, "shape"):
-                raise TypeError(f"{where}: expected a {xp.__name__} array, got "
-                                f"{type(t).__name__}")
+            t = as_array(where, t, self._device, stream)
             slot_shape = tuple(view.shape[1:])
             if tuple(t.shape) not in ((1,) + slot_shape, slot_shape):
                 raise ValueError(f"{where}: expected shape {(1,) + slot_shape}, "
