@@ -31,7 +31,8 @@ def layout(args) -> int:
             raw = json.load(f)
         config = HybridCacheConfig.from_hf_config(
             raw, max_batch_size=1, max_sequence_length=args.seq_len, kv_dtype=args.kv_dtype,
-            ssm_dtype=args.ssm_dtype, conv_dtype=args.conv_dtype)
+            ssm_dtype=args.ssm_dtype, conv_dtype=args.conv_dtype,
+            ring_windows=not args.no_ring_windows)
     except (OSError, ValueError, TypeError) as exc:   # json.JSONDecodeError is a ValueError
         print(f"{args.config}: {exc}", file=sys.stderr)
         return 2
@@ -139,6 +140,9 @@ def main(argv=None) -> int:
             p.add_argument("--ssm-dtype", default="float32", help="recurrent state dtype")
             p.add_argument("--conv-dtype", default=None,
                            help="conv state dtype (default: the KV dtype)")
+            p.add_argument("--no-ring-windows", action="store_true",
+                           help="lay sliding-window layers out unbounded (no ring buffers), "
+                                "as engines that index a full-length cache need")
         if name == "bench":
             p.description = ("Time every kernel family (kernels/*.cu) on Nemotron-H-like and "
                              "Gemma-like shapes: µs, GB/s, ratio to a copy of the same bytes, "

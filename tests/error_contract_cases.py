@@ -29,6 +29,7 @@ from error_contract_kinds import (
     Junk,
     Key,
     Keys,
+    Lengths,
     OnlyNone,
     Scale,
     Seconds,
@@ -445,6 +446,11 @@ case("PagedKVPool", "copy_blocks", make_pool,
      lambda _: {"src_ids": [0, 1], "dst_ids": [2, 3], "status": None, "stream": None},
      src_ids=Ints(-1, 5).relating("dst_ids"), dst_ids=Ints(-1, 5, unique=True),
      status=Junk(), stream=Stream())
+def _table():
+    """A block table: a narrower one is valid (positions past it are skipped and counted)."""
+    return Array(bad_dtypes=(np.int64, np.float32), free_last=True)
+
+
 _POOL_WRITE = {"layer": 1, "block_table": np.array([[0, 1], [2, -1]], np.int32),
                "seq_offsets": None, "uniform_tokens": 2, "batch": None, "cache_lengths": None,
                "positions": None, "k_scale": None, "v_scale": None, "status": None,
@@ -453,7 +459,7 @@ for meth in ("write", "write_kv"):
     case("PagedKVPool", meth, make_pool,
          lambda _: {"k": rows((4, 1, 8)), "v": rows((4, 1, 8), seed=1), **_POOL_WRITE},
          k=Array(), v=Array(), layer=Index(2, none_ok=True),
-         block_table=Array(bad_dtypes=(np.int64, np.float32)),
+         block_table=_table(),
          seq_offsets=Junk(), uniform_tokens=Int(1).relating("seq_offsets"), batch=Junk(),
          cache_lengths=Junk(), positions=Junk(),
          k_scale=OnlyNone(), v_scale=OnlyNone(),
@@ -467,7 +473,7 @@ case("PagedKVPool", "launch_write", make_pool,
      lambda p: {"checked": p.check_write(rows((4, 1, 8)), rows((4, 1, 8), seed=1), layer=1),
                 "block_table": np.array([[0, 1], [2, -1]], np.int32), "stream": None,
                 "uniform_tokens": 2},
-     checked=Instance(none_ok=True), block_table=Array(bad_dtypes=(np.int64, np.float32)),
+     checked=Instance(none_ok=True), block_table=_table(),
      stream=Stream(), uniform_tokens=Int(1).relating("seq_offsets"))
 
 ALLOC = "KVBlockAllocator"
@@ -773,7 +779,7 @@ def make_pool_mla():
 variant("PagedKVPool", "write_kv", "mla", make_pool_mla,
         lambda _: {"k": rows((4, 1, 8)), "v": None, **_POOL_WRITE},
         k=Array(), v=Absent(rows((4, 1, 8))), layer=Index(2, none_ok=True).relating("k", "v"),
-        block_table=Array(bad_dtypes=(np.int64, np.float32)),
+        block_table=_table(),
         seq_offsets=Junk(), uniform_tokens=Int(1).relating("seq_offsets"), batch=Junk(),
         cache_lengths=Junk(), positions=Junk(), k_scale=OnlyNone(), v_scale=OnlyNone(),
         status=Junk(), stream=Stream())
@@ -825,3 +831,204 @@ def _hf_families():
 
 
 _hf_families()
+
+
+# --- ring buffers and local block spaces (issue 14) ----------------------------------------
+
+def _extend(key, **params):
+    """Add new parameters to a case: ``name=(valid value, kind)``."""
+    c = (CASES if len(key) == 2 else VARIANTS)[key]
+    args = c.args
+    c.args = lambda t, args=args: dict(args(t), **{n: v for n, (v, _) in params.items()})
+    c.kinds.update({n: kind for n, (_, kind) in params.items()})
+
+
+for _key in (("KVCacheConfig", "__init__"), ("HybridCacheConfig", "from_hf_config"),
+             *(("HybridCacheConfig", "from_hf_config", label)
+               for label in ("mla", "conv-only", "recurrent-only"))):
+    _extend(_key, ring_windows=(_key[1] == "from_hf_config", Bool()))
+for _key in (("KVCacheStaticParams", "nbytes"), ("KVCacheStaticParams", "max_batch_size_for"),
+             (CB, "__init__")):
+    _extend(_key, sliding_window=(None, Int(1, none_ok=True)))
+for _key in (("PagedKVPool", "__init__"), ("PagedKVPool", "nbytes_for"),
+             ("PagedKVPool", "num_blocks_for"), (CTX, "__init__"),
+             (CTX, "__init__", "mla-no-conv")):
+    _extend(_key, num_local_blocks=(None, Int(1, none_ok=True)))
+_extend(("PagedKVPool", "copy_blocks"), local=(False, Bool()))
+for _key in (("PagedKVPool", "write"), ("PagedKVPool", "write_kv"),
+             ("PagedKVPool", "launch_write"), ("PagedKVPool", "write_kv", "mla")):
+    _extend(_key, local_block_table=(None, Junk()))
+for _key in (("KVCacheManager", "restore_kv_cache"), ("HybridCacheManager", "restore_kv_cache"),
+             ("KVCacheManager", "restore_kv_cache", "mla")):
+    _extend(_key, sequence_length=(3, Int(3, 3, none_ok=True).relating("saved")))
+fn("rings.ring_start", {"lengths": np.array([2, 7], np.int64), "window": 3, "device": CPU},
+   lengths=Lengths(), window=Int(0), device=Choice(none_ok=True))
+case("KVCacheManager", "get_ring_window", make_kv, lambda _: {"i": 1}, i=Index(2))
+case("KVCacheManager", "ring_start", make_kv, lambda _: {"i": 1, "lengths": [2, 5]},
+     i=Index(2), lengths=Lengths())
+case("HybridCacheManager", "get_ring_window", make_hybrid, lambda _: {"i": 1}, i=Index(4))
+case("HybridCacheManager", "ring_start", make_hybrid, lambda _: {"i": 3, "lengths": None},
+     i=Index(4), lengths=Lengths(none_ok=True))
+case(CB, "ring_start", make_cb(), lambda _: {"lengths": 5}, lengths=Lengths())
+case(CTX, "local_block_ids", make_ctx(), lambda _: {"request_id": "a"}, request_id=Key())
+
+# A ring layout: layer 0 a ring of 3 entries, layer 1 a ring of 4 (max_sequence_length 6), so
+# a capture's length cannot be read from the tensors once both rings are full.
+KV_RING = KVCacheConfig(3, 6, (KVLayerConfig(2, 4, 3), KVLayerConfig(1, 8, 4)), "float16",
+                        ring_windows=True)
+HYB_RING = HybridCacheConfig(HYB_CFG.layer_types, KV_RING, MAMBA_CFG, 3)
+
+
+def make_kv_ring():
+    m = _filled(KVCacheManager(KV_RING, device=CPU))
+    return m, m
+
+
+def make_hybrid_ring():
+    m = _filled(HybridCacheManager(HYB_RING, device=CPU))
+    m.reset_for_new_sequences([5, 2])
+    return m, m
+
+
+variant("KVCacheConfig", "__init__", "ring", lambda: (None, None),
+        lambda _: {"max_batch_size": 3, "max_sequence_length": 6,
+                   "layer_configs": KV_RING.layer_configs, "dtype": "float16",
+                   "ring_windows": True},
+        **CASES[("KVCacheConfig", "__init__")].kinds)
+variant("KVCacheManager", "write_kv", "ring", make_kv_ring,
+        lambda _: {"layer": None, "k": [rows((2, 2, 2, 4)), rows((2, 2, 1, 8), seed=4)],
+                   "v": [rows((2, 2, 2, 4), seed=1), rows((2, 2, 1, 8), seed=5)],
+                   "seq_lengths": None, "positions": [[4, 5], [1, 3]], "k_scale": None,
+                   "v_scale": None, "stream": None},
+        layer=Index(2, none_ok=True).relating("k", "v"), k=Arrays(), v=Arrays(),
+        seq_lengths=Fixed("None is the valid value"), positions=Ints(-1, 5, unique=True),
+        k_scale=OnlyNone(), v_scale=OnlyNone(), stream=Stream())
+variant("KVCacheManager", "restore_kv_cache", "ring", make_kv_ring,
+        lambda m: {"saved": [rows((2, 2, 3, 4), seed=2), rows((2, 1, 4, 8), seed=3)],
+                   "b": 2, "stream": None, "scales": None, "sequence_length": 5},
+        saved=Arrays(), b=B3, stream=Stream(), scales=Instance(none_ok=True),
+        sequence_length=Int(4, 6).relating("saved"))
+variant("HybridCacheManager", "restore_kv_cache", "ring", make_hybrid_ring,
+        lambda m: {"saved": [rows((2, 2, 2, 4), seed=2), rows((2, 1, 2, 8), seed=3)],
+                   "b": 2, "stream": None, "scales": None, "sequence_length": None},
+        saved=Arrays(), b=B3, stream=Stream(), scales=Instance(none_ok=True),
+        sequence_length=Int(2, 2, none_ok=True).relating("saved"))
+variant("KVCacheManager", "ring_start", "ring", make_kv_ring,
+        lambda _: {"i": 0, "lengths": np.array([2, 5, 6], np.int32)}, i=Index(2),
+        lengths=Lengths())
+variant("HybridCacheManager", "ring_start", "ring", make_hybrid_ring,
+        lambda _: {"i": 1, "lengths": None}, i=Index(4), lengths=Lengths(none_ok=True))
+variant("HybridCacheManager", "write_kv", "ring", make_hybrid_ring,
+        lambda _: {"layer": 3, "k": rows((3, 1, 8)), "v": rows((3, 1, 8), seed=1),
+                   "seq_lengths": [1, 2], "positions": None, "k_scale": None,
+                   "v_scale": None, "stream": None},
+        layer=Index(4).relating("k"), k=Array(), v=Array(),
+        seq_lengths=Ints(0, 4).relating("k", "v"),
+        positions=Fixed("None is valid with seq_lengths"),
+        k_scale=OnlyNone(), v_scale=OnlyNone(), stream=Stream())
+
+
+def make_cb_ring(fetched=False):
+    def make():
+        m = ContinuousBatchingKVCacheManager("float16", KVCacheStaticParams(1, 2), 3, 6, 2,
+                                             device=CPU, sliding_window=2)
+        m.blocks_buf.view(np.uint8)[...] = np.random.default_rng(0).integers(
+            0, 256, m.blocks_buf.view(np.uint8).shape, dtype=np.uint8)
+        ids = m.claim(2)
+        c = m.fetch(ids)
+        c.write(0, rows((2, 4, 1, 2)), rows((2, 4, 1, 2), seed=1))   # past the window
+        m.step([4, 4], c)
+        return (m, m.fetch(ids)) if fetched else (m, m)
+    return make
+
+
+variant(CB, "__init__", "ring", lambda: (None, None),
+        lambda _: {"dtype": "float16", "kv_params": KVCacheStaticParams(1, 2),
+                   "max_batch_size": 2, "max_seq_len": 6, "num_layers": 1, "device": CPU,
+                   "sliding_window": 2},
+        **CASES[(CB, "__init__")].kinds)
+variant(CB, "ring_start", "ring", make_cb_ring(), lambda _: {"lengths": [5, 6]},
+        lengths=Lengths())
+variant(CB, "step", "ring", lambda: (lambda m: (m, m))(make_cb_ring()()[0]),
+        lambda m: {"valid_lengths": [1, 2], "collection": m.fetch([0, 1])},
+        valid_lengths=Ints(0, 2), collection=Instance())
+variant(COLL, "write_kv", "ring", make_cb_ring(fetched=True),
+        lambda _: {"layer": 1, "k": rows((3, 1, 2)), "v": rows((3, 1, 2), seed=1),
+                   "seq_lengths": [2, 1], "stream": None, "k_scale": None, "v_scale": None},
+        layer=Index(2), seq_lengths=Ints(0, 5).relating("k", "v"), stream=Stream(),
+        k=Array(), v=Array(), k_scale=OnlyNone(), v_scale=OnlyNone())
+
+# A pool with a local block space: layer 0 slides (4 local blocks), layer 1 is full (6).
+_LOCAL_LAYERS = [KVLayerConfig(2, 4, 2), KVLayerConfig(1, 8)]
+
+
+def make_pool_local():
+    p = PagedKVPool(_LOCAL_LAYERS, 6, 2, device=CPU, num_local_blocks=4)
+    for a in p.layers:
+        a.view(np.uint8)[...] = np.random.default_rng(0).integers(
+            0, 256, a.view(np.uint8).shape, dtype=np.uint8)
+    return p, p
+
+
+_LOCAL_WRITE = dict(_POOL_WRITE, layer=None,
+                    local_block_table=np.array([[-1, 3], [0, -1]], np.int32))
+variant("PagedKVPool", "__init__", "local", lambda: (None, None),
+        lambda _: {"layer_configs": list(_LOCAL_LAYERS), "num_blocks": 2, "block_size": 2,
+                   "dtype": "float16", "device": CPU, "extra_nbytes": 64,
+                   "num_local_blocks": 3},
+        **dict(CASES[("PagedKVPool", "__init__")].kinds, num_local_blocks=Int(1)))
+for _meth in ("write", "write_kv"):
+    variant("PagedKVPool", _meth, "local", make_pool_local,
+            lambda _: {"k": [rows((4, 2, 4)), rows((4, 1, 8), seed=2)],
+                       "v": [rows((4, 2, 4), seed=1), rows((4, 1, 8), seed=3)], **_LOCAL_WRITE},
+            **dict(CASES[("PagedKVPool", _meth)].kinds, k=Arrays(), v=Arrays(),
+                   layer=Index(2, none_ok=True).relating("k", "v"),
+                   local_block_table=_table()))
+variant("PagedKVPool", "copy_blocks", "local", make_pool_local,
+        lambda _: {"src_ids": [0, 1], "dst_ids": [2, 3], "status": None, "stream": None,
+                   "local": True},
+        src_ids=Ints(-1, 3).relating("dst_ids"), dst_ids=Ints(-1, 3, unique=True),
+        status=Junk(), stream=Stream(), local=Bool())
+
+_CTX_LOCAL = dict(_CTX_ARGS, kv_layer_configs=[KVLayerConfig(1, 4, 2), KVLayerConfig(1, 4)],
+                  num_local_blocks=6)
+
+
+def make_ctx_local(pending=True):
+    def make():
+        ctx = DynamicInferenceContext(**_CTX_LOCAL)
+        rng = np.random.default_rng(0)
+        for a in (ctx.mamba_conv_states, ctx.mamba_ssm_states, *ctx.kv_pool.layers):
+            a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, np.uint8)
+        ctx.add_request("a", [1, 2, 3, 4, 5])
+        ctx.add_request("b", [1, 2, 7])
+        ctx.commit_step()
+        ctx.release_requests(["b"])
+        if pending:
+            ctx.extend_request("a", [6])
+            ctx.add_request("c", [1, 2, 3, 4, 9])
+        return ctx, ctx
+    return make
+
+
+variant(CTX, "__init__", "local", lambda: (None, None), lambda _: dict(_CTX_LOCAL),
+        **dict(CASES[(CTX, "__init__")].kinds, num_local_blocks=Int(1, none_ok=True)))
+variant(CTX, "write_kv", "local", make_ctx_local(),
+        lambda _: {"request_ids": ["a", "c"], "k": [rows((2, 1, 4)), rows((2, 1, 4), seed=2)],
+                   "v": [rows((2, 1, 4), seed=1), rows((2, 1, 4), seed=3)], "layer": None,
+                   "k_scale": None, "v_scale": None, "stream": None},
+        request_ids=Keys(), k=Arrays(), v=Arrays(),
+        layer=Index(2, none_ok=True).relating("k", "v"), k_scale=OnlyNone(),
+        v_scale=OnlyNone(), stream=Stream())
+for _meth, _make, _args, _kinds in (
+        ("local_block_ids", make_ctx_local(), {"request_id": "a"}, {"request_id": Key()}),
+        ("commit_step", make_ctx_local(), {"stream": None}, {"stream": Stream()}),
+        ("release_requests", make_ctx_local(), {"request_ids": ["a", "c"]},
+         {"request_ids": Keys()}),
+        ("add_request", make_ctx_local(pending=False),
+         {"request_id": "d", "tokens": [1, 2, 3, 4, 8], "stream": None},
+         {"request_id": Key(unknown=("a",)),
+          "tokens": Ints(*TOKENS, fixed_length=False, nonempty=True), "stream": Stream()}),
+        ("extend_requests", make_ctx_local(pending=False), {"request_ids": ["a"], "tokens": [6]},
+         {"request_ids": Keys(nonempty=False), "tokens": Ints(*TOKENS, nested_ok=True)})):
+    variant(CTX, _meth, "local", _make, lambda _, a=_args: dict(a), **_kinds)

@@ -247,6 +247,18 @@ class Junk(Kind):
         return self._junk([0, 1], np.zeros(3, np.float32))
 
 
+class Lengths(Kind):
+    """Sequence lengths: an int >= 0 or an int array of them (host memory on a cpu device)."""
+
+    def __init__(self, *, none_ok=False):
+        self.none_ok = none_ok
+
+    def bad(self, valid):
+        return st.one_of(self._junk(True, [1.5], [True], ["1"], DeviceMemory(),
+                                    *foreign([np.ones(2, np.float32), np.ones(2, np.bool_)])),
+                         st.sampled_from([-1, -(2**40), [2, -1], np.array([-3, 1], np.int32)]))
+
+
 class Seconds(Kind):
     """None or a number of seconds >= 0."""
 

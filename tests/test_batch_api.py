@@ -472,7 +472,7 @@ def one_layer_linear(b, s):
 def test_memory_report_total_counts_every_descriptor_table():
     """Hand count for b=3, one attention layer (H=1, S=6, D=8, fp16), one Mamba layer
     (recurrent [1, 2, 3] fp32, conv [2, 3] fp16). Device arrays besides the caches: the
-    KVLayerInfo table and its scratch (16 B per layer each) and the group's int32 layer labels;
+    KVLayerInfo table and its scratch (24 B per layer each) and the group's int32 layer labels;
     the int32 lengths, increments and
     mapping [b], status [1] and plan [4 + 8 b]; one 32-byte SlotTensorInfo per tensor that
     compaction moves (recurrent, conv, lengths); the Mamba copies' two int32 slot indices and
@@ -480,7 +480,7 @@ def test_memory_report_total_counts_every_descriptor_table():
     row offsets [b + 1], positions [b] and its status word [1]."""
     b, s = 3, 6
     kv, rec, conv = b * 2 * 1 * s * 8 * 2, b * 1 * 2 * 3 * 4, b * 2 * 3 * 2
-    metadata = (2 * 16 + 4 + (3 * b + 1 + 4 + 8 * b) * 4 + 3 * 32 + 2 * 4 + (1 + 1 + 2) * 32
+    metadata = (2 * 24 + 4 + (3 * b + 1 + 4 + 8 * b) * 4 + 3 * 32 + 2 * 4 + (1 + 1 + 2) * 32
                 + (b + 1 + b + 1) * 4)
     for m in (one_layer_hybrid(b, s), one_layer_linear(b, s)):
         report = m.memory_report()

@@ -1,7 +1,7 @@
 """Cache buffers handed to other libraries without a copy (docs/design.md §2, "Views").
 
 On the cpu device every cache allocation starts on a 64-byte boundary (``device.zeros``; latent
-MLA planes and single-state Mamba layouts included), so
+MLA planes, single-state Mamba layouts, ring buffers and local block spaces included), so
 an importer that insists on alignment (JAX) shares it instead of copying; bfloat16 and float8
 views leave through DLPack as their storage type (``dtypes.dlpack_view``). Oracles: the
 address of each buffer, ``numpy.shares_memory`` and a byte written through the cache seen in
@@ -80,7 +80,7 @@ def exported_buffers(dtype):
             ("context.scratch_conv", alloc.intermediate_conv_out),
             ("context.scratch_ssm", alloc.intermediate_ssm_out)]
     out += [(f"context.kv{i}", a) for i, a in enumerate(ctx.kv_pool.layers)]
-    return out + latent_and_conv_only_buffers(dtype)
+    return out + latent_and_conv_only_buffers(dtype) + ring_buffers(dtype)
 
 
 def latent_and_conv_only_buffers(dtype):
@@ -114,13 +114,42 @@ def latent_and_conv_only_buffers(dtype):
     return out
 
 
+def ring_buffers(dtype):
+    """The buffers of sliding-window layers: ring caches (a K/V ring and a latent ring) of
+    every manager that keeps them, ring blocks of the continuous-batching manager, and the
+    local block space of a paged pool and of a context (``num_local_blocks``)."""
+    out = []
+    layers = [KVLayerConfig(2, 16, 4), KVLayerConfig(1, 32, 2, components=1), KV_LAYERS[1]]
+    rings = KVCacheConfig(2, 8, layers, dtype, ring_windows=True)
+    assert rings.layer_ring_windows == (4, 2, 0)
+    kv = KVCacheManager(rings, device="cpu")
+    out += [(f"ring.kv{i}", kv.get_combined_kv_cache(i)) for i in range(3)]
+    hybrid = HybridCacheManager(HybridCacheConfig([A, M, A, A], rings, _mamba(1, 2), 2),
+                                device="cpu")
+    out += [("ring_hybrid.kv0", hybrid.get_combined_kv_cache(0)),
+            ("ring_hybrid.latent2", hybrid.get_combined_kv_cache(2))]
+    cb = ContinuousBatchingKVCacheManager(dtype, KVCacheStaticParams(2, 16), 2, 8, 2,
+                                          device="cpu", sliding_window=4)
+    assert cb.blocks_buf.shape[3] == 4
+    out += [("ring_continuous.blocks_buf", cb.blocks_buf)]
+    pool = PagedKVPool(layers, 4, 8, dtype, device="cpu", num_local_blocks=3)
+    assert [a.shape[0] for a in pool.layers] == [3, 3, 4]
+    out += [(f"local_paged.layer{i}", a) for i, a in enumerate(pool.layers)]
+    ctx = DynamicInferenceContext(
+        kv_layer_configs=layers, num_blocks=4, block_size_tokens=4, max_requests=4,
+        max_blocks_per_request=2, kv_dtype=dtype, device="cpu", num_local_blocks=3)
+    out += [(f"local_context.kv{i}", a) for i, a in enumerate(ctx.kv_pool.layers)]
+    return out
+
+
 DTYPES = ["float16", "bfloat16", "float8_e4m3fn"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_cache_buffer_is_64_byte_aligned(dtype):
     buffers = exported_buffers(dtype)
-    assert len(buffers) == 24 + 10
+    assert len(buffers) == 24 + 10 + 12
+    assert buffers[34][1].shape == (2, 2, 2, 4, 16)   # a ring of its window, 4 tokens
     assert buffers[24][1].shape == (2, 1, 1, 8, 32)   # the latent layer's one plane
     misaligned = [name for name, a in buffers if a.ctypes.data % ALIGNMENT]
     assert not misaligned

@@ -487,8 +487,8 @@ def test_memory_report():
     assert r["blocks_buf_bytes"] == per_token * 8 * 4
     assert r["index_buffer_bytes"] == 2 * 4 * 4
     # metadata: the index buffers, the int32 row offsets [n + 1] and, per layer, its
-    # KVLayerInfo and pointer-scratch rows (16 B each) and int32 label
-    assert r["metadata_bytes"] == 2 * 4 * 4 + 5 * 4 + 3 * (2 * 16 + 4)
+    # KVLayerInfo and pointer-scratch rows (24 B each) and int32 label
+    assert r["metadata_bytes"] == 2 * 4 * 4 + 5 * 4 + 3 * (2 * 24 + 4)
     assert r["total_bytes"] == r["blocks_buf_bytes"] + r["metadata_bytes"]
     assert (r["free_blocks"], r["live_sequences"], r["committed_tokens"]) == (2, 2, 8)
     assert r["capacity_tokens"] == 32 and r["token_utilization"] == 8 / 32

@@ -66,7 +66,8 @@ SKIPPED = {
 # Functions of public modules (README "Binding hcache into your engine") that issue 12's
 # interop half added: foreign arrays, aligned allocation, DLPack views, memory checks.
 MODULE_FUNCTIONS = {"device": ("as_array", "host_array", "on_device", "zeros", "cuda_free_bytes"),
-                    "dtypes": ("dlpack_view",), "memory": ("available_bytes", "check_fits")}
+                    "dtypes": ("dlpack_view",), "memory": ("available_bytes", "check_fits"),
+                    "rings": ("ring_start",)}
 
 
 def _public_callables():

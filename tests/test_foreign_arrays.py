@@ -407,3 +407,61 @@ def test_single_state_layers_restore_and_store_foreign_states(wrap):
     assert np.array_equal(alloc.conv_states[0, alloc.get_slot(block)], state)
     with pytest.raises(ValueError, match=r"ssm_state: expected None"):
         alloc.store_from_tensors(block, 0, wrap(rows((1,), "float32", 4)), wrap(state))
+
+
+# --- ring buffers and local block spaces (sliding-window layers) --------------------------------
+
+@pytest.mark.parametrize("wrap", ALL_WRAPPERS)
+def test_ring_inputs_take_foreign_arrays(wrap):
+    """A ring layer's writes (explicit positions past the window), the restore of a ring's
+    capture (``min(n, W)`` tokens with ``sequence_length``) and ``ring_start`` lengths, each
+    from any library, against the same calls with NumPy arrays."""
+    same, wrap = _same(wrap)
+    cfg = KVCacheConfig(2, 16, [KVLayerConfig(2, 8, 4), KVLayerConfig(1, 8)], "float32",
+                        ring_windows=True)
+    ms = [KVCacheManager(cfg, device="cpu") for _ in range(2)]
+    k, v = rows((2, 6, 2, 8), "float32", 14), rows((2, 6, 2, 8), "float32", 15)
+    k1, v1 = rows((2, 6, 1, 8), "float32", 16), rows((2, 6, 1, 8), "float32", 17)
+    pos = np.tile(np.arange(3, 9, dtype=np.int64), (2, 1))   # 6 tokens past a window of 4
+    for m, w in zip(ms, (same, wrap)):
+        m.write_kv(None, [w(k), w(k1)], [w(v), w(v1)], positions=w(pos))
+    assert all(np.array_equal(a, b) and a.any() for a, b in zip(
+        (ms[0].get_combined_kv_cache(i) for i in range(2)),
+        (ms[1].get_combined_kv_cache(i) for i in range(2))))
+    saved = ms[0].capture_kv_cache(0, 9)          # the ring's last 4 tokens, in order
+    assert saved[0].shape == (2, 2, 4, 8) and saved[1].shape == (2, 1, 9, 8)
+    for m, w in zip(ms, (same, wrap)):
+        m.restore_kv_cache([w(np.ascontiguousarray(t)) for t in saved], 1, sequence_length=9)
+    for i in range(2):
+        assert np.array_equal(ms[0].get_combined_kv_cache(i), ms[1].get_combined_kv_cache(i))
+    lengths = np.array([3, 9, 16], np.int32)
+    assert np.array_equal(ms[1].ring_start(0, wrap(lengths)), [0, 1, 0])
+    assert np.array_equal(ms[1].ring_start(1, wrap(lengths)), [0, 0, 0])
+
+
+@pytest.mark.parametrize("wrap", ALL_WRAPPERS)
+def test_local_block_tables_and_ring_blocks_take_foreign_arrays(wrap):
+    """A paged pool's local block table and a continuous-batching ring's rows from any
+    library, against NumPy."""
+    same, wrap = _same(wrap)
+    layers = [KVLayerConfig(2, 8), KVLayerConfig(2, 8, 4)]
+    pools = [PagedKVPool(layers, 4, 2, "float16", device="cpu", num_local_blocks=3)
+             for _ in range(2)]
+    k, v = rows((4, 2, 8), "float16", 18), rows((4, 2, 8), "float16", 19)
+    table, local = np.array([[2, 0]], np.int32), np.array([[1, 2]], np.int32)
+    for pool, w in zip(pools, (same, wrap)):
+        pool.write_kv([w(k), w(k)], [w(v), w(v)], block_table=w(table), uniform_tokens=4,
+                      batch=1, cache_lengths=w(np.zeros(1, np.int32)),
+                      local_block_table=w(local))
+    for a, b in zip(pools[0].layers, pools[1].layers):
+        assert np.array_equal(a, b) and a.any()
+    assert not pools[1].layers[1][0].any()   # local block 0 is not in the local table
+    ms = [ContinuousBatchingKVCacheManager("float16", KVCacheStaticParams(2, 8), 2, 12, 1,
+                                           device="cpu", sliding_window=4) for _ in range(2)]
+    key, value = rows((2, 6, 2, 8), "float16", 20), rows((2, 6, 2, 8), "float16", 21)
+    for m, w in zip(ms, (same, wrap)):
+        coll = m.fetch(m.claim(2))
+        coll.write(0, w(key), w(value))
+        m.step([6, 6], coll)
+    assert np.array_equal(ms[0].blocks_buf, ms[1].blocks_buf) and ms[0].blocks_buf.any()
+    assert np.array_equal(ms[1].ring_start(wrap(np.array([6, 3], np.int32))), [2, 0])

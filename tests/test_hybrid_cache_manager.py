@@ -129,7 +129,8 @@ def test_head_dim_group_views():
         (80, 2, 2, (1, 7)), (8, 1, 1, (3,)), (36, 1, 3, (6,))]
     for g in groups:
         infos = host(g.device_layer_infos)
-        assert infos.shape == (g.num_layers, 2)
+        assert infos.shape == (g.num_layers, 3)
+        assert (infos[:, 2] == 0).all()   # no ring layers
         for row, layer in zip(infos, g.layer_indices, strict=True):
             cache = m.get_combined_kv_cache(layer)
             assert int(row[0]) == data_pointer(cache)

@@ -10,7 +10,8 @@ from test_hf_families import GEMMA4_PER_LAYER, KIMI_LINEAR_48B, LFM2_1_2B, MINIM
 
 from hcache import HybridCacheConfig
 from hcache.__main__ import main
-from hcache.config.report import layout_bytes
+from hcache.config import KVCacheConfig, KVLayerConfig, LayerType
+from hcache.config.report import layout_bytes, layout_report
 
 
 def run_info(tmp_path, capsys, cfg, *args):
@@ -43,7 +44,8 @@ def test_minimax_and_kimi_bytes(tmp_path, capsys):
                                            max_sequence_length=10, kv_dtype="bfloat16")
     # MLA: one latent of 576 per token per layer (no V); KDA: state + three short convs.
     assert layout_bytes(cfg) == {
-        "per_token": 7 * 576 * 2, "states": 20 * (32 * 128 * 128 * 4 + 3 * 32 * 128 * 4 * 2),
+        "per_token": 7 * 576 * 2, "rings": 0,
+        "states": 20 * (32 * 128 * 128 * 4 + 3 * 32 * 128 * 4 * 2),
         "per_sequence": 20 * (32 * 128 * 128 * 4 + 3 * 32 * 128 * 4 * 2) + 10 * 7 * 576 * 2}
     _, out, _ = run_info(tmp_path, capsys, KIMI_LINEAR_48B)
     assert "attention latent 576 (MLA, one component) bfloat16" in out
@@ -60,7 +62,8 @@ def test_deepseek_v3_latent_bytes(tmp_path, capsys):
 def test_shared_layers_cost_nothing(tmp_path, capsys):
     cfg = {**GEMMA4_PER_LAYER, "num_hidden_layers": 4, "num_kv_shared_layers": 2,
            "layer_types": ["sliding_attention", "full_attention"] * 2}
-    code, out, _ = run_info(tmp_path, capsys, cfg, "--kv-dtype", "float32")
+    # 512 tokens: no longer than Gemma 4's default window, so no layer is a ring buffer.
+    code, out, _ = run_info(tmp_path, capsys, cfg, "--kv-dtype", "float32", "--seq-len", "512")
     assert code == 0
     # Layers 2 and 3 read layers 0 and 1's caches: only 0 (2 x 8) and 1 (2 x 16) own one.
     assert f"bytes per token     {2 * (2 * 8 + 2 * 16) * 4:,}" in out
@@ -88,3 +91,44 @@ def test_a_bad_option_is_named_on_one_line_and_exits_2(tmp_path, capsys, option,
     assert code == 2 and out == ""
     assert err.startswith(f"python -m hcache info: error: {option}: expected ")
     assert err.count("\n") == 1 and repr(value)[1:-1] in err
+
+
+def test_ring_buffers_are_fixed_bytes(tmp_path, capsys):
+    # Gemma 4 (default window 512): layer 0 slides, so at 4096 tokens it is a ring of 512;
+    # layer 1 (2 heads x 16) is unbounded. float32.
+    ring, row = 2 * 2 * 8 * 4 * 512, 2 * 2 * 16 * 4
+    code, out, _ = run_info(tmp_path, capsys, GEMMA4_PER_LAYER, "--kv-dtype", "float32")
+    assert code == 0
+    assert f"bytes per token     {row:,} (KV of 1 cache-owning attention layers with " in out
+    assert f"ring buffers        {ring:,} (KV of 1 sliding-window layers" in out
+    assert f"bytes per sequence  {ring + 4096 * row:,} at 4,096 tokens = 0 " in out
+    assert "  0         attention KV 2 x 8, window 512 (ring buffer) float32" in out
+    # Unbounded on request: every layer grows with the length, as without windows.
+    code, out, _ = run_info(tmp_path, capsys, GEMMA4_PER_LAYER, "--kv-dtype", "float32",
+                            "--no-ring-windows")
+    assert code == 0 and "ring buffers" not in out and "(ring buffer)" not in out
+    assert f"bytes per token     {row + 2 * 2 * 8 * 4:,}" in out
+
+
+def test_latent_ring_layer_bytes():
+    # A latent (MLA, one component) layer with a window is a ring like any other: its bytes
+    # are one latent of 576 per entry of its 128-entry ring, fixed; the other layer grows.
+    kv = KVCacheConfig(1, 1024, (KVLayerConfig(1, 576, 128, components=1),
+                                 KVLayerConfig(1, 576, None, components=1)), "bfloat16", True)
+    cfg = HybridCacheConfig((LayerType.ATTENTION,) * 2, kv, None, 1)
+    assert kv.layer_ring_windows == (128, 0) and kv.layer_cache_lengths == (128, 1024)
+    assert layout_bytes(cfg) == {"per_token": 576 * 2, "rings": 128 * 576 * 2, "states": 0,
+                                 "per_sequence": 128 * 576 * 2 + 1024 * 576 * 2}
+    assert "  0         attention latent 576 (MLA, one component), window 128 (ring buffer) " \
+           "bfloat16" in layout_report(cfg)
+
+
+def test_no_ring_windows_takes_no_value_and_bad_options_are_still_named(tmp_path, capsys):
+    code, out, err = run_info(tmp_path, capsys, GEMMA4_PER_LAYER, "--no-ring-windows",
+                              "--seq-len", "0")
+    assert code == 2 and out == ""
+    assert err == "python -m hcache info: error: --seq-len: expected an int >= 1, got 0\n"
+    with pytest.raises(SystemExit) as exit_:    # argparse's own usage error
+        run_info(tmp_path, capsys, GEMMA4_PER_LAYER, "--no-ring-windows=1")
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and "--no-ring-windows" in err

@@ -132,8 +132,9 @@ def test_memory_report_by_hand():
     report = m.memory_report()
     assert report["layers"] == tuple(want)
     assert report["kv_cache"] == sum(want)
-    # per layer: a 16-byte KVLayerInfo, a 16-byte pointer-scratch row and a 4-byte label
-    assert report["layer_infos"] == (2 * 16 + 4) * len(HETERO)
+    # per layer: a 24-byte KVLayerInfo, a 24-byte pointer-scratch row and a 4-byte label
+    assert report["layer_infos"] == (2 * 24 + 4) * len(HETERO)
+    assert report["kv_cache_unbounded"] == report["kv_cache"]   # no ring layers
     # write_kv: int32 row offsets [B + 1], staged positions [B], status [1] (no FP8 scales)
     assert report["write_state"] == (B + 1 + B + 1) * 4
     assert report["total"] == sum(want) + report["layer_infos"] + report["write_state"]

@@ -45,14 +45,17 @@ A, M, N = LayerType.ATTENTION, LayerType.MAMBA, LayerType.NONE
 DTYPES = ["float32", "float16", "bfloat16", "float8_e4m3fn", "int8"]
 small = st.integers(1, 4)
 head_dims = st.sampled_from([4, 8, 12])
-# K/V layers and latent (MLA) layers: one head, one plane
-layers = st.lists(st.one_of(st.builds(KVLayerConfig, small, head_dims),
-                            st.builds(KVLayerConfig, st.just(1), head_dims,
+# a window shorter than the sequence makes a ring layer (with ring_windows); longer, unbounded
+windows = st.none() | st.integers(1, 6)
+# K/V layers and latent (MLA) layers: one head, one plane; either may slide (a latent ring)
+layers = st.lists(st.one_of(st.builds(KVLayerConfig, small, head_dims, windows),
+                            st.builds(KVLayerConfig, st.just(1), head_dims, windows,
                                       components=st.just(1))), max_size=3)
 
 
 def kv_configs():
-    return st.builds(KVCacheConfig, small, small, layers, st.sampled_from(DTYPES))
+    return st.builds(KVCacheConfig, small, st.integers(1, 6), layers, st.sampled_from(DTYPES),
+                     st.booleans())
 
 
 @st.composite
@@ -103,35 +106,68 @@ MANAGERS = [(kv_configs(), KVCacheManager), (mamba_configs(), MambaCacheManager)
 @settings(max_examples=25)
 @given(data=st.data())
 def test_config_nbytes_is_what_the_manager_allocates(configs, manager, data):
+    """Ring layouts included (KV and hybrid configs draw ``ring_windows`` and windows on K/V
+    and latent layers): a ring layer counts its window (``layer_cache_lengths``)."""
     config = data.draw(configs)
     assert config.nbytes == manager(config, device="cpu").memory_report()["total"]
 
 
+def test_ring_layers_count_their_window_in_nbytes():
+    """By hand: a ring K/V layer and a latent ring hold ``W`` tokens per slot, an unbounded
+    layer ``max_sequence_length``; the rest of ``nbytes`` (metadata) does not depend on it."""
+    b, s = 2, 64
+    lcs = [KVLayerConfig(2, 8, 16), KVLayerConfig(1, 24, 4, components=1), KVLayerConfig(2, 8)]
+    ring = KVCacheConfig(b, s, lcs, "float16", ring_windows=True)
+    flat = KVCacheConfig(b, s, lcs, "float16")
+    assert ring.layer_cache_lengths == (16, 4, 64)
+    caches = b * 2 * (2 * 2 * 8 * 16 + 1 * 24 * 4 + 2 * 2 * 8 * 64)
+    flat_caches = b * 2 * 64 * (2 * 2 * 8 + 1 * 24 + 2 * 2 * 8)
+    assert ring.nbytes - caches == flat.nbytes - flat_caches > 0
+    assert ring.nbytes == KVCacheManager(ring, device="cpu").memory_report()["total"]
+
+
 @settings(max_examples=25)
-@given(heads=small, size=small, dtype=st.sampled_from(DTYPES), batch=small, seq=small,
-       num_layers=small, is_mla=st.booleans())
+@given(heads=small, size=small, dtype=st.sampled_from(DTYPES), batch=small,
+       seq=st.integers(1, 6), num_layers=small, is_mla=st.booleans(), window=windows)
 def test_continuous_batching_bytes_are_known_from_its_arguments(heads, size, dtype, batch, seq,
-                                                               num_layers, is_mla):
+                                                               num_layers, is_mla, window):
+    """With a ``sliding_window`` shorter than ``max_seq_len`` the blocks are rings of it."""
     params = KVCacheStaticParams(1 if is_mla else heads, size, is_mla)
-    m = ContinuousBatchingKVCacheManager(dtype, params, batch, seq, num_layers, device="cpu")
-    assert params.nbytes(dtype, batch, seq, num_layers) == m.memory_report()["total_bytes"]
+    m = ContinuousBatchingKVCacheManager(dtype, params, batch, seq, num_layers, device="cpu",
+                                         sliding_window=window)
+    report = m.memory_report()
+    assert params.nbytes(dtype, batch, seq, num_layers, sliding_window=window) \
+        == report["total_bytes"]
+    ring = window is not None and window < seq
+    assert report["ring_window"] == (window if ring else 0)
+    assert report["blocks_buf_bytes"] == batch * params.components * num_layers \
+        * (window if ring else seq) * params.num_heads * size * resolve_dtype(dtype).itemsize
 
 
 @settings(max_examples=25)
-@given(layer_configs=layers, blocks=small, block_size=small, dtype=st.sampled_from(DTYPES))
-def test_paged_pool_bytes_are_known_from_its_arguments(layer_configs, blocks, block_size, dtype):
-    pool = PagedKVPool(layer_configs, blocks, block_size, dtype, device="cpu")
-    assert PagedKVPool.nbytes_for(layer_configs, blocks, block_size, dtype) \
-        == pool.memory_report()["total_bytes"]
+@given(layer_configs=layers, blocks=small, block_size=small, dtype=st.sampled_from(DTYPES),
+       local=st.none() | st.integers(1, 6))
+def test_paged_pool_bytes_are_known_from_its_arguments(layer_configs, blocks, block_size, dtype,
+                                                       local):
+    """With ``num_local_blocks`` the sliding-window layers live in the local block space (its
+    blocks, its copy table, copy ids of the larger space)."""
+    pool = PagedKVPool(layer_configs, blocks, block_size, dtype, device="cpu",
+                       num_local_blocks=local)
+    assert PagedKVPool.nbytes_for(layer_configs, blocks, block_size, dtype,
+                                  num_local_blocks=local) == pool.memory_report()["total_bytes"]
+    for lc, layer in zip(layer_configs, pool.layers):
+        sliding = local is not None and lc.sliding_window is not None
+        assert layer.shape[0] == (local if sliding else blocks)
 
 
 def test_kv_nbytes_by_hand_counts_one_plane_for_a_latent_layer():
     """A latent (MLA) layer caches one plane, ``max_batch * max_seq * head_dim * itemsize``;
-    a K/V layer two. Metadata: the layer tables (36 B per layer) and write_kv's staging
+    a K/V layer two. Metadata: the layer tables (52 B per layer: a 24-byte KVLayerInfo row, a
+    24-byte pointer scratch row, an int32 label) and write_kv's staging
     (row offsets [b + 1], positions [b], status word, int32)."""
     b, s = 3, 16
     latent = KVCacheConfig(b, s, [KVLayerConfig(1, 576, components=1)], "bfloat16")
-    assert latent.nbytes == b * s * 576 * 2 + 36 + (b + 1 + b + 1) * 4
+    assert latent.nbytes == b * s * 576 * 2 + 52 + (b + 1 + b + 1) * 4
     both = KVCacheConfig(b, s, [KVLayerConfig(1, 576)], "bfloat16")
     assert both.nbytes - latent.nbytes == b * s * 576 * 2
 
@@ -216,25 +252,30 @@ def _with_batch(config, b):
     return replace(config, max_batch_size=b)
 
 
-@given(budget=st.integers(0, 10**6), block_size=st.integers(1, 32))
+@given(budget=st.integers(0, 10**6), block_size=st.integers(1, 32),
+       local=st.none() | st.integers(1, 64))
 @settings(max_examples=30)
-def test_num_blocks_for_is_the_largest_pool_that_fits(budget, block_size):
-    cfgs = [KVLayerConfig(2, 16), KVLayerConfig(1, 8)]
-    n = PagedKVPool.num_blocks_for(cfgs, block_size, budget, "bfloat16")
+def test_num_blocks_for_is_the_largest_pool_that_fits(budget, block_size, local):
+    """A local block space (a sliding-window layer) stays at ``num_local_blocks``."""
+    cfgs = [KVLayerConfig(2, 16), KVLayerConfig(1, 8), KVLayerConfig(1, 8, 16)]
+
+    def size(n):
+        return PagedKVPool.nbytes_for(cfgs, n, block_size, "bfloat16", num_local_blocks=local)
+
+    n = PagedKVPool.num_blocks_for(cfgs, block_size, budget, "bfloat16", num_local_blocks=local)
     if n == 0:
-        assert PagedKVPool.nbytes_for(cfgs, 1, block_size, "bfloat16") > budget
+        assert size(1) > budget
     else:
-        assert PagedKVPool.nbytes_for(cfgs, n, block_size, "bfloat16") <= budget \
-            < PagedKVPool.nbytes_for(cfgs, n + 1, block_size, "bfloat16")
+        assert size(n) <= budget < size(n + 1)
 
 
-@given(budget=st.integers(0, 10**6))
+@given(budget=st.integers(0, 10**6), window=st.none() | st.integers(1, 40))
 @settings(max_examples=30)
-def test_continuous_max_batch_size_for_is_the_largest_that_fits(budget):
+def test_continuous_max_batch_size_for_is_the_largest_that_fits(budget, window):
     params = KVCacheStaticParams(2, 8)
-    n = params.max_batch_size_for(budget, "float16", 32, 2)
-    assert n == 0 or params.nbytes("float16", n, 32, 2) <= budget
-    assert params.nbytes("float16", n + 1, 32, 2) > budget
+    n = params.max_batch_size_for(budget, "float16", 32, 2, sliding_window=window)
+    assert n == 0 or params.nbytes("float16", n, 32, 2, sliding_window=window) <= budget
+    assert params.nbytes("float16", n + 1, 32, 2, sliding_window=window) > budget
 
 
 @pytest.mark.parametrize("call", [
@@ -319,30 +360,37 @@ def test_an_absurd_size_is_a_capacity_error_not_a_memory_error(build):
         build()
 
 
+@pytest.mark.parametrize("local", [None, 3], ids=["one-space", "local-space"])
 @pytest.mark.parametrize("slots", [0, 5])
 @pytest.mark.parametrize("conv, ssm", [((16, 4), (2, 4, 8)), ((16, 4), None), (None, (2, 4, 8))],
                          ids=["both", "conv-only", "ssm-only"])
-def test_context_states_bytes_are_the_context_buffers_besides_the_pool(slots, conv, ssm):
+def test_context_states_bytes_are_the_context_buffers_besides_the_pool(slots, conv, ssm, local):
     """What a context checks with its pool: the live, cached and snapshot Mamba states (none
-    for a state of shape None) and the staging of a step's KV writes (oracle: the arrays
-    themselves), with a latent layer in the pool."""
+    for a state of shape None) and the staging of a step's KV writes, the local block table
+    too with ``num_local_blocks`` (oracle: the arrays themselves), with a latent layer and a
+    sliding-window layer in the pool."""
     from hcache.config.sizing import context_states_nbytes
 
     ctx = DynamicInferenceContext(
-        kv_layer_configs=[KVLayerConfig(2, 16), KVLayerConfig(1, 24, components=1)],
+        kv_layer_configs=[KVLayerConfig(2, 16), KVLayerConfig(1, 24, components=1),
+                          KVLayerConfig(2, 16, 8)],
         num_blocks=8, block_size_tokens=4, max_requests=3, max_blocks_per_request=4,
         num_mamba_layers=2, conv_states_shape=conv, ssm_states_shape=ssm,
-        mamba_cache_slots=slots, device="cpu")
+        mamba_cache_slots=slots, device="cpu", num_local_blocks=local)
     arrays = [ctx.mamba_conv_states, ctx.mamba_ssm_states, ctx._kv_writer._table_dev,
-              ctx._kv_writer._offsets_dev, ctx._kv_writer._positions_dev]
+              ctx._kv_writer._offsets_dev, ctx._kv_writer._positions_dev,
+              ctx._kv_writer._local_dev]
+    assert (ctx._kv_writer._local_dev is None) == (local is None)
     alloc = ctx.mamba_slot_allocator
     if slots:
         arrays += [alloc.conv_states, alloc.ssm_states, alloc.intermediate_conv_out,
                    alloc.intermediate_ssm_out]
     assert (ctx.mamba_conv_states is None) == (conv is None)
     assert (ctx.mamba_ssm_states is None) == (ssm is None)
-    assert context_states_nbytes(ctx, slots, conv, ssm, np.float16, np.float32) \
+    assert context_states_nbytes(ctx, slots, conv, ssm, np.float16, np.float32,
+                                 local_tables=local is not None) \
         == sum(a.nbytes for a in arrays if a is not None)
     pool = ctx.kv_pool
     assert pool.memory_report()["total_bytes"] == PagedKVPool.nbytes_for(
-        pool.layer_configs, pool.num_blocks, pool.block_size, pool.dtype)
+        pool.layer_configs, pool.num_blocks, pool.block_size, pool.dtype,
+        num_local_blocks=local)

@@ -12,13 +12,32 @@ from hcache.ops.tables import KVGroup, SlotSet, group_layers_by_head_dim, pack_k
 
 
 def test_kv_layer_info_bytes_match_the_c_struct():
-    """pack_kv_layer_infos gives the bytes of KVLayerInfo[n] (16 bytes each, C layout)."""
-    infos = pack_kv_layer_infos([0x1000, 0x2000], [3, 8], [16, 4096])
+    """pack_kv_layer_infos gives the bytes of KVLayerInfo[n] (24 bytes each, C layout:
+    data, num_kv_heads, max_seq_len, ring_window, reserved)."""
+    infos = pack_kv_layer_infos([0x1000, 0x2000], [3, 8], [16, 4096], [16, 0])
     raw = infos.tobytes()
-    assert len(raw) == 32  # two 16-byte KVLayerInfo
-    data, heads, seq = np.frombuffer(raw[16:], dtype=[("d", "<u8"), ("h", "<i4"),
-                                                      ("s", "<i4")])[0]
-    assert (data, heads, seq) == (0x2000, 8, 4096)
+    assert len(raw) == 48  # two 24-byte KVLayerInfo
+    rec = np.dtype([("d", "<u8"), ("h", "<i4"), ("s", "<i4"), ("w", "<i4"), ("r", "<i4")])
+    first, second = np.frombuffer(raw, dtype=rec)
+    assert tuple(first) == (0x1000, 3, 16, 16, 0)
+    assert tuple(second) == (0x2000, 8, 4096, 0, 0)
+    assert pack_kv_layer_infos([0x1000], [3], [16])[0, 2] == 0   # unbounded by default
+
+
+def test_kv_group_ring_windows():
+    """A ring layer's window must equal its token axis; 0 marks an unbounded layer; the
+    group's capture bounds follow (a ring holds the last W of any prefix)."""
+    layers = [np.zeros((2, 2, 1, 4, 8), np.float16), np.zeros((2, 2, 1, 9, 8), np.float16)]
+    g = KVGroup(layers, ring_windows=[4, 0])
+    assert g.ring_windows == (4, 0) and g.has_rings
+    assert tuple(g.device_layer_infos[:, 2]) == (4, 0)
+    assert (g.held_tokens(0, 7), g.held_tokens(1, 7), g.held_tokens(0, 3)) == (4, 7, 3)
+    assert g.max_tokens(0) == 2**31 - 1 and g.max_tokens(1) == 9
+    assert not KVGroup(layers).has_rings
+    with pytest.raises(ValueError, match=r"ring_windows\[1\]: expected 0 \(unbounded\) or 9"):
+        KVGroup(layers, ring_windows=[4, 5])
+    with pytest.raises(ValueError, match="ring_windows: expected 2 windows, got 1"):
+        KVGroup(layers, ring_windows=[4])
 
 
 def test_kv_group_describes_its_layers():

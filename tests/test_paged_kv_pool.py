@@ -248,9 +248,9 @@ def test_constructor_validation_layers_and_report():
     per_block = 2 * 2 * (2 * 4 + 1 * 8 + 3 * 4) * 2   # K+V, tokens, sum(H*D), bytes
     report = pool.memory_report()
     assert report["bytes_per_block"] == per_block == pool.bytes_per_block
-    # metadata: per layer its KVLayerInfo and pointer-scratch rows (16 B each), its int32
+    # metadata: per layer its KVLayerInfo and pointer-scratch rows (24 B each), its int32
     # label and its 32-byte SlotTensorInfo (block copies); the int32 copy ids [2, num_blocks]
-    metadata = 3 * (2 * 16 + 4 + 32) + 2 * 4 * 4
+    metadata = 3 * (2 * 24 + 4 + 32) + 2 * 4 * 4
     assert report["metadata_bytes"] == metadata
     assert report["total_bytes"] == 4 * per_block + metadata
     assert report["groups"][0]["layers"] == [0, 2] and report["dtype"] == "bfloat16"

@@ -5,13 +5,15 @@ attention layers their own shape (``per_layer_config``, or the older ``global_he
 ``num_global_key_value_heads``) and shares KV caches across its last layers. A *plain* model
 (:data:`PLAIN_MODEL_TYPES`) has one KV shape for every layer: ``num_key_value_heads`` (else
 ``num_attention_heads``) heads of ``head_dim`` (else ``hidden_size / num_attention_heads``), an
-optional ``layer_types`` list and a recorded ``sliding_window``. Plain models have no class
-defaults here: a missing size field raises.
+optional ``layer_types`` list and a recorded ``sliding_window`` (without ``layer_types``, the
+sliding layers follow the family's transformers rule: :func:`_default_sliding`). Plain models
+have no class defaults here: a missing size field raises.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 from .._checks import as_int
 from .hf_fields import A, _Cfg, _head_dim, _kv_heads, _Layout, _names
@@ -111,17 +113,36 @@ def _gemma4(c: _Cfg) -> _Layout:
     return _Layout([A] * n, kv, None, sharing)
 
 
-def _plain(c: _Cfg) -> _Layout:
+def _plain(c: _Cfg, family: str) -> _Layout:
     heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
     window = c.get("sliding_window") if c.raw.get("use_sliding_window") is not False else None
     names = _names(c, ("layer_types",), ("full_attention", "sliding_attention",
                                          "chunked_attention", "attention"))
     if names is None:
-        names = ["sliding_attention" if window else "full_attention"] * c.int("num_hidden_layers")
+        names = [("sliding_attention" if window and _default_sliding(c, family, i)
+                  else "full_attention") for i in range(c.int("num_hidden_layers"))]
     kv = {i: KVLayerConfig(heads, head_dim, window if n == "sliding_attention" else None)
           for i, n in enumerate(names)}
     return _Layout([A] * len(names), kv)
 
 
+# Plain families whose windowed configs slide only from max_window_layers on.
+_WINDOW_FROM_LAYER = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
+
+
+def _default_sliding(c: _Cfg, family: str, i: int) -> bool:
+    """Whether layer ``i`` of a plain ``family`` slides when a windowed config has no
+    ``layer_types`` (the rule of the model's transformers config class): gpt-oss alternates,
+    even layers sliding; Qwen2 / Qwen3 slide from ``max_window_layers`` on (required then);
+    every other plain model slides everywhere (Mistral). Gemma 2 alternates through
+    ``sliding_window_pattern``. A ring buffer for a full-attention layer would lose tokens, so
+    this matters."""
+    if family == "gpt_oss":
+        return i % 2 == 0
+    if family in _WINDOW_FROM_LAYER:
+        return i >= c.int("max_window_layers", minimum=0)
+    return True
+
+
 ATTENTION_BUILDERS = {"gemma2": _gemma3, "gemma3": _gemma3, "gemma4": _gemma4,
-                      **{name: _plain for name in PLAIN_MODEL_TYPES}}
+                      **{name: partial(_plain, family=name) for name in PLAIN_MODEL_TYPES}}

@@ -3,8 +3,9 @@
 
 :func:`layout_report` describes a :class:`~hcache.config.caches.HybridCacheConfig` layer by layer
 (runs of identical layers folded into one line) and gives its device bytes: per token (the KV
-caches of the layers that own one) and per sequence (the recurrent and conv states, which do not
-grow, plus the KV of ``max_sequence_length`` tokens).
+caches of the unbounded layers that own one), the ring buffers of sliding-window layers (their
+last ``W`` tokens, fixed: ``KVCacheConfig.layer_cache_lengths``) and per sequence (the recurrent
+and conv states and the rings, which do not grow, plus the KV of ``max_sequence_length`` tokens).
 """
 
 from __future__ import annotations
@@ -23,13 +24,20 @@ def layout_bytes(config: HybridCacheConfig) -> dict:
     Returns
     -------
     dict
-        ``per_token`` (KV bytes one token adds, over every cache-owning attention layer),
-        ``states`` (recurrent and conv bytes of one sequence, independent of its length) and
-        ``per_sequence`` (``states + per_token * max_sequence_length``).
+        ``per_token`` (KV bytes one token adds, over every cache-owning attention layer whose
+        cache is unbounded), ``rings`` (KV bytes of the ring-buffer layers, each holding its
+        window of ``W`` tokens whatever the length), ``states`` (recurrent and conv bytes of
+        one sequence, independent of its length) and ``per_sequence`` (``states + rings +
+        per_token * max_sequence_length``).
     """
     kv_item = resolve_dtype(config.kv.dtype).itemsize
-    per_token = sum(lc.components * lc.num_kv_heads * lc.head_dim * kv_item
-                    for lc in config.kv.layer_configs)
+    per_token = rings = 0
+    for lc, window in zip(config.kv.layer_configs, config.kv.layer_ring_windows):
+        row = lc.components * lc.num_kv_heads * lc.head_dim * kv_item
+        if window:
+            rings += row * window
+        else:
+            per_token += row
     states = 0
     if config.mamba is not None:
         m = config.mamba
@@ -38,13 +46,13 @@ def layout_bytes(config: HybridCacheConfig) -> dict:
         one += (math.prod(m.conv_state_shape) * resolve_dtype(m.conv_dtype).itemsize
                 if m.has_conv_state else 0)
         states = one * m.num_layers
-    return {"per_token": per_token, "states": states,
-            "per_sequence": states + per_token * config.kv.max_sequence_length}
+    return {"per_token": per_token, "rings": rings, "states": states,
+            "per_sequence": states + rings + per_token * config.kv.max_sequence_length}
 
 
 def _describe(config: HybridCacheConfig) -> list[str]:
     """One phrase per decoder layer: its kind and the shapes of the caches it owns."""
-    owners = iter(config.kv.layer_configs)
+    owners = iter(zip(config.kv.layer_configs, config.kv.layer_ring_windows))
     m = config.mamba
     out = []
     for layer, kind in enumerate(config.layer_types):
@@ -53,10 +61,11 @@ def _describe(config: HybridCacheConfig) -> list[str]:
             if layer in config.kv_sharing:
                 parts.append(f"attention, reads layer {config.kv_sharing[layer]}'s KV")
             else:
-                lc = next(owners)
+                lc, ring = next(owners)
                 what = (f"latent {lc.head_dim} (MLA, one component)" if lc.components == 1
                         else f"KV {lc.num_kv_heads} x {lc.head_dim}")
                 window = f", window {lc.sliding_window}" if lc.sliding_window else ""
+                window += " (ring buffer)" if ring else ""
                 parts.append(f"attention {what}{window} {config.kv.dtype}")
         if kind.has_mamba:
             states = []
@@ -85,8 +94,15 @@ def layout_report(config: HybridCacheConfig, model_type=None) -> list[str]:
             start = i
     b = layout_bytes(config)
     seq = config.kv.max_sequence_length
-    lines += [f"bytes per token     {b['per_token']:,} (KV of "
-              f"{config.kv.num_attention_layers} cache-owning attention layers)",
-              f"bytes per sequence  {b['per_sequence']:,} at {seq:,} tokens = {b['states']:,} "
-              f"(recurrent and conv states, fixed) + {seq:,} x {b['per_token']:,}"]
+    n_rings = sum(1 for w in config.kv.layer_ring_windows if w)
+    lines.append(f"bytes per token     {b['per_token']:,} (KV of "
+                 f"{config.kv.num_attention_layers - n_rings} cache-owning attention layers"
+                 f"{' with unbounded caches' if n_rings else ''})")
+    rings = ""
+    if n_rings:
+        lines.append(f"ring buffers        {b['rings']:,} (KV of {n_rings} sliding-window layers, "
+                     f"their last window of tokens each, fixed)")
+        rings = f" + {b['rings']:,} (ring buffers, fixed)"
+    lines.append(f"bytes per sequence  {b['per_sequence']:,} at {seq:,} tokens = {b['states']:,} "
+                 f"(recurrent and conv states, fixed){rings} + {seq:,} x {b['per_token']:,}")
     return lines

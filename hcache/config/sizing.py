@@ -13,13 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..dtypes import is_fp8, resolve_dtype
-from ..ops.tables import compaction_plan_size
+from ..ops.tables import KV_LAYER_INFO_WORDS, compaction_plan_size
 
 __all__ = ["kv_manager_nbytes", "mamba_manager_nbytes", "hybrid_manager_nbytes",
            "linear_manager_nbytes", "continuous_manager_nbytes", "paged_pool_nbytes",
            "context_states_nbytes", "largest_fitting"]
 
-_LAYER_TABLES = 2 * 16 + 4   # per KV layer: its KVLayerInfo row, pointer scratch row, int32 label
+# per KV layer: its KVLayerInfo row, pointer scratch row (one KVLayerInfo wide), int32 label
+_LAYER_TABLES = 2 * 8 * KV_LAYER_INFO_WORDS + 4
 _SLOT_INFO = 32              # one SlotTensorInfo row (four uint64)
 _I32 = 4
 
@@ -69,11 +70,13 @@ def _mamba_copies_bytes(num_layers: int, kinds: int) -> int:
 
 def kv_manager_nbytes(config) -> int:
     """Bytes a :class:`~hcache.KVCacheManager` of ``config`` allocates (caches, layer tables,
-    write staging and FP8 scales)."""
-    b, s, layers = config.max_batch_size, config.max_sequence_length, config.layer_configs
+    write staging and FP8 scales); a ring layer's cache holds its window
+    (``config.layer_cache_lengths``)."""
+    b, layers = config.max_batch_size, config.layer_configs
     item = _itemsize(config.dtype)
     heads = max((lc.num_kv_heads for lc in layers), default=0)
-    return (sum(_kv_layer_bytes(lc, b, s, item) for lc in layers)
+    return (sum(_kv_layer_bytes(lc, b, s, item)
+                for lc, s in zip(layers, config.layer_cache_lengths))
             + len(layers) * _LAYER_TABLES + _kv_writer_bytes(b, len(layers), heads, config.dtype))
 
 
@@ -117,37 +120,47 @@ def linear_manager_nbytes(config) -> int:
 
 
 def continuous_manager_nbytes(dtype, num_heads: int, head_size: int, max_batch_size: int,
-                              max_seq_len: int, num_layers: int, components: int = 2) -> int:
+                              max_seq_len: int, num_layers: int, components: int = 2,
+                              ring_window: int = 0) -> int:
     """Bytes a :class:`~hcache.ContinuousBatchingKVCacheManager` allocates: ``blocks_buf``
-    (``components`` planes: 2, or 1 for an MLA cache), the lookup table, lengths and row
-    offsets of the batch in flight, the layer tables."""
-    n = max_batch_size
-    blocks = n * components * num_layers * max_seq_len * num_heads * head_size * _itemsize(dtype)
+    (``components`` planes: 2, or 1 for an MLA cache; ``ring_window`` tokens per block for a
+    ring, else ``max_seq_len``), the lookup table, lengths and row offsets of the batch in
+    flight, the layer tables."""
+    n, tokens = max_batch_size, ring_window or max_seq_len
+    blocks = n * components * num_layers * tokens * num_heads * head_size * _itemsize(dtype)
     return blocks + (n + n + n + 1) * _I32 + num_layers * _LAYER_TABLES
 
 
-def paged_pool_nbytes(layer_configs, num_blocks: int, block_size: int, dtype) -> int:
-    """Bytes a :class:`~hcache.PagedKVPool` allocates: its per-layer blocks, the layer and
-    copy tables, and the staging of the block ids of a copy."""
+def paged_pool_nbytes(layer_configs, num_blocks: int, block_size: int, dtype,
+                      num_local_blocks=None) -> int:
+    """Bytes a :class:`~hcache.PagedKVPool` allocates: its per-layer blocks (a sliding-window
+    layer's in the local block space of ``num_local_blocks`` when given), the layer and copy
+    tables, and the staging of the block ids of a copy (sized for the larger space)."""
     item = _itemsize(dtype)
-    layers = sum(_kv_layer_bytes(lc, num_blocks, block_size, item) for lc in layer_configs)
-    return layers + len(layer_configs) * (_LAYER_TABLES + _SLOT_INFO) + 2 * num_blocks * _I32
+    layers = sum(_kv_layer_bytes(lc, num_local_blocks if num_local_blocks is not None
+                                 and lc.sliding_window is not None else num_blocks,
+                                 block_size, item) for lc in layer_configs)
+    ids = max(num_blocks, num_local_blocks or 0)
+    return layers + len(layer_configs) * (_LAYER_TABLES + _SLOT_INFO) + 2 * ids * _I32
 
 
 def context_states_nbytes(context, mamba_cache_slots: int, conv_shape, ssm_shape, conv_dtype,
-                          ssm_dtype, snapshots_per_request: int = 3) -> int:
+                          ssm_dtype, snapshots_per_request: int = 3, local_tables=False) -> int:
     """Device bytes of a :class:`~hcache.DynamicInferenceContext` besides its paged pool: the
     live Mamba states, the cached ones and the per-step snapshots (when ``mamba_cache_slots``),
     and the staging of a step's KV writes (descriptor tables of a few bytes per layer aside).
     A state whose shape is ``None`` (the layers have no such state) counts 0 bytes.
     ``context`` gives the checked ``num_mamba_layers``, ``max_requests``,
-    ``max_blocks_per_request`` and ``max_step_tokens``."""
+    ``max_blocks_per_request`` and ``max_step_tokens``; ``local_tables``: the step also stages
+    the block tables of the local block space (a pool with ``num_local_blocks``)."""
     rows = context.max_requests
     per_state = sum(int(np.prod(shape)) * _itemsize(dt) for shape, dt in
                     ((conv_shape, conv_dtype), (ssm_shape, ssm_dtype)) if shape is not None)
     states = rows + (mamba_cache_slots + snapshots_per_request * rows
                      if mamba_cache_slots else 0)
-    staging = (rows * (context.max_blocks_per_request + 1) + 1 + context.max_step_tokens) * _I32
+    tables = 2 if local_tables else 1
+    staging = (rows * (tables * context.max_blocks_per_request + 1) + 1
+               + context.max_step_tokens) * _I32
     return context.num_mamba_layers * states * per_state + staging
 
 

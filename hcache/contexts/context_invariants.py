@@ -1,8 +1,8 @@
-"""The invariants of a :class:`~hcache.contexts.dynamic_context.DynamicInferenceContext` as a
-whole (docs/design.md §6): each part's own (the request table, the KV block allocator, the Mamba
-slot allocator) and their agreement, each active request holding one reference on each block of
-its table. For tests and debugging: the request table is rehashed, so the cost is linear in the
-tokens of every live request.
+"""The invariants a :class:`~hcache.contexts.dynamic_context.DynamicInferenceContext` keeps
+across its collaborators (docs/design.md §6): each one's own (the request table, the KV block
+allocator, the local block space of sliding-window layers, the Mamba slot allocator) and their
+agreement, every active request holding one reference on each block of its block-table row.
+Checked by ``DynamicInferenceContext.check_invariants`` (for tests: it rehashes every request).
 """
 
 from __future__ import annotations
@@ -12,15 +12,21 @@ import numpy as np
 __all__ = ["broken_invariants"]
 
 
-def broken_invariants(requests, kv_block_allocator, mamba_slot_allocator) -> list[str]:
-    """Every broken invariant, one message each (empty when all hold).
+def broken_invariants(requests, kv_block_allocator, window_blocks=None,
+                      mamba_slot_allocator=None) -> list[str]:
+    """Every broken invariant, in words (empty when all hold).
 
     Parameters
     ----------
     requests : RequestTable
     kv_block_allocator : KVBlockAllocator
+    window_blocks : WindowBlocks or None
+        The local block space, when the pool has one.
     mamba_slot_allocator : MambaSlotAllocator or None
-        ``None`` when the context caches no Mamba state.
+
+    Returns
+    -------
+    list of str
     """
     problems = requests.broken_invariants()
     held = np.zeros(kv_block_allocator.num_blocks, np.int64)
@@ -28,6 +34,8 @@ def broken_invariants(requests, kv_block_allocator, mamba_slot_allocator) -> lis
         np.add.at(held, requests.blocks(requests.row(rid)), 1)
     if (held > kv_block_allocator.block_ref_counts).any():
         problems.append("a request holds a block without a reference")
+    if window_blocks is not None:
+        problems += window_blocks.broken_invariants(requests)
     for owner in (kv_block_allocator, mamba_slot_allocator):
         try:
             if owner is not None:

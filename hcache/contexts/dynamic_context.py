@@ -13,13 +13,13 @@ prefix match. An engine drives it one step at a time::
     ctx.commit_step()                          # register blocks, keep Mamba snapshots, tick
     ctx.release_requests([rid])
 
-Collaborators: the request table (:class:`~hcache.contexts.requests.RequestTable`: per-row
-tokens, counters, block hashes, live slots, host block tables; a step is vectorised over rows),
-the scheduler (:class:`~hcache.contexts.step_scheduler.StepScheduler`, applying the prefix-match
-policy of :mod:`hcache.contexts.prefix_match`), the live Mamba states
-(:class:`~hcache.contexts.live_states.LiveMambaStates`), the step's KV writes
-(:class:`~hcache.contexts.step_kv_writer.StepKVWriter`), the invariants of the whole
-(:mod:`~hcache.contexts.context_invariants`). Copies: see :mod:`hcache._copying`.
+Collaborators: the request table (:class:`~.requests.RequestTable`: per-row tokens, counters,
+block hashes, live slots, host block tables; a step is vectorised over rows), the scheduler
+(:class:`~.step_scheduler.StepScheduler`, with the prefix-match policy of :mod:`~.prefix_match`),
+the live Mamba states (:class:`~.live_states.LiveMambaStates`), the step's KV writes
+(:class:`~.step_kv_writer.StepKVWriter`), with ``num_local_blocks`` the sliding-window layers'
+block space (:class:`~.window_blocks.WindowBlocks`), the invariants of the whole
+(:mod:`~.context_invariants`). Copies: see :mod:`hcache._copying`.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from .requests import RequestTable, batch_tokens, id_list, token_array
 from .step_kv_writer import StepKVWriter
 from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan
 from .step_scheduler import StepScheduler
+from .window_blocks import WindowBlocks
 
 __all__ = ["DynamicInferenceContext", "StepPlan", "BatchStepPlan", "PrefixCacheStats"]
 
@@ -76,11 +77,14 @@ class DynamicInferenceContext:
     max_step_tokens : int, optional
         Most tokens one :meth:`write_kv` call may carry (default: every row's full length).
     device : None, "cpu", "cuda" or "cuda:N"
+    num_local_blocks : int, optional
+        Blocks of the sliding-window layers' own space (docs/design.md §6.7); default: none.
 
     Attributes
     ----------
     kv_pool : PagedKVPool
     kv_block_allocator : KVBlockAllocator
+    window_blocks : WindowBlocks or None (the local block space: ``allocator``, ``table``)
     mamba_slot_allocator : MambaSlotAllocator or None
     mamba_conv_states, mamba_ssm_states : arrays [num_mamba_layers, max_requests, *shape]
         Live per-request states (views for the model); ``None`` for a state with shape None.
@@ -98,7 +102,7 @@ class DynamicInferenceContext:
                  ssm_states_shape=(1,), kv_dtype="float16", conv_states_dtype="float16",
                  ssm_states_dtype="float32", mamba_cache_slots=0, mamba_chunk_size=None,
                  enable_prefix_caching=True, eviction_policy="lru", max_step_tokens=None,
-                 device=None):
+                 device=None, num_local_blocks=None):
         self.device = resolve_device(device)
         xp = self.xp = self.device.xp
         self.block_size_tokens = as_int("block_size_tokens", block_size_tokens, 1)
@@ -124,21 +128,24 @@ class DynamicInferenceContext:
         configs = kv_layer_list("kv_layer_configs", kv_layer_configs)
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
         ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
-        self.kv_pool = PagedKVPool(configs, num_blocks, self.block_size_tokens,
-                                   resolve_dtype(kv_dtype, "kv_dtype"), device=self.device,
-                                   extra_nbytes=context_states_nbytes(
-                                       self, slots if caching else 0, conv_shape,
-                                       ssm_shape, conv_dt, ssm_dt))   # checked together
+        local = num_local_blocks is not None and any(lc.sliding_window for lc in configs)
+        pool = self.kv_pool = PagedKVPool(
+            configs, num_blocks, self.block_size_tokens, resolve_dtype(kv_dtype, "kv_dtype"),
+            device=self.device, num_local_blocks=num_local_blocks, extra_nbytes=(
+                context_states_nbytes(self, slots if caching else 0, conv_shape, ssm_shape,
+                                      conv_dt, ssm_dt, local_tables=local)))   # checked together
+        blocks = self.window_blocks = WindowBlocks.for_pool(pool, R, self.max_blocks_per_request,
+                                                            self.kv_block_allocator)
         self._live = LiveMambaStates(self.device, L, R, conv_shape, ssm_shape, conv_dt, ssm_dt)
         self._requests = RequestTable(R, self.max_blocks_per_request, self.block_size_tokens,
                                       hashing=self.kv_block_allocator.enable_prefix_caching)
         self._kv_writer = StepKVWriter(self.kv_pool, R, self.max_blocks_per_request,
-                                       self.max_step_tokens)
+                                       self.max_step_tokens, self.window_blocks)
         self.mamba_slot_allocator = MambaSlotAllocator(
             self, slots, L, conv_shape, ssm_shape, conv_states_dtype, ssm_states_dtype) \
             if L and slots and caching else None
         self._scheduler = StepScheduler(self._requests, self.kv_block_allocator,
-                                        self.mamba_slot_allocator, self._live, L)
+                                        self.mamba_slot_allocator, self._live, L, blocks)
         self.stats = PrefixCacheStats()
 
     # --- queries --------------------------------------------------------------------------------
@@ -172,6 +179,11 @@ class DynamicInferenceContext:
     def block_ids(self, request_id) -> np.ndarray:
         """The request's block-table row, ``int32 [num_blocks]`` (a copy)."""
         return self._requests.blocks(self._requests.row(request_id))
+
+    def local_block_ids(self, request_id) -> np.ndarray:
+        """The request's local block-table row (int32, -1: out of the window; a copy)."""
+        row = self._requests.row(request_id)
+        return self.window_blocks.row_blocks(row) if self.window_blocks else np.zeros(0, np.int32)
 
     def num_computed_tokens(self, request_id) -> int:
         return int(self._requests.computed[self._requests.row(request_id)])
@@ -236,18 +248,8 @@ class DynamicInferenceContext:
 
     def extend_request(self, request_id, tokens) -> StepPlan:
         """Append ``tokens`` (a sampled token, or a continuation) and schedule them:
-        :meth:`extend_requests` of one request.
-
-        Raises
-        ------
-        ValueError
-            Unknown request, the request already has a step scheduled, ``tokens`` is empty or
-            not 1-D, or the sequence would exceed the block table.
-        TypeError
-            ``tokens`` are not integers, or ``request_id`` is not hashable.
-        CacheCapacityError
-            Not enough KV blocks even after eviction. Nothing changes.
-        """
+        :meth:`extend_requests` of one request, which raises alike (naming ``request_id`` and
+        ``tokens``; ``tokens`` must be 1-D). Nothing changes on a refusal."""
         row = self._requests.row(request_id)
         toks = token_array("tokens", tokens)
         counts = None if len(toks) == 1 else np.array([len(toks)])   # None: one token each
@@ -257,11 +259,9 @@ class DynamicInferenceContext:
 
     def extend_requests(self, request_ids, tokens) -> BatchStepPlan:
         """Append new tokens to every request of ``request_ids`` and schedule them, in one
-        vectorised call: per request, the same as :meth:`extend_request`.
-
-        All arguments, rows and KV capacity are checked before anything changes. New blocks
-        come from the free stack in the order of ``request_ids``; when eviction is needed they
-        are allocated request by request, exactly as a loop of :meth:`extend_request` would.
+        vectorised call: per request, :meth:`extend_request`. Everything is checked before
+        anything changes; new blocks come in the order of ``request_ids`` (with eviction,
+        request by request, as a loop of :meth:`extend_request` would).
 
         Parameters
         ----------
@@ -281,9 +281,8 @@ class DynamicInferenceContext:
         TypeError
             An id is not hashable, or ``tokens`` are not integers.
         ValueError
-            An unknown or repeated id, a request with a step already scheduled, a request with
-            no token, ``tokens`` of the wrong length or shape, or a sequence that would exceed
-            the block table (messages name the entry, as ``request_ids[i]`` / ``tokens[i]``).
+            An unknown or repeated id, a step already scheduled, no token, ``tokens`` of the
+            wrong shape, a sequence past the block table (``request_ids[i]`` / ``tokens[i]``).
         CacheCapacityError
             Not enough KV blocks for the batch even after eviction.
         """
@@ -308,10 +307,8 @@ class DynamicInferenceContext:
         layer, k_scale, v_scale : optional
             As in :meth:`PagedKVPool.write_kv` (an FP8 pool quantizes float rows with scales).
 
-        Raises
-        ------
-        ValueError, TypeError
-            Unknown request, no scheduled step, too many tokens, else as the pool's.
+        Raises ``ValueError`` / ``TypeError``: unknown request, no scheduled step, too many
+        tokens, else as the pool's.
         """
         rows = self._requests.rows(request_ids)
         self._kv_writer.write(self._requests, rows, k, v, layer=layer, k_scale=k_scale,
@@ -319,10 +316,10 @@ class DynamicInferenceContext:
 
     def commit_step(self, *, stream=None) -> dict:
         """Finish the step: mark scheduled tokens computed, register the hashes of blocks they
-        completed, keep the step's Mamba boundary states, and advance the LRU clock.
-
-        Call after the forward pass (KV written, live and scratch states final); the cost is
-        flat in the sequence lengths (hashes were computed as blocks completed).
+        completed (local blocks too, then release those that left the window), keep the step's
+        Mamba boundary states, and advance the LRU clock. Call after the forward pass (KV
+        written, live and scratch states final); the cost is flat in the sequence lengths
+        (hashes were computed as blocks completed).
 
         Returns
         -------
@@ -340,9 +337,12 @@ class DynamicInferenceContext:
         rows = np.flatnonzero(requests.pending_end >= 0)
         registered = 0
         if len(rows):
-            ends = requests.pending_end[rows]
+            ends, done = requests.pending_end[rows], requests.registered[rows].copy()
             requests.computed[rows] = ends
             requests.pending_end[rows] = -1
+            if self.window_blocks is not None:   # register, then drop what left the window
+                self.window_blocks.commit(requests, rows, done, ends,
+                                          register=self.prefix_caching_enabled)
             if self.prefix_caching_enabled:
                 ids, hashes, parents = blocks_to_register(requests, rows, ends,
                                                           kv.kv_hash_to_block_id)
@@ -357,21 +357,23 @@ class DynamicInferenceContext:
         return {"registered_blocks": registered, "stored_states": stored}
 
     def step(self) -> int:
-        """Advance the LRU clock by one step; returns the new clock."""
+        """Advance the LRU clock by one step (both block spaces'); returns the new clock."""
+        if self.window_blocks is not None:
+            self.window_blocks.allocator.advance_clock()
         return self.kv_block_allocator.advance_clock()
 
     def release_requests(self, request_ids) -> None:
         """Release requests: drop their block references (registered blocks stay cached under
-        LRU), free their rows and live Mamba slots, and forget any scheduled step.
-
-        Raises ``ValueError`` (nothing changes) when an id is not active or repeats.
-        """
+        LRU), free their rows and live Mamba slots, and forget any scheduled step. Raises
+        ``ValueError`` (nothing changes) when an id is not active or repeats."""
         requests = self._requests
         rows = requests.rows(request_ids).tolist()
         if not rows:
             return
         self.kv_block_allocator.release_memory_blocks(
             np.concatenate([requests.blocks(row) for row in rows]))
+        if self.window_blocks is not None:
+            self.window_blocks.release(rows)
         if self.mamba_slot_allocator is not None:
             self.mamba_slot_allocator._clear_intermediate_state(rows)
         requests.release(rows)
@@ -380,18 +382,19 @@ class DynamicInferenceContext:
         """Drop every request, cached block and cached state; zero the counters."""
         for rid in self._requests.ids:
             self.release_requests([rid])
-        self.kv_block_allocator.reset()
-        if self.mamba_slot_allocator is not None:
-            self.mamba_slot_allocator.reset()
+        for owner in (self.kv_block_allocator, self.window_blocks, self.mamba_slot_allocator):
+            if owner is not None:
+                owner.reset()
         self._requests.reset()
         self.stats = PrefixCacheStats()
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` listing every broken invariant of the request table, the KV
-        allocator and the Mamba slot allocator (and of their agreement: each active request
-        holds one reference on each of its blocks). For tests: it rehashes every request."""
+        allocator, the local block space and the Mamba slot allocator, and of their agreement
+        (:func:`~.context_invariants.broken_invariants`: each active request holds one
+        reference on each of its blocks). For tests: it rehashes every request."""
         problems = broken_invariants(self._requests, self.kv_block_allocator,
-                                     self.mamba_slot_allocator)
+                                     self.window_blocks, self.mamba_slot_allocator)
         if problems:
             raise RuntimeError("DynamicInferenceContext invariants broken: "
                                + "; ".join(problems))

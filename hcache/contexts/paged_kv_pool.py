@@ -5,10 +5,13 @@ Attention layer ``i`` (an ``attention_index``: its position among the layers tha
 owns ``[num_blocks, C_i, H_i, block_size, D_i]`` (HND: K at ``[:, 0]``, V at ``[:, 1]``; a latent
 MLA layer has ``C_i = 1``: ``[num_blocks, 1, 1, block_size, kv_lora_rank + qk_rope_head_dim]``, no
 V). Block ids are shared by all layers (one :class:`KVBlockAllocator` hands them out), so a block
-table row addresses every layer. Layers of one head dim and component count form a
+table row addresses every layer. With ``num_local_blocks``, the sliding-window layers
+(``sliding_window`` set) form a second block space of that many blocks, addressed by a second
+block table: blocks that left every window are freed there while the full layers keep theirs
+(docs/design.md §6.7). Layers of one head dim, component count and block space form a
 :class:`KVGroup` (groups in first-seen order; a layer's row in its group is its
-``group_position``), the unit of one write launch; a :class:`SlotSet` of all layers is the unit
-of one copy-on-write launch.
+``group_position``), the unit of one write launch; a :class:`SlotSet` of a space's layers is the
+unit of one copy-on-write launch.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from .._checks import as_int, block_id_array, int32_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.caches import KVCacheConfig
 from ..config.layers import kv_layer_list
-from ..config.sizing import paged_pool_nbytes
+from ..config.sizing import largest_fitting, paged_pool_nbytes
 from ..device import as_array, launch_scope, on_device, resolve_device, upload_ints, zeros
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
 from ..memory import check_fits
-from ..ops.tables import KVGroup, SlotSet, group_layers_by_head_dim
+from ..ops.tables import KVGroup, SlotSet
+from .paged_kv_rows import attention_index, check_rows, check_tables
 
 __all__ = ["PagedKVPool"]
 
@@ -52,17 +56,22 @@ class PagedKVPool:
     dtype : str or dtype
         One of the docs/design.md §2 dtypes. On CuPy, float8 is stored as ``uint8`` (same bytes).
     device : None, "cpu", "cuda" or "cuda:N"
+    num_local_blocks : int, optional
+        Blocks of the sliding-window layers' own block space (docs/design.md §6.7); default
+        None: one space for every layer.
     extra_nbytes : int
         Device bytes its owner allocates along with it (a context's states), checked with the
         pool's before anything is allocated.
 
     Attributes
     ----------
-    layers : tuple of arrays [num_blocks, C_i, H_i, block_size, D_i]
+    layers : tuple of arrays [num_blocks or num_local_blocks, C_i, H_i, block_size, D_i]
         Zero-initialised at construction; zero-copy views for a runtime's attention kernels.
     groups : tuple of KVGroup
-        One per distinct (head dim, components), in first-seen order;
+        One per distinct (head dim, components, block space), in first-seen order;
         ``groups[g].layer_indices`` are the attention indices of its layers.
+    local_layers : tuple of bool
+        Per attention layer: addressed through the local block space.
 
     Raises
     ------
@@ -76,30 +85,45 @@ class PagedKVPool:
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
-                 device=None, extra_nbytes: int = 0):
+                 device=None, num_local_blocks=None, extra_nbytes: int = 0):
         configs = _layer_configs(layer_configs)
         self.layer_configs = configs
         self.num_blocks = as_int("num_blocks", num_blocks, 1)
         self.block_size = as_int("block_size", block_size, 1)
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
+        self.num_local_blocks = (None if num_local_blocks is None
+                                 else as_int("num_local_blocks", num_local_blocks, 1))
         check_fits("num_blocks", as_int("extra_nbytes", extra_nbytes) + paged_pool_nbytes(
-            configs, self.num_blocks, self.block_size, self.dtype), self.device)
+            configs, self.num_blocks, self.block_size, self.dtype, self.num_local_blocks),
+            self.device)
         xp = self.xp = self.device.xp
         self.storage_dtype = storage_dtype(self.dtype, xp)
+        self.local_layers = tuple(self.num_local_blocks is not None
+                                  and lc.sliding_window is not None for lc in configs)
         with self.device.scope():
             self.layers = tuple(
-                zeros(self.device, (self.num_blocks, lc.components, lc.num_kv_heads,
-                                    self.block_size, lc.head_dim), self.storage_dtype)
-                for lc in configs)
-            members = group_layers_by_head_dim([lc.head_dim for lc in configs],
-                                               [lc.components for lc in configs])
+                zeros(self.device, (self.num_local_blocks if local else self.num_blocks,
+                                    lc.components, lc.num_kv_heads, self.block_size,
+                                    lc.head_dim), self.storage_dtype)
+                for lc, local in zip(configs, self.local_layers))
+            # (head dim, components, block space) -> attention indices, first-seen order
+            by_key: dict = {}
+            for a, (lc, local) in enumerate(zip(configs, self.local_layers)):
+                by_key.setdefault((lc.head_dim, lc.components, local), []).append(a)
+            members = list(by_key.values())
             self.groups = tuple(KVGroup([self.layers[a] for a in indices], layout="HND",
                                         layer_indices=indices) for indices in members)
-            # None without attention layers (a pure-Mamba model): blocks carry only hashes.
-            self._slots = SlotSet([(a, a) for a in self.layers]) if self.layers else None
+            # One copy set per block space; None without layers there (a pure-Mamba model:
+            # blocks carry only hashes).
+            self._slots, self._local_slots = (
+                SlotSet(pairs) if pairs else None
+                for pairs in ([(a, a) for a, loc in zip(self.layers, self.local_layers)
+                               if not loc],
+                              [(a, a) for a, loc in zip(self.layers, self.local_layers) if loc]))
             # Host id lists for copy_blocks are uploaded here, so copies allocate nothing.
-            self._copy_ids = xp.empty((2, self.num_blocks), dtype=np.int32)
+            self._copy_ids = xp.empty((2, max(self.num_blocks, self.num_local_blocks or 0)),
+                                      dtype=np.int32)
         # attention_index -> (group index, group_position)
         self._group_position = {a: (g, position) for g, indices in enumerate(members)
                                 for position, a in enumerate(indices)}
@@ -107,21 +131,25 @@ class PagedKVPool:
     # --- sizing before allocation ---------------------------------------------------------
 
     @staticmethod
-    def nbytes_for(layer_configs, num_blocks, block_size, dtype="float16") -> int:
+    def nbytes_for(layer_configs, num_blocks, block_size, dtype="float16", *,
+                   num_local_blocks=None) -> int:
         """Device bytes a pool of these arguments allocates: its ``memory_report()
-        ["total_bytes"]``, known before any allocation. Raises as the constructor."""
-        return paged_pool_nbytes(_layer_configs(layer_configs),
-                                 as_int("num_blocks", num_blocks, 1),
-                                 as_int("block_size", block_size, 1), resolve_dtype(dtype))
+        ["total_bytes"]``, known before any allocation (with ``num_local_blocks``, the
+        sliding-window layers at that many blocks). Raises as the constructor."""
+        return paged_pool_nbytes(
+            _layer_configs(layer_configs), as_int("num_blocks", num_blocks, 1),
+            as_int("block_size", block_size, 1), resolve_dtype(dtype),
+            None if num_local_blocks is None else as_int("num_local_blocks", num_local_blocks, 1))
 
     @staticmethod
-    def num_blocks_for(layer_configs, block_size, budget, dtype="float16") -> int:
-        """The most blocks whose pool fits in ``budget`` bytes, or 0 if not even one.
+    def num_blocks_for(layer_configs, block_size, budget, dtype="float16", *,
+                       num_local_blocks=None) -> int:
+        """The most blocks (of the full space; the local space, if any, stays at
+        ``num_local_blocks``) whose pool fits in ``budget`` bytes, or 0 if not even one.
         ``TypeError`` / ``ValueError`` for a bad argument."""
         configs, budget = _layer_configs(layer_configs), as_int("budget", budget, 0)
-        fixed = PagedKVPool.nbytes_for(configs, 1, block_size, dtype)
-        per_block = PagedKVPool.nbytes_for(configs, 2, block_size, dtype) - fixed
-        return max(0, (budget - fixed) // per_block + 1) if budget >= fixed else 0
+        return largest_fitting(lambda n: PagedKVPool.nbytes_for(
+            configs, n, block_size, dtype, num_local_blocks=num_local_blocks), budget)
 
     # --- derived values -----------------------------------------------------------------
 
@@ -130,10 +158,24 @@ class PagedKVPool:
         return len(self.layers)
 
     @property
+    def has_local_space(self) -> bool:
+        """Whether some layer lives in the local (sliding-window) block space."""
+        return any(self.local_layers)
+
+    @property
     def bytes_per_block(self) -> int:
-        """Bytes one block id occupies across all layers (K and V, or a latent layer's one
-        component)."""
-        return sum(int(a.nbytes) for a in self.layers) // self.num_blocks
+        """Bytes one block id of the full space occupies across its layers (K and V, or a
+        latent layer's one component)."""
+        return sum(int(a.nbytes) for a, loc in zip(self.layers, self.local_layers)
+                   if not loc) // self.num_blocks
+
+    @property
+    def bytes_per_local_block(self) -> int:
+        """Bytes one local block id occupies across the sliding-window layers (0 without)."""
+        if not self.has_local_space:
+            return 0
+        return sum(int(a.nbytes) for a, loc in zip(self.layers, self.local_layers)
+                   if loc) // self.num_local_blocks
 
     @property
     def nbytes(self) -> int:
@@ -150,12 +192,13 @@ class PagedKVPool:
         TypeError, IndexError
             ``i`` is not an int, or not in ``[0, num_layers)``.
         """
-        return self.layers[self._attention_index(i)]
+        return self.layers[attention_index(self.num_layers, i)]
 
     @property
     def metadata_nbytes(self) -> int:
         """Device bytes besides the layers: the group and copy tables, the copy-id staging."""
-        slots = self._slots.device_infos.nbytes if self._slots is not None else 0
+        slots = sum(int(s.device_infos.nbytes) for s in (self._slots, self._local_slots)
+                    if s is not None)
         return int(sum(g.nbytes for g in self.groups) + slots + self._copy_ids.nbytes)
 
     def memory_report(self) -> dict:
@@ -168,6 +211,8 @@ class PagedKVPool:
             "block_size": self.block_size,
             "num_layers": self.num_layers,
             "bytes_per_block": self.bytes_per_block,
+            "num_local_blocks": self.num_local_blocks or 0,
+            "bytes_per_local_block": self.bytes_per_local_block,
             "total_bytes": self.nbytes + self.metadata_nbytes,
             "metadata_bytes": self.metadata_nbytes,
             "layer_bytes": [int(a.nbytes) for a in self.layers],
@@ -180,7 +225,7 @@ class PagedKVPool:
 
     def write_kv(self, k, v=None, *, block_table, layer=None, seq_offsets=None, uniform_tokens=0,
                  batch=None, cache_lengths=None, positions=None, k_scale=None, v_scale=None,
-                 status=None, stream=None):
+                 status=None, stream=None, local_block_table=None):
         """Write new tokens' K and V through a block table (in place); ``write`` is an alias.
 
         Parameters
@@ -195,6 +240,9 @@ class PagedKVPool:
         block_table : int32 [batch, max_blocks_per_seq]
             Position ``p`` of row ``b`` goes to block ``block_table[b, p // block_size]`` at
             offset ``p % block_size``; -1 entries are skipped.
+        local_block_table : int32 [batch, max_blocks_per_seq], optional
+            The same for the local block space (required when the pool has one): its -1
+            entries are blocks that left the window.
         seq_offsets, uniform_tokens, batch, cache_lengths, positions, status, stream
             As in :func:`hcache.ops.kv_write` (ragged rows, first position of each row, explicit
             positions with -1 padding, count of skipped out-of-range tokens).
@@ -220,41 +268,28 @@ class PagedKVPool:
                 raise ValueError(f"k: expected a multiple of uniform_tokens ({uniform_tokens}) "
                                  f"rows, got {rows}")
         # index arrays of any library, viewed as this pool's (the op checks them)
-        block_table, seq_offsets, cache_lengths, positions = (
+        block_table, seq_offsets, cache_lengths, positions, local_block_table = (
             a if a is None else as_array(name, a, self.device, stream) for name, a in (
                 ("block_table", block_table), ("seq_offsets", seq_offsets),
-                ("cache_lengths", cache_lengths), ("positions", positions)))
+                ("cache_lengths", cache_lengths), ("positions", positions),
+                ("local_block_table", local_block_table)))
         self.launch_write(checked, block_table=block_table, seq_offsets=seq_offsets,
                           uniform_tokens=uniform_tokens, batch=batch, cache_lengths=cache_lengths,
-                          positions=positions, status=status, stream=stream)
+                          positions=positions, status=status, stream=stream,
+                          local_block_table=local_block_table)
 
     write = write_kv
 
     def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None):
         """The row and scale checks of :meth:`write_kv` (nothing else is read); returns the
         checked call for :meth:`launch_write`. Raises as :meth:`write_kv`."""
-        if layer is None:
-            written = list(range(self.num_layers))
-            ks = self._per_layer("k", k)
-            vs = [None] * self.num_layers if v is None and all(
-                self.layer_configs[a].components == 1 for a in written) else \
-                self._per_layer("v", v)
-            if not self.num_layers:
-                return None  # no attention layer: nothing to write
-            num_tokens = self._check_rows("k[0]", ks[0], 0, None, ks[0])
-            source_dtype("k[0]", ks[0].dtype, self.dtype, self.xp)   # k named before v
-            for a in written:
-                self._check_rows(f"k[{a}]", ks[a], a, num_tokens, ks[0])
-                self._check_v(f"v[{a}]", vs[a], a, num_tokens, ks[0])
-            attention_index, first = None, ks[0]
-        else:
-            attention_index = self._attention_index(layer, "layer")
-            written = [attention_index]
-            k, v = as_array("k", k, self.device), self._coerce("v", v, attention_index)
-            num_tokens = self._check_rows("k", k, attention_index, None, k)
-            source_dtype("k", k.dtype, self.dtype, self.xp)
-            self._check_v("v", v, attention_index, num_tokens, k)
-            ks, vs, first = k, v, k
+        if layer is not None:
+            layer = attention_index(self.num_layers, layer, "layer")
+        rows = check_rows(self.layer_configs, self.device, k, v, layer, self.dtype)
+        if rows is None:
+            return None  # no attention layer: nothing to write
+        index, ks, vs, first = rows
+        written = list(range(self.num_layers)) if layer is None else [layer]
         if v_scale is not None and all(self.layer_configs[a].components == 1 for a in written):
             raise ValueError(f"v_scale: expected None (latent layers have no V), "
                              f"got {type(v_scale).__name__}")
@@ -262,36 +297,41 @@ class PagedKVPool:
         heads = max(lc.num_kv_heads for lc in self.layer_configs)
         scales = [check_scale(n, s, src is not None, self.device, self.num_layers, heads)
                   for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
-        return attention_index, ks, vs, src, scales
+        return index, ks, vs, src, scales
 
-    def launch_write(self, checked, *, block_table, stream=None, **rows) -> None:
+    def launch_write(self, checked, *, block_table, stream=None, local_block_table=None,
+                     **rows) -> None:
         """Launch a write checked by :meth:`check_write`; ``rows``: the index arguments of
         :meth:`write_kv` (checked by the op before its first launch)."""
         if checked is not None and not (type(checked) is tuple and len(checked) == 5):
             raise TypeError(f"checked: expected the result of check_write, "
                             f"got {type(checked).__name__}")
-        if block_table is None:
-            raise TypeError("block_table: expected an int32 [batch, max_blocks] array, got None")
+        check_tables(block_table, local_block_table, self.has_local_space, self.xp)
         if checked is None:
             return
         attention_index, ks, vs, src, scales = checked
         op = ops.kv_write if src is None else ops.kv_write_fp8
-        kwargs = dict(rows, block_table=block_table, stream=stream)
+        kwargs = dict(rows, stream=stream)
+        tables = (block_table, local_block_table)
         if src is not None:
             kwargs.update(k_scale=scales[0], v_scale=scales[1], fp8_dtype=self.dtype,
                           src_dtype=src)
         with launch_scope(self.device, stream):
             if attention_index is not None:
                 g, group_position = self._group_position[attention_index]
-                op(self.groups[g], ks, vs, layers=group_position, **kwargs)
+                op(self.groups[g], ks, vs, layers=group_position,
+                   block_table=tables[self.local_layers[attention_index]], **kwargs)
                 return
-            # ops validates the shared index arrays on the first launch, before any write.
+            # ops validates the shared index arrays on the first launch, before any write; the
+            # two block tables were checked alike above.
             for group in self.groups:
                 indices = group.layer_indices
-                op(group, [ks[a] for a in indices], [vs[a] for a in indices], **kwargs)
+                op(group, [ks[a] for a in indices], [vs[a] for a in indices],
+                   block_table=tables[self.local_layers[indices[0]]], **kwargs)
 
-    def copy_blocks(self, src_ids, dst_ids, *, status=None, stream=None) -> None:
-        """Copy whole blocks of every layer, ``dst[i] <- src[i]`` (copy-on-write), one launch.
+    def copy_blocks(self, src_ids, dst_ids, *, status=None, stream=None, local=False) -> None:
+        """Copy whole blocks of every layer of a block space (the full one, or with ``local``
+        the sliding-window layers'), ``dst[i] <- src[i]`` (copy-on-write), one launch.
 
         Parameters
         ----------
@@ -301,15 +341,23 @@ class PagedKVPool:
             they are (no synchronisation): -1 is skipped, other out-of-range pairs are skipped
             and counted in ``status``.
         status : int32 [1], optional
+        local : bool
 
         Raises
         ------
         IndexError
             A host id is out of range.
         TypeError, ValueError
-            Wrong types or lengths, repeated destinations, or a block both read and written.
+            Wrong types or lengths, repeated destinations, a block both read and written, or
+            ``local`` not a bool (or set on a pool without a local space).
         """
-        src, dst = self._copy_index("src_ids", src_ids), self._copy_index("dst_ids", dst_ids)
+        if not isinstance(local, (bool, np.bool_)):
+            raise TypeError(f"local: expected a bool, got {type(local).__name__}")
+        if local and not self.has_local_space:
+            raise ValueError("local: expected a pool with a local block space, got none")
+        space = self.num_local_blocks if local else self.num_blocks
+        src = self._copy_index("src_ids", src_ids, space)
+        dst = self._copy_index("dst_ids", dst_ids, space)
         if src.shape[0] != dst.shape[0]:
             raise ValueError(f"dst_ids: expected {src.shape[0]} ids (one per source), "
                              f"got {dst.shape[0]}")
@@ -326,73 +374,24 @@ class PagedKVPool:
                 raise ValueError(f"dst_ids: expected no block that is also a source, got "
                                  f"{int(dst[both][0])}")
         int32_array("status", status, self.xp, min_len=1)   # before the ids are staged
+        slots = self._local_slots if local else self._slots
         with launch_scope(self.device, stream):
-            if self._slots is None:
-                return  # no attention layer: blocks hold no data
+            if slots is None:
+                return  # no attention layer in the space: blocks hold no data
             if host_ids:
                 n = src.shape[0]   # <= num_blocks: destinations are distinct
                 upload_ints(self._copy_ids[0], src)
                 upload_ints(self._copy_ids[1], dst)
                 src, dst = self._copy_ids[0, :n], self._copy_ids[1, :n]
-            ops.slot_copy(self._slots, src, dst, status=status, stream=stream)
+            ops.slot_copy(slots, src, dst, status=status, stream=stream)
 
     # --- internals ----------------------------------------------------------------------
 
-    def _attention_index(self, value, name: str = "i") -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-        if not 0 <= int(value) < self.num_layers:
-            raise IndexError(f"{name}: expected a layer in [0, {self.num_layers}), "
-                             f"got {int(value)}")
-        return int(value)
-
-    def _per_layer(self, name, arrays) -> list:
-        if isinstance(arrays, (list, tuple)) and len(arrays) == self.num_layers:
-            if name == "v":
-                return [self._coerce(f"v[{a}]", t, a) for a, t in enumerate(arrays)]
-            return [as_array(f"{name}[{a}]", t, self.device) for a, t in enumerate(arrays)]
-        got = len(arrays) if isinstance(arrays, (list, tuple)) else type(arrays).__name__
-        raise ValueError(f"{name}: expected a list of {self.num_layers} arrays (one per layer), "
-                         f"got {got}")
-
-    def _coerce(self, name, v, attention_index):
-        """V rows as this pool's array; None, and anything given for a latent layer, stay as
-        they are for :meth:`_check_v` to judge."""
-        if v is None or self.layer_configs[attention_index].components == 1:
-            return v
-        return as_array(name, v, self.device)
-
-    def _check_v(self, name, a, attention_index, num_tokens, first) -> None:
-        """V rows of a layer with a V plane, or None for a latent layer."""
-        if self.layer_configs[attention_index].components == 1:
-            if a is not None:
-                raise ValueError(f"{name}: expected None (attention layer {attention_index} is "
-                                 f"a latent cache: its rows go in k), got {type(a).__name__}")
-            return
-        if a is None:
-            raise ValueError(f"{name}: expected V rows (attention layer {attention_index} has "
-                             f"a V plane), got None")
-        self._check_rows(name, a, attention_index, num_tokens, first)
-
-    def _check_rows(self, name, a, attention_index, num_tokens, first) -> int:
-        lc = self.layer_configs[attention_index]
-        n = int(a.shape[0]) if a.ndim == 3 else -1
-        want = (num_tokens if num_tokens is not None else max(n, 0), lc.num_kv_heads,
-                lc.head_dim)
-        if tuple(a.shape) != want:
-            raise ValueError(f"{name}: expected shape {want}, got {tuple(a.shape)}")
-        if a.dtype != first.dtype:
-            raise ValueError(f"{name}: expected dtype {first.dtype} (as the first k), "
-                             f"got {a.dtype}")
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous array")
-        return n
-
-    def _copy_index(self, name, ids):
+    def _copy_index(self, name, ids, space):
         if self.xp is not np and on_device(ids):
             ids = as_array(name, ids, self.device)
             if ids.dtype != np.int32 or ids.ndim != 1:
                 raise ValueError(f"{name}: expected a 1-D int32 array, got {ids.dtype} "
                                  f"{tuple(ids.shape)}")
             return ids
-        return block_id_array(name, ids, self.num_blocks, padding=True).astype(np.int32)
+        return block_id_array(name, ids, space, padding=True).astype(np.int32)

@@ -26,17 +26,21 @@ class StepKVWriter:
     ----------
     kv_pool : PagedKVPool
     max_requests, max_blocks_per_request, max_step_tokens : int
+    window : WindowBlocks, optional
+        The local block space: its table addresses the pool's sliding-window layers.
     """
 
     def __init__(self, kv_pool, max_requests: int, max_blocks_per_request: int,
-                 max_step_tokens: int):
-        self.kv_pool, self.max_step_tokens = kv_pool, max_step_tokens
+                 max_step_tokens: int, window=None):
+        self.kv_pool, self.max_step_tokens, self.window = kv_pool, max_step_tokens, window
         device, xp = kv_pool.device, kv_pool.xp
         with device.scope():
             self._table_dev = xp.full((max_requests, max_blocks_per_request), -1,
                                       dtype=np.int32)
             self._offsets_dev = xp.zeros(max_requests + 1, dtype=np.int32)
             self._positions_dev = xp.zeros(max_step_tokens, dtype=np.int32)
+            self._local_dev = (None if window is None else
+                               xp.full((max_requests, max_blocks_per_request), -1, np.int32))
 
     def write(self, requests, rows: np.ndarray, k, v=None, *, layer=None, k_scale=None,
               v_scale=None, stream=None) -> None:
@@ -80,6 +84,11 @@ class StepKVWriter:
             upload_ints(self._positions_dev, positions)
             upload_ints(self._offsets_dev, offsets)
             upload_ints(self._table_dev, table)
+            local = None
+            if self.window is not None:
+                upload_ints(self._local_dev, self.window.table[rows])
+                local = self._local_dev[:b]
         self.kv_pool.launch_write(checked, block_table=self._table_dev[:b],
                                   seq_offsets=self._offsets_dev[:b + 1], batch=b,
-                                  positions=self._positions_dev[:n], stream=stream)
+                                  positions=self._positions_dev[:n], stream=stream,
+                                  local_block_table=local)

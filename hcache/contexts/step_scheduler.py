@@ -31,11 +31,13 @@ class StepScheduler:
     mamba_slot_allocator : MambaSlotAllocator or None
     live_states : LiveMambaStates
     num_mamba_layers : int
+    window : WindowBlocks, optional
+        The local block space of the sliding-window layers (docs/design.md §6.7).
     """
 
     def __init__(self, requests, kv_block_allocator, mamba_slot_allocator, live_states,
-                 num_mamba_layers: int):
-        self.requests, self.kv = requests, kv_block_allocator
+                 num_mamba_layers: int, window=None):
+        self.requests, self.kv, self.window = requests, kv_block_allocator, window
         self.mamba, self.live, self.num_mamba_layers = (mamba_slot_allocator, live_states,
                                                         num_mamba_layers)
         self.block_size = requests.block_size
@@ -63,8 +65,15 @@ class StepScheduler:
                                              np.array([full]))
         matched, depths = match_prefix(hashes.tolist(), kv.kv_hash_to_block_id,
                                        None if mamba is None else mamba.hash_to_block_id)
-        skip = restore_depth_tokens(n, matched, depths, bs, prefix_caching=requests.hashing,
-                                    has_mamba=self.num_mamba_layers > 0)
+        def skip_of(m):
+            return restore_depth_tokens(n, matched[:m], [d for d in depths if d <= m], bs,
+                                        prefix_caching=requests.hashing,
+                                        has_mamba=self.num_mamba_layers > 0)
+
+        skip = skip_of(len(matched))
+        if self.window is not None:   # the local layers' window must be cached too
+            m, skip, lo, local_ids = self.window.plan_admit(hashes.tolist(), matched, skip_of)
+            matched = matched[:m]
         num_new = -(-n // bs) - len(matched)
         if not requests.has_free_row:
             raise CacheCapacityError(f"requests: all {requests.max_requests} rows are in use",
@@ -77,6 +86,8 @@ class StepScheduler:
             available = kv.get_allocatable_count() - pinned
             raise CacheCapacityError(f"KV blocks: {num_new} required, {available} allocatable",
                                      required=num_new, available=available)
+        if self.window is not None:
+            self.window.check_admit(local_ids, num_new)
         if matched:
             kv.retain_memory_blocks(matched)
         new = kv.allocate_memory_blocks(num_new)
@@ -91,6 +102,8 @@ class StepScheduler:
         row = requests.admit(request_id, tokens, matched + new.tolist(), hashes,
                              digests[-1] if full else 0, kv_cached=len(matched) * bs,
                              registered=len(matched), computed=skip, stats=stats)
+        if self.window is not None:
+            self.window.admit(row, lo, local_ids, num_new)
         slot = int(requests.request_to_mamba_state_idx[row])
         if restored >= 0:
             mamba.restore_to_live(row, restored, stream=stream)
@@ -146,6 +159,8 @@ class StepScheduler:
             available = kv.get_allocatable_count()
             raise CacheCapacityError(f"KV blocks: {total} required, {available} allocatable",
                                      required=total, available=available)
+        if self.window is not None:
+            self.window.check_extend(total)
         if total:
             if kv.num_free_blocks >= total:
                 new = kv.allocate_memory_blocks(total)
@@ -153,6 +168,8 @@ class StepScheduler:
                 new = np.concatenate([kv.allocate_memory_blocks(k)
                                       for k in need[need > 0].tolist()])
             requests.add_blocks(rows, need, new)
+            if self.window is not None:
+                self.window.extend(rows, need, total)
         closing = None
         if counts is None:
             closing = ends % bs == 0      # the token closes a block

@@ -43,6 +43,7 @@ from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..device import resolve_device, stream_handle, to_host
 from ..dtypes import dtype_name
 from ..memory import check_fits
+from ..rings import ring_start
 from .collection import ContinuousBatchingKVCacheCollection
 from .params import KVCacheStaticParams, manager_arguments
 from .sequences import SequenceBlocks, seq_id_list, token_count_array
@@ -67,6 +68,12 @@ class ContinuousBatchingKVCacheManager:
     max_batch_size, max_seq_len, num_layers : int
         Each >= 1; ``max_seq_len`` below 2**31.
     device : None, "cpu", "cuda" or "cuda:N"
+    sliding_window : int, optional
+        A window ``W`` for every layer (a model whose layers all attend locally, e.g.
+        Mistral 7B v0.1): when ``W < max_seq_len`` each block holds a ring of ``W`` tokens per
+        layer, position ``p`` at entry ``p mod W`` (``blocks_buf`` is ``[num_blocks, C,
+        num_layers, W, num_heads, head_size]``); lengths stay absolute, up to ``max_seq_len``,
+        and :meth:`ring_start` gives the oldest valid entry. Default: unbounded blocks.
 
     Raises
     ------
@@ -80,16 +87,19 @@ class ContinuousBatchingKVCacheManager:
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
-                 device=None):
-        self._dtype, n, self._max_seq_len, self._num_layers = manager_arguments(
-            dtype, kv_params, max_batch_size, max_seq_len, num_layers)
+                 device=None, sliding_window=None):
+        self._dtype, n, self._max_seq_len, self._num_layers, self._ring_window = \
+            manager_arguments(dtype, kv_params, max_batch_size, max_seq_len, num_layers,
+                              sliding_window)
         self._kv_params, self._num_blocks = kv_params, n
         self._device = resolve_device(device)
-        check_fits("max_batch_size", kv_params.nbytes(dtype, n, self._max_seq_len,
-                                                      self._num_layers), self._device)
+        check_fits("max_batch_size", kv_params.nbytes(
+            dtype, n, self._max_seq_len, self._num_layers, sliding_window=sliding_window),
+            self._device)
         self._store = KVBlockStore(self._device, self._dtype, n, self._num_layers,
                                    self._max_seq_len, kv_params.num_heads, kv_params.head_size,
-                                   kv_params.components)
+                                   ring_window=self._ring_window,
+                                   components=kv_params.components)
         self._cond = self._store.lock                  # one lock for the manager and its batch
         self._sequences = SequenceBlocks(n, self._max_seq_len)
         self._inflight: ContinuousBatchingKVCacheCollection | None = None
@@ -102,15 +112,25 @@ class ContinuousBatchingKVCacheManager:
     device = property(lambda self: self._device, doc="The resolved device.")
     num_blocks = property(lambda self: self._num_blocks, doc="Blocks (= max_batch_size).")
     max_batch_size = property(lambda self: self._num_blocks, doc="Most live sequences.")
-    max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per block.")
+    max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per sequence.")
+    ring_window = property(lambda self: self._ring_window,
+                           doc="Tokens a block holds per layer when it is a ring, else 0.")
     num_layers = property(lambda self: self._num_layers, doc="Decoder layers per block.")
 
     @property
     def blocks_buf(self):
-        """The cache, ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]``
-        (K at ``[:, 0]``, V at ``[:, 1]``; ``[num_blocks, 1, ...]``, K only, for an MLA
-        ``kv_params``), allocated once; zero-copy on both devices."""
+        """The cache, ``[num_blocks, 2, num_layers, T, num_heads, head_size]`` (K at
+        ``[:, 0]``, V at ``[:, 1]``; ``[num_blocks, 1, ...]``, K only, for an MLA
+        ``kv_params``; ``T`` = ``max_seq_len``, or ``ring_window`` for rings), allocated once;
+        zero-copy on both devices."""
         return self._store.blocks
+
+    def ring_start(self, lengths):
+        """Entry of the oldest valid token of a ring block for sequences of ``lengths``
+        tokens (an int or an int array, e.g. a collection's ``cache_lengths``): ``length %
+        W`` once ``length > W``, else 0; always 0 without rings. Valid entries are
+        ``min(length, W)``, in rotated order from here."""
+        return ring_start(lengths, self._ring_window, self._device)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -348,9 +368,10 @@ class ContinuousBatchingKVCacheManager:
         (``lookup_table`` and ``cache_lengths``), ``metadata_bytes`` (those, the row offsets
         and the layer tables), ``total_bytes`` (``blocks_buf`` and metadata: what
         :meth:`KVCacheStaticParams.nbytes` says), ``bytes_per_block``, ``bytes_per_token``
-        (K and V, or the latent with ``is_mla``; all layers), ``num_blocks``, ``free_blocks``,
-        ``live_sequences``, ``committed_tokens``, ``capacity_tokens``, ``token_utilization``,
-        ``dtype``, ``device``."""
+        (K and V, or the latent with ``is_mla``; all layers; per held token with a ring),
+        ``num_blocks``, ``free_blocks``, ``live_sequences``, ``committed_tokens``,
+        ``capacity_tokens``, ``token_utilization``, ``dtype``, ``device``; ``ring_window``
+        (0 without rings)."""
         with self._cond:
             blocks = int(self.blocks_buf.nbytes)
             per_block = blocks // self._num_blocks
@@ -361,7 +382,8 @@ class ContinuousBatchingKVCacheManager:
                     "blocks_buf_bytes": blocks, "index_buffer_bytes": index,
                     "metadata_bytes": metadata, "total_bytes": blocks + metadata,
                     "bytes_per_block": per_block,
-                    "bytes_per_token": per_block // self._max_seq_len,
+                    "bytes_per_token": per_block // (self._ring_window or self._max_seq_len),
+                    "ring_window": self._ring_window,
                     "num_blocks": self._num_blocks, "free_blocks": len(self._sequences.free),
                     "live_sequences": len(self._sequences.block_of), "committed_tokens": committed,
                     "capacity_tokens": capacity, "token_utilization": committed / capacity}

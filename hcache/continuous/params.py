@@ -12,9 +12,12 @@ from ..dtypes import resolve_dtype
 __all__ = ["KVCacheStaticParams", "manager_arguments"]
 
 
-def manager_arguments(dtype, kv_params, max_batch_size, max_seq_len, num_layers) -> tuple:
+def manager_arguments(dtype, kv_params, max_batch_size, max_seq_len, num_layers,
+                      sliding_window=None) -> tuple:
     """The arguments of a :class:`~hcache.ContinuousBatchingKVCacheManager`, checked:
-    ``(dtype, max_batch_size, max_seq_len, num_layers)`` (a resolved dtype, three ints).
+    ``(dtype, max_batch_size, max_seq_len, num_layers, ring_window)`` (a resolved dtype, four
+    ints; ``ring_window`` is ``sliding_window`` when it is shorter than ``max_seq_len``, else
+    0: unbounded blocks).
 
     Raises
     ------
@@ -29,7 +32,10 @@ def manager_arguments(dtype, kv_params, max_batch_size, max_seq_len, num_layers)
     seq_len = as_int("max_seq_len", max_seq_len, 1)
     if seq_len > INT32_MAX:
         raise ValueError(f"max_seq_len: expected at most {INT32_MAX}, got {max_seq_len}")
-    return dtype, blocks, seq_len, as_int("num_layers", num_layers, 1)
+    layers = as_int("num_layers", num_layers, 1)
+    window = None if sliding_window is None else as_int("sliding_window", sliding_window, 1)
+    ring = window if window is not None and window < seq_len else 0
+    return dtype, blocks, seq_len, layers, ring
 
 
 @dataclass(frozen=True)
@@ -61,20 +67,24 @@ class KVCacheStaticParams:
         """Cache planes per layer: 2 (K and V), or 1 with ``is_mla``."""
         return 1 if self.is_mla else 2
 
-    def nbytes(self, dtype, max_batch_size, max_seq_len, num_layers) -> int:
+    def nbytes(self, dtype, max_batch_size, max_seq_len, num_layers, *,
+               sliding_window=None) -> int:
         """Device bytes a :class:`~hcache.ContinuousBatchingKVCacheManager` of this geometry
         and these arguments allocates (its ``memory_report()["total_bytes"]``; one plane per
-        layer with ``is_mla``), known before any allocation. Raises as the manager's
+        layer with ``is_mla``; ring blocks of the window with a ``sliding_window`` shorter
+        than ``max_seq_len``), known before any allocation. Raises as the manager's
         constructor for a bad argument."""
-        dtype, n, s, layers = manager_arguments(dtype, self, max_batch_size, max_seq_len,
-                                                num_layers)
+        dtype, n, s, layers, ring = manager_arguments(dtype, self, max_batch_size, max_seq_len,
+                                                      num_layers, sliding_window)
         return continuous_manager_nbytes(dtype, self.num_heads, self.head_size, n, s, layers,
-                                         self.components)
+                                         self.components, ring)
 
-    def max_batch_size_for(self, budget, dtype, max_seq_len, num_layers) -> int:
+    def max_batch_size_for(self, budget, dtype, max_seq_len, num_layers, *,
+                           sliding_window=None) -> int:
         """The largest ``max_batch_size`` (blocks) whose manager fits in ``budget`` bytes, or
         0 if not even one block fits. ``TypeError`` / ``ValueError`` for a bad argument."""
         budget = as_int("budget", budget, 0)
-        self.nbytes(dtype, 1, max_seq_len, num_layers)   # checks the other arguments
-        return largest_fitting(lambda n: self.nbytes(dtype, n, max_seq_len, num_layers),
-                               budget)
+        self.nbytes(dtype, 1, max_seq_len, num_layers,
+                    sliding_window=sliding_window)   # checks the other arguments
+        return largest_fitting(lambda n: self.nbytes(dtype, n, max_seq_len, num_layers,
+                                                     sliding_window=sliding_window), budget)

@@ -32,6 +32,9 @@ class KVBlockStore:
         The resolved cache dtype.
     num_blocks, num_layers, max_seq_len, num_heads, head_size : int
         Each >= 1 (checked by the manager).
+    ring_window : int
+        0, or ``W < max_seq_len``: every layer of a block is then a ring of ``W`` tokens
+        (position ``p`` at entry ``p mod W``; docs/design.md §5, §3.9).
     components : int
         2 (K and V) or 1 (an MLA cache: K only).
 
@@ -40,8 +43,9 @@ class KVBlockStore:
     device : Device
     dtype : numpy.dtype
         The cache dtype.
-    blocks : array [num_blocks, C, num_layers, max_seq_len, num_heads, head_size]
-        ``blocks_buf`` (``C = components``), zeroed at construction; it never moves.
+    blocks : array [num_blocks, C, num_layers, T, num_heads, head_size]
+        ``blocks_buf`` (``C = components``), zeroed at construction; it never moves (``T``:
+        ``max_seq_len``, or the ring window).
     group : KVGroup
         One NHD group of the per-layer views ``blocks[:, :, layer]``, ``[num_blocks, C,
         max_seq_len, num_heads, head_size]``: row (``group_position``) ``layer`` is decoder
@@ -57,14 +61,16 @@ class KVBlockStore:
     """
 
     def __init__(self, device, dtype, num_blocks: int, num_layers: int, max_seq_len: int,
-                 num_heads: int, head_size: int, components: int = 2):
+                 num_heads: int, head_size: int, ring_window: int = 0, components: int = 2):
         xp = device.xp
         self.device, self.dtype = device, dtype
+        self._max_seq_len, self.ring_window = max_seq_len, ring_window
+        tokens = ring_window or max_seq_len
         with launch_scope(device, None):   # the current stream: construction takes none
-            self.blocks = zeros(device, (num_blocks, components, num_layers, max_seq_len,
+            self.blocks = zeros(device, (num_blocks, components, num_layers, tokens,
                                          num_heads, head_size), storage_dtype(dtype, xp))
             self.group = KVGroup([self.blocks[:, :, layer] for layer in range(num_layers)],
-                                 layout="NHD")
+                                 layout="NHD", ring_windows=[ring_window] * num_layers)
             self.lookup_table = xp.zeros((num_blocks,), dtype=np.int32)
             self.cache_lengths = xp.zeros((num_blocks,), dtype=np.int32)
             self.seq_offsets = xp.zeros((num_blocks + 1,), dtype=np.int32)
@@ -76,7 +82,8 @@ class KVBlockStore:
 
     @property
     def max_seq_len(self) -> int:
-        return int(self.blocks.shape[3])
+        """Tokens a sequence may hold (its ring keeps the last ``ring_window`` of them)."""
+        return self._max_seq_len
 
     @property
     def index_nbytes(self) -> int:
@@ -104,9 +111,9 @@ class KVBlockStore:
         return layer
 
     def kv_view(self, kv: int, layer):
-        """``blocks[:, kv, layer]``, ``[num_blocks, max_seq_len, num_heads, head_size]`` (``kv``
-        0 for keys, 1 for values). Raises like :meth:`check_layer`, and ``ValueError`` for
-        values of an MLA cache (it has none)."""
+        """``blocks[:, kv, layer]``, ``[num_blocks, T, num_heads, head_size]`` (``kv``
+        0 for keys, 1 for values; ``T`` as in ``blocks``). Raises like :meth:`check_layer`,
+        and ``ValueError`` for values of an MLA cache (it has none)."""
         layer = self.check_layer(layer)
         if kv >= self.blocks.shape[1]:
             raise ValueError("value_cache: expected a cache with values, got an MLA cache "

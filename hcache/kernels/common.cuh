@@ -15,14 +15,19 @@
 typedef unsigned long long hc_u64;
 typedef long long hc_i64;
 
-// One attention layer of a head-dim group, as seen by a multi-layer kernel (16 bytes).
+// One attention layer of a head-dim group, as seen by a multi-layer kernel (24 bytes).
 // data: layer base address; layout [num_slots, C, num_kv_heads, max_seq_len, head_dim] unless a
 // kernel says otherwise (a paged pool uses max_seq_len = block size). C, the components, is a
 // launch argument shared by the group: 2 (K then V) or 1 (a latent MLA cache).
+// ring_window: 0 for an unbounded layer; W > 0 for a ring buffer of a sliding-window layer,
+// whose max_seq_len is W: absolute position p lives at p mod max_seq_len (the kernels take the
+// modulus by max_seq_len, so a wrong ring_window can never address outside the buffer).
 struct KVLayerInfo {
     hc_u64 data;
     int num_kv_heads;
     int max_seq_len;
+    int ring_window;
+    int reserved;
 };
 
 // One tensor of a slot set: slot i of src is src + i*slot_bytes (likewise dst).

@@ -156,7 +156,9 @@ __device__ void hc_kv_compact_body(char* base, hc_i64 slot_stride,
 }
 
 // Moves the first lengths[old] tokens of every kept slot, for every layer of a head-dim group,
-// none at or past the plan's max length (span_limit: the bytes no chunk may pass).
+// none at or past the plan's max length (span_limit: the bytes no chunk may pass). Spans are
+// clamped to the layer's max_seq_len, so a ring layer (ring_window > 0) moves the
+// min(lengths[old], W) entries it holds, each to the same ring entry (lengths are absolute).
 // layers: KVLayerInfo [num_layers], each cache [num_slots, C, H_l, S_l, D] with C = components
 // (2: K and V, 1: a latent cache) and D*itemsize == row_bytes; lengths: int32 [num_slots], read
 // before any length is compacted.

@@ -7,6 +7,9 @@
 //     pos = cache_lengths[b] + (t - start of row b)        (cache_lengths null: 0)
 // of a cache slot:
 //     contiguous caches: slot = row_to_slot[b] (null: b), token p = pos;
+//     ring layers (KVLayerInfo.ring_window > 0, contiguous caches only): p = pos mod S, and a
+//                        token with more than S later tokens in its row is skipped silently
+//                        (only the last S tokens of a ragged prefill land; S = the window);
 //     paged caches:      slot = block_table[b, pos / S], token p = pos % S (S = block size).
 // Padding is skipped silently: tokens past the last row, position -1, slot/block -1.
 // Anything else out of range (pos < -1, p >= S, a block-table column past its width, a slot
@@ -31,14 +34,15 @@
 
 #include "common.cuh"
 
-// Row b of token t, or -1 for padding.
+// Row b of token t, or -1 for padding; *start and *end bound the row's tokens.
 __device__ __forceinline__ int hc_token_row(const int* seq_offsets, int uniform_tokens, int batch,
-                                            int t, int* start) {
+                                            int t, int* start, hc_i64* end) {
     if (seq_offsets == nullptr) {
         if (uniform_tokens <= 0) return -1;
         const int b = t / uniform_tokens;
         if (b >= batch) return -1;
         *start = b * uniform_tokens;
+        *end = (hc_i64)*start + uniform_tokens;
         return b;
     }
     if (batch <= 0 || t < seq_offsets[0] || t >= seq_offsets[batch]) return -1;
@@ -48,6 +52,7 @@ __device__ __forceinline__ int hc_token_row(const int* seq_offsets, int uniform_
         if (seq_offsets[mid] <= t) lo = mid; else hi = mid - 1;
     }
     *start = seq_offsets[lo];
+    *end = seq_offsets[lo + 1];
     return lo;
 }
 
@@ -73,8 +78,11 @@ __device__ __forceinline__ int hc_token_target(const HcWriteArgs& a, const KVLay
                                                hc_i64 kv_stride, hc_i64 head_stride,
                                                hc_i64 tok_stride, hc_i64* dst) {
     int start = 0;
-    const int b = hc_token_row(a.seq_offsets, a.uniform_tokens, a.batch, t, &start);
+    hc_i64 end = 0;
+    const int b = hc_token_row(a.seq_offsets, a.uniform_tokens, a.batch, t, &start, &end);
     if (b < 0) return 1;
+    const bool ring = info.ring_window > 0 && a.block_table == nullptr;
+    if (ring && end - t > info.max_seq_len) return 1;  // overwritten by a later token of its row
     // 64-bit: cache_lengths[b] + (t - start) may pass INT_MAX.
     const hc_i64 pos = a.positions != nullptr
                            ? (hc_i64)a.positions[t]
@@ -92,7 +100,8 @@ __device__ __forceinline__ int hc_token_target(const HcWriteArgs& a, const KVLay
         p = pos - col * S;
     } else {
         slot = a.row_to_slot != nullptr ? a.row_to_slot[b] : b;
-        p = pos;
+        const int S = info.max_seq_len;
+        p = !ring ? pos : (pos <= 0x7fffffff ? (hc_i64)((int)pos % S) : pos % S);
     }
     if (slot == -1) return 1;
     if (slot < 0 || slot >= a.num_slots || p >= info.max_seq_len) return 2;

@@ -134,8 +134,9 @@ def upload_table(run, group, host: np.ndarray):
     last = group.scratch_host
     if last is not None and last[0] == key and np.array_equal(last[1], host):
         return
+    flat = host.reshape(-1)   # the scratch is flat: tables of 2- or 3-word records
     if isinstance(group.scratch_infos, np.ndarray):
-        upload(group.scratch_infos, host)
+        upload(group.scratch_infos, flat)
     else:
-        run.upload(group.scratch_infos, host)
+        run.upload(group.scratch_infos, flat)
     group.scratch_host = (key, host)

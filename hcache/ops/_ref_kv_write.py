@@ -38,16 +38,20 @@ _iota_cache.flags.writeable = False
 
 
 def _token_rows(num_tokens, batch, seq_offsets, uniform_tokens):
-    """Row of each token (-1: padding) and the index of its row's first token."""
+    """Row of each token (-1: padding), the index of its row's first token and one past its
+    row's last (``end``)."""
     t = _iota(num_tokens)
     if seq_offsets is None:
         if uniform_tokens <= 0:
-            return np.full(num_tokens, -1), np.zeros(num_tokens, dtype=np.int64)
+            zeros = np.zeros(num_tokens, dtype=np.int64)
+            return np.full(num_tokens, -1), zeros, zeros
         b = t // uniform_tokens
         b[b >= batch] = -1
-        return b, np.maximum(b, 0) * uniform_tokens
+        start = np.maximum(b, 0) * uniform_tokens
+        return b, start, start + uniform_tokens
     if batch <= 0:
-        return np.full(num_tokens, -1), np.zeros(num_tokens, dtype=np.int64)
+        zeros = np.zeros(num_tokens, dtype=np.int64)
+        return np.full(num_tokens, -1), zeros, zeros
     off = np.asarray(seq_offsets[:batch + 1], dtype=np.int64)
     if (off[1:] >= off[:-1]).all():
         # Sorted offsets: the kernel's binary search (largest b with off[b] <= t) is
@@ -66,7 +70,8 @@ def _token_rows(num_tokens, batch, seq_offsets, uniform_tokens):
             hi = np.where(active & ~le, mid - 1, hi)
         b = lo
     b[(t < off[0]) | (t >= off[batch])] = -1
-    return b, off[np.maximum(b, 0)]
+    bb = np.maximum(b, 0)
+    return b, off[bb], off[bb + 1]
 
 
 def _decode_targets(group, idx, n, cache_lengths, row_to_slot):
@@ -74,8 +79,14 @@ def _decode_targets(group, idx, n, cache_lengths, row_to_slot):
     cache_lengths[t] or 0)``; ``None`` unless every slot and position is in range."""
     if row_to_slot is None and n > group.num_slots:
         return None
-    cap = min(group.max_seq_lens[li] for li in idx) if len(idx) > 1 else \
-        group.max_seq_lens[idx[0]]
+    rings = [group.ring_windows[li] for li in idx]
+    if any(rings):
+        # a ring takes any position >= 0 (modulo its window); the others their token axis
+        cap = min((group.max_seq_lens[li] for li, w in zip(idx, rings) if not w),
+                  default=2**31)
+    else:
+        cap = min(group.max_seq_lens[li] for li in idx) if len(idx) > 1 else \
+            group.max_seq_lens[idx[0]]
     if cache_lengths is None:
         pos = 0
     else:
@@ -97,6 +108,9 @@ def _decode_targets(group, idx, n, cache_lengths, row_to_slot):
             return None
         if isinstance(pos, int):
             pos = np.zeros(n, dtype=np.intp)
+    if any(rings):
+        wrapped = {w: pos % w for w in set(rings) if w}
+        return [(None, slot, wrapped[w] if w else pos, n) for w in rings], 0
     return [(None, slot, pos, n)] * len(idx), 0
 
 
@@ -134,7 +148,7 @@ def kv_write_targets(group, idx, num_tokens, *, seq_offsets=None, uniform_tokens
         fast = _decode_targets(group, idx, n, cache_lengths, row_to_slot)
         if fast is not None:
             return fast
-    b, start = _token_rows(num_tokens, batch, seq_offsets, uniform_tokens)
+    b, start, end = _token_rows(num_tokens, batch, seq_offsets, uniform_tokens)
     live = b >= 0
     if not live.any():
         return None, 0
@@ -152,6 +166,11 @@ def kv_write_targets(group, idx, num_tokens, *, seq_offsets=None, uniform_tokens
     targets, reported = [], 0
     for j, li in enumerate(idx):
         cap = group.max_seq_lens[li]
+        ring = group.ring_windows[li] and block_table is None
+        l_live, l_bad = live, bad
+        if ring:   # only a row's last `cap` tokens land; older ones are skipped silently
+            recent = (end - t) <= cap
+            l_live, l_bad = live & recent, bad & recent
         if block_table is not None:
             table = np.asarray(block_table)
             col = pp // cap
@@ -164,14 +183,14 @@ def kv_write_targets(group, idx, num_tokens, *, seq_offsets=None, uniform_tokens
         else:
             wide = None
             slot = np.asarray(row_to_slot, dtype=np.int64)[bb] if row_to_slot is not None else bb
-            p = pp
-        cand = live & (slot != -1)
+            p = pp % cap if ring else pp
+        cand = l_live & (slot != -1)
         if wide is not None:
             cand &= ~wide
         oob = cand & ((slot < 0) | (slot >= group.num_slots) | (p >= cap))
         go = cand & ~oob
         if j == 0:
-            rep = bad | oob
+            rep = l_bad | oob
             if wide is not None:
                 rep |= wide
             reported = int(np.count_nonzero(rep))

@@ -31,34 +31,71 @@ __all__ = ["kv_capture", "kv_restore", "kv_prefix_copy"]
 
 def kv_capture(group, slot, num_tokens, out, *, stream=None, backend=None):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer into ``out`` (list of
-    ``[C, H_l, num_tokens, D]``), one launch. Raises ``IndexError`` / ``ValueError`` before
+    ``[C, H_l, m_l, D]``, ``C = group.components``), one launch: ``m_l = num_tokens``, or for a
+    ring layer of window ``W`` the last ``min(num_tokens, W)`` positions in order
+    (``group.held_tokens``). A ring holds the right tokens when ``num_tokens`` is the slot's
+    length (or the ring has not wrapped past it). Raises ``IndexError`` / ``ValueError`` before
     touching anything."""
     _check_slot_and_length(group, slot, num_tokens)
-    for j, t in enumerate(out):
-        if t.ndim == 4 and t.shape[2] != num_tokens:
-            raise ValueError(f"out[{j}]: expected {num_tokens} tokens, got {t.shape[2]}")
     slot, num_tokens = int(slot), int(num_tokens)
+    for j, t in enumerate(out):
+        m = group.held_tokens(j, num_tokens)
+        if getattr(t, "ndim", 0) == 4 and t.shape[2] != m:
+            raise ValueError(f"out[{j}]: expected {m} tokens, got {t.shape[2]}")
     run = _checked_launcher(group, out, None, stream, backend)
     if run is None:
         return ref.kv_capture(group, slot, num_tokens, out)
     _launch(run, group, slot, num_tokens, out, False, None)
 
 
-def kv_restore(group, saved, slot, *, stream=None, backend=None):
-    """Copy every ``saved[l]`` (``[C, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)``
-    of ``slot`` of layer ``l``, one launch. Validates everything before touching anything."""
+def kv_restore(group, saved, slot, *, num_tokens=None, stream=None, backend=None):
+    """Copy every ``saved[l]`` (``[C, H_l, m_l, D]``, as :func:`kv_capture` gives them for an
+    ``n``-token prefix) into ``slot`` of layer ``l``, one launch: tokens ``[0, n)``, or a ring
+    layer's last ``min(n, W)`` at their ring entries. ``num_tokens`` is ``n``; by default it is
+    read from the tensors (an unbounded layer's count, or a ring's count below its window) and
+    required when every layer is a full ring. Validates everything before touching anything."""
     if len(saved) != group.num_layers:
         raise ValueError(f"saved: expected {group.num_layers} tensors, got {len(saved)}")
-    lengths = {int(t.shape[2]) for t in saved if t.ndim == 4}
-    if len(lengths) > 1:
-        raise ValueError(f"saved: expected one token count for every layer, got {sorted(lengths)}")
-    n = lengths.pop() if lengths else 0
+    n = prefix_length(group, saved, num_tokens, "saved")
     _check_slot_and_length(group, slot, n)
     slot = int(slot)
     run = _checked_launcher(group, saved, None, stream, backend)
     if run is None:
-        return ref.kv_restore(group, saved, slot)
+        return ref.kv_restore(group, saved, slot, num_tokens=n)
     _launch(run, group, slot, n, saved, True, None)
+
+
+def prefix_length(group, saved, num_tokens, name, length_name="num_tokens") -> int:
+    """The prefix length ``n`` that per-layer tensors ``saved`` (``[C, H_l, m_l, D]``) hold:
+    ``num_tokens`` when given (checked against every ``m_l``), else read from the tensors.
+
+    Raises
+    ------
+    ValueError
+        The token counts disagree, or every layer is a ring holding its full window (then
+        ``n`` cannot be read from the tensors and ``num_tokens`` is required).
+    """
+    counts = [int(t.shape[2]) if getattr(t, "ndim", 0) == 4 else 0 for t in saved]
+    if num_tokens is None:
+        known = {m for p, m in enumerate(counts)
+                 if not group.ring_windows[p] or m < group.ring_windows[p]}
+        if len(known) > 1:
+            raise ValueError(f"{name}: expected one token count for every layer, "
+                             f"got {sorted(known)}")
+        if not known:
+            if not counts:
+                return 0
+            raise ValueError(f"{length_name}: expected the captured prefix length (every "
+                             f"layer is a full ring buffer), got None")
+        n = known.pop()
+    else:
+        n = check_int(length_name, num_tokens, 0)
+    for p, m in enumerate(counts):
+        want = group.held_tokens(p, n)
+        if m != want:
+            raise ValueError(f"{name}[{p}]: expected {want} tokens (of a {n}-token prefix), "
+                             f"got {m}")
+    return n
 
 
 def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None, stream=None,
@@ -82,7 +119,7 @@ def _check_slot_and_length(group, slot, num_tokens):
         raise TypeError(f"slot: expected an int, got {type(slot).__name__}")
     if not 0 <= int(slot) < group.num_slots:
         raise IndexError(f"slot: expected a slot in [0, {group.num_slots}), got {int(slot)}")
-    cap = min(group.max_seq_lens)
+    cap = min(group.max_tokens(p) for p in range(group.num_layers))
     if not 0 <= int(num_tokens) <= cap:
         raise ValueError(f"num_tokens: expected a length in [0, {cap}], got {int(num_tokens)}")
 
@@ -121,8 +158,9 @@ def _launch(run, group, slot, num_tokens, compact, to_cache, status):
                                 [int(t.shape[1]) for t in compact],
                                 [int(t.shape[2]) for t in compact])
     upload_table(run, group, table)
+    held = max(group.held_tokens(p, num_tokens) for p in range(group.num_layers))
     grid = (group.components * group.max_kv_heads, group.num_layers,
-            grid_z(num_tokens * group.row_bytes))
+            grid_z(held * group.row_bytes))
     run.launch("kv_capture", "hc_kv_capture", grid, (BLOCK, 1, 1),
                (ptr(group.device_layer_infos), ptr(group.scratch_infos), i32(slot),
                 i32(num_tokens), i32(group.components), i32(group.row_bytes),

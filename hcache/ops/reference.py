@@ -217,32 +217,38 @@ def _slot_records(slots) -> list:
 
 def kv_capture(group, slot, num_tokens, out):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer into ``out[l]``
-    (``[C, H_l, num_tokens, D]``, ``C = group.components``)."""
+    (``[C, H_l, m_l, D]``, ``C = group.components``, ``m_l = group.held_tokens(l, num_tokens)``:
+    a ring layer gives the last ``min(num_tokens, W)`` in order)."""
     kv_prefix_copy(group, slot, num_tokens, out, to_cache=False)
 
 
-def kv_restore(group, saved, slot):
-    """Copy every ``saved[l]`` (``[C, H_l, n, D]``, one ``n`` for all) into tokens ``[0, n)`` of
-    ``slot`` of layer ``l``."""
-    kv_prefix_copy(group, slot, int(saved[0].shape[2]) if saved else 0, saved, to_cache=True)
+def kv_restore(group, saved, slot, *, num_tokens=None):
+    """Copy every ``saved[l]`` (``[C, H_l, m_l, D]``, as :func:`kv_capture` gives them for an
+    ``n``-token prefix; ``n`` defaults to ``saved[0]``'s token count) back into ``slot``."""
+    n = int(saved[0].shape[2]) if num_tokens is None and saved else int(num_tokens or 0)
+    kv_prefix_copy(group, slot, n, saved, to_cache=True)
 
 
 def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None):
     """Copy tokens ``[0, num_tokens)`` of ``slot`` of every layer to (``to_cache=False``) or from
     (``to_cache=True``) compact tensors ``[C, H_l, n, D]``; a layer with bad arguments is
-    skipped and counted. ``num_tokens == 0`` does nothing (no launch on the device)."""
+    skipped and counted. ``num_tokens == 0`` does nothing (no launch on the device). A ring
+    layer (window ``W``) copies the ``m = min(num_tokens, W)`` positions ``num_tokens - m ..
+    num_tokens - 1`` it holds, from ring entries ``p mod W``, to compact tokens ``0..m-1``."""
     if num_tokens == 0:
         return
-    for layer, saved, heads, cap in zip(group.layers, compact, group.num_kv_heads,
-                                        group.max_seq_lens):
-        if not (0 <= slot < group.num_slots and 0 <= num_tokens <= cap
-                and num_tokens <= saved.shape[2] and saved.shape[1] == heads):
+    for layer, saved, heads, cap, ring in zip(group.layers, compact, group.num_kv_heads,
+                                              group.max_seq_lens, group.ring_windows):
+        m = min(num_tokens, cap) if ring else num_tokens
+        if not (0 <= slot < group.num_slots and 0 <= num_tokens and m <= cap
+                and m <= saved.shape[2] and saved.shape[1] == heads):
             _bump(status)
             continue
+        entries = slice(0, m) if not ring else (num_tokens - m + np.arange(m)) % cap
         if to_cache:
-            layer[slot, :, :, :num_tokens] = saved[:, :, :num_tokens]
+            layer[slot][:, :, entries] = saved[:, :, :m]
         else:
-            saved[:, :, :num_tokens] = layer[slot, :, :, :num_tokens]
+            saved[:, :, :m] = layer[slot][:, :, entries]
 
 
 # --- lengths: kernels/lengths.cu ------------------------------------------------------------------

@@ -2,11 +2,12 @@
 
 A :class:`KVGroup` is the unit of one launch for attention data (docs/design.md §3.1): the layers
 of one head dim and one component count (K and V, or one latent MLA vector), with a device array
-of ``KVLayerInfo {uint64 data; int32 num_kv_heads; int32 max_seq_len}`` built once. A
-:class:`SlotSet` is the unit of one launch for whole-slot copies (Mamba states, lengths, paged
-blocks): a device array of ``SlotTensorInfo {uint64 src, dst; int64 slot_bytes; int32
-src_slots, dst_slots}``. Both are stored as ``uint64`` words because CuPy has no structured
-dtypes; the byte layout is the C struct's.
+of ``KVLayerInfo {uint64 data; int32 num_kv_heads; int32 max_seq_len; int32 ring_window; int32
+reserved}`` (24 bytes) built once; ``ring_window`` is 0 for an unbounded layer and the window
+``W`` (= ``max_seq_len``) of a ring-buffer layer. A :class:`SlotSet` is the unit of one launch
+for whole-slot copies (Mamba states, lengths, paged blocks): a device array of ``SlotTensorInfo
+{uint64 src, dst; int64 slot_bytes; int32 src_slots, dst_slots}``. Both are stored as
+``uint64`` words because CuPy has no structured dtypes; the byte layout is the C struct's.
 
 A compaction plan is an int32 array laid out as ``kernels/compact.cu`` says: a header of
 :data:`PLAN_HEADER` words, the inverse mapping, done flags, then ``(src, dst)`` schedule pairs
@@ -20,6 +21,7 @@ import numpy as np
 from ..device import Device, array_module_of, data_pointer, launch_scope, to_host, upload
 
 __all__ = ["KVGroup", "SlotSet", "group_layers_by_head_dim", "pack_kv_layer_infos",
+           "KV_LAYER_INFO_WORDS",
            "PLAN_HEADER", "TMP", "CLEAR", "compaction_plan_size", "plan_max_batch",
            "plan_schedule"]
 
@@ -57,15 +59,21 @@ def plan_schedule(plan) -> np.ndarray:
 # --- descriptor tables ------------------------------------------------------------------------
 
 
-def pack_kv_layer_infos(pointers, num_kv_heads, max_seq_lens) -> np.ndarray:
-    """Host ``uint64 [n, 2]`` array with the bytes of ``KVLayerInfo[n]``."""
+KV_LAYER_INFO_WORDS = 3   # uint64 words of one KVLayerInfo (24 bytes)
+
+
+def pack_kv_layer_infos(pointers, num_kv_heads, max_seq_lens, ring_windows=None) -> np.ndarray:
+    """Host ``uint64 [n, 3]`` array with the bytes of ``KVLayerInfo[n]`` (``ring_windows``:
+    per layer 0, unbounded, or its window; default all 0)."""
     n = len(pointers)
-    out = np.zeros((n, 2), dtype=np.uint64)
+    out = np.zeros((n, KV_LAYER_INFO_WORDS), dtype=np.uint64)
     if n:
         out[:, 0] = np.asarray(pointers, dtype=np.uint64)
         heads = np.asarray(num_kv_heads, dtype=np.uint64)
         seq = np.asarray(max_seq_lens, dtype=np.uint64)
         out[:, 1] = heads | (seq << np.uint64(32))
+        if ring_windows is not None:
+            out[:, 2] = np.asarray(ring_windows, dtype=np.uint64)
     return out
 
 
@@ -93,19 +101,24 @@ class KVGroup:
     layer_indices : sequence of int, optional
         Labels of the layers (e.g. attention indices), ints in ``[0, 2**31)``; default
         ``0..n-1``.
+    ring_windows : sequence of int, optional
+        Per layer 0 (unbounded: position ``p`` at token ``p``) or ``W`` for a ring buffer of a
+        sliding-window layer, whose token axis must be exactly ``W`` long: position ``p`` lives
+        at ``p mod W`` (docs/design.md §3.9). Default: every layer unbounded. Ring and
+        unbounded layers share one launch. Paged writes (a block table) ignore it.
 
     Attributes
     ----------
     components : int
         2 (K and V) or 1 (latent): the kernels' ``components`` argument.
-    device_layer_infos : array, uint64 [num_layers, 2]
+    device_layer_infos : array, uint64 [num_layers, 3]
         The ``KVLayerInfo`` array on the layers' device (built once).
     device_layer_indices : array, int32 [num_layers]
         ``layer_indices`` on the device (built once): the row of a per-layer scale table that
         :func:`hcache.ops.kv_write_fp8` reads for each group position.
     """
 
-    def __init__(self, layers, *, layout: str = "HND", layer_indices=None):
+    def __init__(self, layers, *, layout: str = "HND", layer_indices=None, ring_windows=None):
         if not layers:
             raise ValueError("layers: expected at least one layer, got 0")
         if len(layers) > MAX_GRID_Y:
@@ -161,13 +174,25 @@ class KVGroup:
         if any(not 0 <= i <= _INT32_MAX for i in self.layer_indices):
             raise ValueError(f"layer_indices: expected labels in [0, {_INT32_MAX}], "
                              f"got {self.layer_indices}")
-        host = pack_kv_layer_infos([data_pointer(a) for a in self.layers], heads, seqs)
+        rings = (0,) * len(self.layers) if ring_windows is None else tuple(
+            int(w) for w in ring_windows)
+        if len(rings) != len(self.layers):
+            raise ValueError(f"ring_windows: expected {len(self.layers)} windows, "
+                             f"got {len(rings)}")
+        for i, (w, s) in enumerate(zip(rings, seqs)):
+            if w not in (0, s):
+                raise ValueError(f"ring_windows[{i}]: expected 0 (unbounded) or {s} (the "
+                                 f"layer's token axis), got {w}")
+        self.ring_windows = rings
+        host = pack_kv_layer_infos([data_pointer(a) for a in self.layers], heads, seqs, rings)
         self.device_layer_infos = _to_device(host, self.xp)
         # The labels on the device: the scale row of each group position (kv_write_fp8).
         self.device_layer_indices = _to_device(np.asarray(self.layer_indices, np.int32), self.xp)
         # Per-call pointer tables (write sources, capture/restore tensors) are uploaded here,
         # so no call allocates device memory.
-        self.scratch_infos = self.xp.zeros((len(self.layers), 2), dtype=np.uint64)
+        # Flat: a table of n KVSrcInfo (2 words each) or n KVLayerInfo (3 words each).
+        self.scratch_infos = self.xp.zeros(len(self.layers) * KV_LAYER_INFO_WORDS,
+                                           dtype=np.uint64)
         self.scratch_host = None  # (stream key, table) that scratch_infos holds now
 
     @property
@@ -177,6 +202,20 @@ class KVGroup:
     @property
     def max_kv_heads(self) -> int:
         return max(self.num_kv_heads)
+
+    @property
+    def has_rings(self) -> bool:
+        return any(self.ring_windows)
+
+    def max_tokens(self, p: int) -> int:
+        """The largest prefix a capture / restore can hold for group position ``p``: its token
+        axis, or unbounded (int32 max) for a ring, which keeps the last ``W`` of any prefix."""
+        return _INT32_MAX if self.ring_windows[p] else self.max_seq_lens[p]
+
+    def held_tokens(self, p: int, n: int) -> int:
+        """Tokens of an ``n``-token prefix that group position ``p`` holds: ``min(n, W)`` for a
+        ring, ``n`` otherwise."""
+        return min(n, self.ring_windows[p]) if self.ring_windows[p] else n
 
     @property
     def nbytes(self) -> int:

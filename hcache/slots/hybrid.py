@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from .._checks import check_index
 from ..config.caches import HybridCacheConfig, LayerType
 from ..device import launch_scope, resolve_device
@@ -36,7 +38,7 @@ class KVHeadDimGroupView:
 
     Attributes
     ----------
-    device_layer_infos : array, uint64 [num_layers, 2]
+    device_layer_infos : array, uint64 [num_layers, 3]
         The group's ``KVLayerInfo`` array on the device; valid for the manager's lifetime.
     num_layers, head_dim, max_kv_heads : int
     layer_indices : tuple of int
@@ -45,6 +47,10 @@ class KVHeadDimGroupView:
     components : int
         2 (each cache ``[max_batch, 2, H, S, D]``) or 1 (latent MLA caches ``[max_batch, 1,
         1, S, D]``): one group never mixes the two.
+    ring_windows : tuple of int
+        Per group position, the ring window ``W`` of a ring-buffer layer (its ``max_seq_len``;
+        position ``p`` at entry ``p mod W``) or 0 (unbounded); also the third word of each
+        ``KVLayerInfo`` row.
     """
 
     device_layer_infos: object
@@ -53,6 +59,7 @@ class KVHeadDimGroupView:
     max_kv_heads: int
     layer_indices: tuple
     components: int = 2
+    ring_windows: tuple = ()
 
 
 class HybridCacheManager(BatchAPI):
@@ -101,7 +108,8 @@ class HybridCacheManager(BatchAPI):
         self._owner_layer = tuple(owners)
         self._group_views = tuple(
             KVHeadDimGroupView(g.device_layer_infos, g.num_layers, g.head_dim, g.max_kv_heads,
-                               tuple(owners[a] for a in g.layer_indices), g.components)
+                               tuple(owners[a] for a in g.layer_indices), g.components,
+                               g.ring_windows)
             for g in self._kv.groups)
         states = self._mamba.state_tensors if self._mamba is not None else ()
         self._kv_writer = self._kv._writer   # write_kv (BatchAPI) through the KV sub-manager
@@ -170,8 +178,9 @@ class HybridCacheManager(BatchAPI):
 
     def get_combined_kv_cache(self, i):
         """KV cache read by decoder layer ``i`` (its owner's for a shared layer), a view
-        ``[max_batch, 2, H, S, D]``, or ``[max_batch, 1, 1, S, kv_lora_rank +
-        qk_rope_head_dim]`` for a latent (MLA) layer (``c_kv`` then ``k_pe``).
+        ``[max_batch, 2, H, L, D]``, or ``[max_batch, 1, 1, L, kv_lora_rank +
+        qk_rope_head_dim]`` for a latent (MLA) layer (``c_kv`` then ``k_pe``); ``L``:
+        ``max_sequence_length``, or the window of a ring layer (see :meth:`get_ring_window`).
 
         Raises
         ------
@@ -183,7 +192,7 @@ class HybridCacheManager(BatchAPI):
         return self._kv.get_combined_kv_cache(self._attention_index(i))
 
     def get_separate_kv_cache(self, i):
-        """K and V caches of decoder layer ``i``: strided views ``[max_batch, H, S, D]``.
+        """K and V caches of decoder layer ``i``: strided views ``[max_batch, H, L, D]``.
         Raises like :meth:`get_combined_kv_cache`, and ``ValueError`` for a latent (MLA) layer,
         which has no V."""
         index = self._attention_index(i)
@@ -191,6 +200,19 @@ class HybridCacheManager(BatchAPI):
             raise ValueError(f"i: expected a layer with separate K and V, got layer {int(i)}, a "
                              f"latent (MLA) layer (one component; use get_combined_kv_cache)")
         return self._kv.get_separate_kv_cache(index)
+
+    def get_ring_window(self, i) -> int:
+        """Ring window of the cache decoder layer ``i`` reads (0: unbounded). Raises like
+        :meth:`get_combined_kv_cache`."""
+        return self._kv.get_ring_window(self._attention_index(i))
+
+    def ring_start(self, i, lengths=None):
+        """Entry of the oldest valid token of decoder layer ``i``'s ring for ``lengths``
+        (default: the active slots' lengths, :meth:`get_kv_cache_lengths`, a device array);
+        see :meth:`KVCacheManager.ring_start`."""
+        index = self._attention_index(i)
+        return self._kv.ring_start(index, self.get_kv_cache_lengths() if lengths is None
+                                   else lengths)
 
     def get_recurrent_state(self, i):
         """Recurrent state of decoder layer ``i``, a view ``[max_batch, heads, head_dim,
@@ -235,7 +257,8 @@ class HybridCacheManager(BatchAPI):
     def memory_report(self) -> dict:
         """Device bytes per component (``kv_cache``, ``recurrent``, ``conv``, ``metadata``:
         lengths, plan, descriptor tables and write staging), ``total``, and ``layers``: per
-        decoder layer, the cache bytes it owns (0 for shared and cache-less layers)."""
+        decoder layer, the cache bytes it owns (0 for shared and cache-less layers);
+        ``kv_cache_unbounded``: the KV bytes without ring buffers (not in ``total``)."""
         kv = self._kv.memory_report()
         mamba = self._mamba.memory_report() if self._mamba is not None else \
             {"recurrent": 0, "conv": 0, "layers": ()}
@@ -255,23 +278,42 @@ class HybridCacheManager(BatchAPI):
                   "conv": mamba["conv"], "metadata": metadata}
         report["total"] = sum(report.values())
         report["layers"] = tuple(layers)
+        report["kv_cache_unbounded"] = kv["kv_cache_unbounded"]
         return report
 
     # --- prompt cache -----------------------------------------------------------------------
 
     def capture_kv_cache(self, b, sequence_length, stream=None, *, with_scales=False):
-        """Tokens ``[0, sequence_length)`` of slot ``b``, one **new** ``[C_i, H_i, n, D_i]``
-        array (``[1, 1, n, D_i]`` for a latent layer) per cache-owning attention layer
-        (attention-index order, which is decoder-layer order; one launch per head-dim group);
-        with ``with_scales`` (FP8) also copies of the scale tables. See
-        :meth:`KVCacheManager.capture_kv_cache`."""
+        """Tokens ``[0, sequence_length)`` of slot ``b``, one **new** ``[C_i, H_i, m_i, D_i]``
+        array (``[1, 1, m_i, D_i]`` for a latent layer) per cache-owning attention layer
+        (attention-index order, which is decoder-layer order; one launch per head-dim group; a
+        ring layer gives its last ``m_i = min(n, W)`` positions in order); with ``with_scales``
+        (FP8) also copies of the scale tables. See :meth:`KVCacheManager.capture_kv_cache`.
+
+        Raises
+        ------
+        ValueError
+            Besides the sub-manager's: a ring layer no longer holds the requested tokens
+            (the slot's known length is past its window and differs from ``sequence_length``).
+        """
+        rings = [w for w in self._config.kv.layer_ring_windows if w]
+        if rings and isinstance(b, (int, np.integer)) and not isinstance(b, bool) \
+                and 0 <= b < self._config.max_batch_size and self._known[b] \
+                and isinstance(sequence_length, (int, np.integer)):
+            have, n = int(self._host_lengths[b]), int(sequence_length)
+            if have > min(rings) and n != have:
+                raise ValueError(f"sequence_length: expected {have} (slot {b}'s length: its "
+                                 f"ring layers hold only the last {min(rings)} tokens), "
+                                 f"got {n}")
         return self._kv.capture_kv_cache(b, sequence_length, stream, with_scales=with_scales)
 
-    def restore_kv_cache(self, saved, b, stream=None, *, scales=None) -> None:
+    def restore_kv_cache(self, saved, b, stream=None, *, scales=None,
+                         sequence_length=None) -> None:
         """Inverse of :meth:`capture_kv_cache` into slot ``b`` (lengths untouched; validates
-        everything first; ``scales`` as captured, FP8). See
-        :meth:`KVCacheManager.restore_kv_cache`."""
-        self._kv.restore_kv_cache(saved, b, stream, scales=scales)
+        everything first; ``scales`` as captured, FP8; ``sequence_length`` needed only when
+        every layer is a full ring). See :meth:`KVCacheManager.restore_kv_cache`."""
+        self._kv.restore_kv_cache(saved, b, stream, scales=scales,
+                                  sequence_length=sequence_length)
 
     def capture_recurrent_states(self, b, stream=None) -> list:
         """Slot ``b``'s recurrent state per Mamba layer (**new** ``[1, ...]`` arrays; empty

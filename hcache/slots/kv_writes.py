@@ -21,10 +21,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .._checks import host_array, is_array, token_counts
-from ..device import as_array, launch_scope, on_device, stream_handle, upload, upload_ints
+from .._checks import token_counts
+from ..device import as_array, launch_scope, stream_handle, upload, upload_ints
 from ..dtypes import is_fp8, resolve_dtype, storage_dtype
 from .kv_scale_tables import check_table_scale, record_scale
+from .write_positions import check_positions
 
 __all__ = ["KVWriter"]
 
@@ -45,6 +46,10 @@ class KVWriter:
     dtype : str or dtype
         The caches' dtype (a float8 dtype makes quantizing writes and scale tables possible).
     max_sequence_length : int
+    ring_windows : sequence of int, optional
+        Per attention layer its ring window (0: unbounded); host positions are checked to be
+        distinct modulo a written ring's window among each row's last ``W`` tokens (the ones
+        that land, docs/design.md §3.9).
 
     Notes
     -----
@@ -52,12 +57,14 @@ class KVWriter:
     construction's launch scope.
     """
 
-    def __init__(self, device, caches, groups, dtype, max_sequence_length: int):
+    def __init__(self, device, caches, groups, dtype, max_sequence_length: int, *,
+                 ring_windows=None):
         xp = device.xp
         self._device, self._caches, self._groups = device, tuple(caches), tuple(groups)
         self.dtype = resolve_dtype(dtype)
         self._storage = storage_dtype(self.dtype, xp)
         self._max_len = int(max_sequence_length)
+        self._rings = tuple(ring_windows) if ring_windows is not None else (0,) * len(caches)
         self._max_batch = int(caches[0].shape[0]) if caches else 0
         self._where = {a: (g, p) for g, group in enumerate(groups)
                        for p, a in enumerate(group.layer_indices)}
@@ -169,7 +176,7 @@ class KVWriter:
             raise ValueError(f"k: expected {batch} sequences (the active batch), got {lead[0]}")
         total = lead[0] if ragged else lead[0] * lead[1]
         staged = self._check_positions(positions, lead, batch,
-                                       counts if ragged else lead[1])
+                                       counts if ragged else lead[1], layers)
         if positions is None:
             if batch_state is None:
                 raise ValueError("positions: expected explicit positions (a KVCacheManager "
@@ -292,46 +299,11 @@ class KVWriter:
             raise ValueError(f"k: expected at most {self._max_len - have} new tokens for slot "
                              f"{b} (length {have}), got {int(new[b]) - have}")
 
-    def _check_positions(self, positions, lead, batch, counts):
+    def _check_positions(self, positions, lead, batch, counts, layers):
         """Host positions, checked and flattened (int64), or the device array as it is."""
-        if positions is None:
-            return None
-        xp = self._device.xp
-        if xp is not np and on_device(positions):   # device data: not read
-            positions = as_array("positions", positions, self._device)
-            if positions.dtype != np.int32 or tuple(positions.shape) != lead \
-                    or not positions.flags.c_contiguous:
-                raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
-                                 f"{list(lead)}, got {positions.dtype} "
-                                 f"{list(positions.shape)}")
-            return positions.reshape(-1)
-        if is_array(positions):   # an array of any library, without a copy
-            pos = host_array("positions", positions)
-        else:
-            try:
-                pos = np.asarray(positions)
-            except (ValueError, TypeError, OverflowError):   # ragged
-                raise TypeError(f"positions: expected integers shaped {list(lead)}, got a "
-                                "ragged sequence") from None
-            if isinstance(positions, (list, tuple)) and pos.dtype.kind in "iu" and any(
-                    isinstance(v, bool) for v in np.asarray(positions, dtype=object).ravel()):
-                raise TypeError("positions: expected integers, got a bool entry")
-        if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
-            raise TypeError(f"positions: expected integers, got dtype {pos.dtype}")
-        if tuple(pos.shape) != lead:
-            raise ValueError(f"positions: expected shape {list(lead)}, got {list(pos.shape)}")
-        flat = pos.reshape(-1).astype(np.int64)
-        bad = np.flatnonzero((flat < -1) | (flat >= self._max_len))
-        if bad.size:
-            raise ValueError(f"positions[{int(bad[0])}]: expected a position in [-1, "
-                             f"{self._max_len}) (-1 skips the token), got {int(flat[bad[0]])}")
-        rows = np.repeat(np.arange(batch, dtype=np.int64), counts)
-        live = flat >= 0
-        keys = rows[live] * self._max_len + flat[live]
-        if np.unique(keys).size != keys.size:
-            raise ValueError("positions: expected distinct positions within each sequence, "
-                             "got a repeated one")
-        return flat
+        windows = sorted({self._rings[a] for a in layers} - {0})
+        return check_positions(positions, lead, batch, counts, self._max_len, windows,
+                               self._device)
 
     def _check_scale(self, name, scale, layers):
         """A scale argument as ``None`` (the recorded tables), a float or a device table of
