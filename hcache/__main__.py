@@ -52,6 +52,7 @@ def info(args) -> int:
     import numpy as np
 
     import hcache
+    from hcache import _cuda
     from hcache.device import cupy_available, resolve_device
     from hcache.dtypes import DTYPE_NAMES, resolve_dtype, storage_dtype
     from hcache.ops import _loader, _nvrtc
@@ -60,13 +61,11 @@ def info(args) -> int:
     print(f"python      {platform.python_version()} ({sys.platform})")
     print(f"numpy       {np.__version__}")
     print(f"ml_dtypes   {ml_dtypes.__version__}")
-    try:
-        import cupy
-
-        print(f"cupy        {cupy.__version__} (GPU usable: {cupy_available()})")
-    except Exception as exc:  # noqa: BLE001
-        print(f"cupy        not importable ({type(exc).__name__})")
-        cupy = None
+    rt = _cuda.runtime()
+    if rt is not None:
+        print(f"cupy        {rt.version} (GPU usable: {cupy_available()})")
+    else:
+        print("cupy        not importable")
     version = _nvrtc.nvrtc_version()
     print(f"nvrtc       {'.'.join(map(str, version)) if version else 'not found'}")
     device = resolve_device(args.device)

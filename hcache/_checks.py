@@ -14,8 +14,8 @@ from itertools import repeat
 
 import numpy as np
 
-from .device import host_array as _import_host
-from .device import on_device
+from .arrays import host_array as _import_host
+from .arrays import on_device
 
 __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host_ints",
            "index_array", "block_id_array", "hash_array", "int_shape", "int32_array",
@@ -73,7 +73,7 @@ def host_array(name: str, values) -> np.ndarray:
     """``values`` as a NumPy array: the one host coercion of integer arguments.
 
     A NumPy array is returned as it is; an array of any other library (``__dlpack__``,
-    ``__array__``, ``__array_interface__``, JAX) through :func:`hcache.device.host_array`,
+    ``__array__``, ``__array_interface__``, JAX) through :func:`hcache.arrays.host_array`,
     without a copy where its producer allows; a flat sequence (a list, a tuple, a range, a
     generator) through ``np.asarray``.
 

@@ -9,34 +9,29 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import weakref
 from dataclasses import dataclass
-from functools import cache
 
 import numpy as np
 
+from . import _cuda
+from .staging import StagingRing
+
 __all__ = ["Device", "resolve_device", "cupy_available", "stream_handle", "stream_scope",
            "launch_scope", "upload", "upload_ints", "to_host", "array_module_of", "data_pointer",
-           "as_array", "host_array", "on_device", "ALIGNMENT", "zeros", "cuda_free_bytes"]
+           "ALIGNMENT", "zeros", "cuda_free_bytes"]
 
 
-@cache
-def _cupy():
-    try:
-        import cupy
-    except Exception:  # noqa: BLE001 - any import failure means "no CuPy"
-        return None
-    return cupy
+def _runtime():
+    return _cuda.runtime()
 
 
 def cupy_available() -> bool:
-    """True when CuPy imports and ``cupy.cuda.is_available()`` (a driver and a GPU) holds."""
-    cp = _cupy()
-    if cp is None:
-        return False
-    try:
-        return bool(cp.cuda.is_available())
-    except Exception:  # noqa: BLE001
-        return False
+    """True when a device runtime is usable: CuPy imports and ``cupy.cuda.is_available()`` (a
+    driver and a GPU) holds, or the test suite's emulated device is installed."""
+    rt = _runtime()
+    return rt is not None and rt.usable()
 
 
 @dataclass(frozen=True)
@@ -62,13 +57,13 @@ class Device:
 
     @property
     def xp(self):
-        """The array module: ``numpy`` on cpu, ``cupy`` on cuda."""
-        return _cupy() if self.is_cuda else np
+        """The array module: ``numpy`` on cpu, the runtime's (``cupy``) on cuda."""
+        return _runtime().xp if self.is_cuda else np
 
     def scope(self):
         """A context manager that makes this device current (a no-op on cpu)."""
         if self.is_cuda:
-            return _cupy().cuda.Device(self.index)
+            return _runtime().device_scope(self.index)
         return contextlib.nullcontext()
 
     def __str__(self) -> str:
@@ -102,18 +97,19 @@ def resolve_device(device=None) -> Device:
     if not cupy_available():
         raise ValueError(f"device: expected a usable CUDA device for {device!r}, "
                          "got none (CuPy missing or no GPU/driver); use device='cpu'")
-    index = int(ordinal) if ordinal else _cupy().cuda.runtime.getDevice()
-    count = _cupy().cuda.runtime.getDeviceCount()
+    index = int(ordinal) if ordinal else _runtime().current_device()
+    count = _runtime().device_count()
     if index >= count:
         raise ValueError(f"device: expected an ordinal below {count}, got {index}")
     return Device("cuda", index)
 
 
 def array_module_of(array):
-    """``numpy`` or ``cupy``, by the array's type (anything not CuPy is treated as NumPy)."""
-    cp = _cupy()
-    if cp is not None and isinstance(array, cp.ndarray):
-        return cp
+    """``numpy`` or the runtime's array module (``cupy``), by the array's type (anything not a
+    device array is treated as NumPy)."""
+    rt = _runtime()
+    if rt is not None and not isinstance(array, np.ndarray) and rt.is_array(array):
+        return rt.xp
     return np
 
 
@@ -121,7 +117,70 @@ def data_pointer(array) -> int:
     """The address of an array's first element (host address for NumPy, device for CuPy)."""
     if isinstance(array, np.ndarray):
         return int(array.ctypes.data)
-    return int(array.data.ptr)
+    return _runtime().pointer(array)
+
+
+def array_device(array) -> int | None:
+    """The CUDA ordinal that owns a device array's memory; ``None`` for a host array."""
+    if isinstance(array, np.ndarray):
+        return None
+    rt = _runtime()
+    return rt.array_device(array) if rt is not None and rt.is_array(array) else None
+
+
+def adopt(obj):
+    """``obj`` as a device array of the runtime, with **no** synchronization: a device array as
+    it is; an object with ``__cuda_array_interface__`` viewed in place (``cupy.asarray`` would
+    synchronize the host with the stream the interface names). Order the producer's stream
+    with :func:`wait_for_producer` inside the call's launch scope."""
+    rt = _runtime()
+    if rt.is_array(obj):
+        return obj
+    return rt.adopt(obj)
+
+
+_producer_events = weakref.WeakKeyDictionary()   # runtime -> {device: the producers' event}
+_producer_lock = threading.Lock()
+
+
+def wait_for_producer(obj, device: Device) -> None:
+    """Inside a launch scope on ``device``: the current stream waits (on the device, no host
+    wait) for the stream that ``obj.__cuda_array_interface__`` names as its producer (``1`` is
+    the legacy default stream; absent or ``None``: nothing to order). During capture nothing is
+    waited for: the caller orders the producer before capturing (a capture cannot wait for
+    work outside it)."""
+    if not device.is_cuda or _runtime().is_array(obj):   # our own arrays: stream-ordered
+        return
+    iface = getattr(obj, "__cuda_array_interface__", None)
+    stream = iface.get("stream") if isinstance(iface, dict) else None
+    if not stream:
+        return
+    rt = _runtime()
+    handle = 0 if stream in (1, 2) else int(stream)
+    if rt.is_capturing() or handle == rt.current_stream():
+        return
+    with _producer_lock:
+        per_device = _producer_events.setdefault(rt, {})
+        event = per_device.get(device.index)
+        if event is None:
+            event = per_device[device.index] = rt.event()
+        with rt.stream_scope(handle, handle, device.index):
+            rt.record(event)
+        rt.wait(event)
+
+
+def check_device(name: str, array, device: Device) -> None:
+    """Refuse a device array that lives on another device than ``device`` (kernels launched on
+    ``device`` cannot address it).
+
+    Raises
+    ------
+    ValueError
+        ``array`` is a device array of another ordinal.
+    """
+    index = array_device(array) if device.is_cuda else None
+    if index is not None and index != device.index:
+        raise ValueError(f"{name}: expected an array on {device}, got one on cuda:{index}")
 
 
 def stream_handle(stream) -> int:
@@ -139,7 +198,7 @@ def stream_handle(stream) -> int:
         An ``int`` handle is negative or does not fit a 64-bit ``cudaStream_t``.
     """
     if stream is None:
-        return int(_cupy().cuda.get_current_stream().ptr) if cupy_available() else 0
+        return _runtime().current_stream() if cupy_available() else 0
     if isinstance(stream, bool):
         raise TypeError("stream: expected None, a CuPy stream, an int handle or an object with "
                         "__cuda_stream__, got bool")
@@ -163,52 +222,24 @@ def stream_handle(stream) -> int:
 
 
 def stream_scope(stream, device: Device):
-    """Context manager that makes ``stream`` current for CuPy work on ``device``.
-
-    On cpu the stream is validated and otherwise ignored.
-    """
+    """Context manager that makes ``stream`` current for device work on ``device`` (which must
+    be current already: see :func:`launch_scope`). On cpu the stream is validated and otherwise
+    ignored."""
     handle = stream_handle(stream)
     if not device.is_cuda:
         return contextlib.nullcontext()
-    cp = _cupy()
-    if stream is None:
-        return contextlib.nullcontext()
-    if isinstance(stream, cp.cuda.Stream):
-        return stream
-    return _external_stream(handle, device.index)
-
-
-class _StreamHandle:
-    """A raw ``cudaStream_t`` as an object of the CUDA stream protocol."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
-
-
-@cache
-def _external_stream(handle: int, device_index: int):
-    """A CuPy stream for a foreign ``cudaStream_t`` on ``device_index``, made once per handle
-    (``Stream.from_external``; CuPy 13 has only the deprecated ``ExternalStream``)."""
-    cp = _cupy()
-    from_external = getattr(cp.cuda.Stream, "from_external", None)
-    if from_external is None:
-        return cp.cuda.ExternalStream(handle, device_index)
-    with cp.cuda.Device(device_index):
-        return from_external(_StreamHandle(handle))
+    return _runtime().stream_scope(stream, handle, device.index)
 
 
 _NO_SCOPE = contextlib.nullcontext()   # reusable: entering it does nothing
 
 
-def launch_scope(device: Device, stream):
+def launch_scope(device: Device, stream, order=None):
     """Make ``device`` current, then ``stream`` (on that device), for the uploads and launches
     of one call; validates ``stream`` on cpu too. The one owner of the device and the stream of
     a call: the order matters, since a stream belongs to the device current when it is made.
+    With ``order`` (a :class:`~hcache.stream_order.StreamOrder`), the call's work is chained
+    after the owner's earlier work on other streams.
 
     Raises
     ------
@@ -220,13 +251,35 @@ def launch_scope(device: Device, stream):
         if stream is not None:
             stream_handle(stream)
         return _NO_SCOPE
-    return _cuda_launch_scope(device, stream)
+    return _cuda_launch_scope(device, stream, order)
 
 
 @contextlib.contextmanager
-def _cuda_launch_scope(device: Device, stream):
+def _cuda_launch_scope(device: Device, stream, order):
     with device.scope(), stream_scope(stream, device):
-        yield
+        if order is None:
+            yield
+            return
+        rt = _runtime()
+        order.before(rt)
+        try:
+            yield
+        finally:
+            order.after(rt)
+
+
+_rings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # runtime -> {device: ring}
+_rings_lock = threading.Lock()
+
+
+def _staging(rt, index: int) -> StagingRing:
+    with _rings_lock:
+        per_device = _rings.setdefault(rt, {})
+        ring = per_device.get(index)
+        if ring is None:
+            with rt.device_scope(index):
+                ring = per_device[index] = StagingRing(rt)
+        return ring
 
 
 ALIGNMENT = 64   # bytes: the first byte of every cache buffer (DLPack importers copy less)
@@ -238,8 +291,10 @@ def zeros(device: Device, shape, dtype):
 
     On ``cpu`` the buffer is over-allocated by ``ALIGNMENT`` bytes and the array starts at the
     first aligned byte (``numpy.zeros`` gives only 16 bytes, and JAX copies a less than
-    64-byte aligned buffer that it imports). CuPy's allocations are 256-byte aligned already.
-    ``TypeError`` / ``ValueError`` for a bad ``device``, ``shape`` or ``dtype``.
+    64-byte aligned buffer that it imports). On ``cuda`` the runtime allocates on the current
+    device (256-byte aligned) and queues the zero fill on the current stream: call it inside
+    the construction's launch scope, which ends with :func:`settle`. ``TypeError`` for a bad
+    ``device``, ``shape`` or ``dtype``.
     """
     device = resolve_device(device)
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or any(
@@ -250,9 +305,9 @@ def zeros(device: Device, shape, dtype):
         dtype = np.dtype(dtype if dtype is not None else "")   # np.dtype(None) is float64
     except TypeError:
         raise TypeError(f"dtype: expected a dtype, got {dtype!r:.60}") from None
-    if device.is_cuda:
-        return _cupy().zeros(shape, dtype=dtype)
     shape = tuple(int(n) for n in shape)
+    if device.is_cuda:
+        return _runtime().zeros(shape, dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)   # calloc: untouched pages stay free
     start = -raw.ctypes.data % ALIGNMENT
@@ -260,25 +315,28 @@ def zeros(device: Device, shape, dtype):
 
 
 def cuda_free_bytes(device: Device) -> int:
-    """Free memory of a CUDA ``device``, CuPy's pooled free blocks included (see
-    :func:`hcache.memory.available_bytes`)."""
-    cp = _cupy()
-    with cp.cuda.Device(device.index):
-        free, _ = cp.cuda.runtime.memGetInfo()
-        return int(free) + int(cp.get_default_memory_pool().free_bytes())
+    """Free memory of a CUDA ``device``, the runtime's pooled free blocks included (see
+    :func:`hcache.memory.available_bytes`); no device work is queued or waited for."""
+    return _runtime().free_bytes(device.index)
 
 
 def upload(dst, host: np.ndarray) -> None:
     """``dst[:len(host)] = host``: host to device on the current stream (a plain copy for a NumPy
     ``dst``). The one way the package copies host data into device buffers; ``host`` must have
-    ``dst``'s dtype and trailing shape."""
+    ``dst``'s dtype and trailing shape, and ``dst``'s device must be current.
+
+    On a device the bytes go through a pinned slot of the device's
+    :class:`~hcache.staging.StagingRing`: no pageable copy, capture-safe (a captured upload
+    keeps its slot for the graph's replays), and ``host`` may be reused as soon as this returns.
+    """
     n = host.shape[0]
     if n == 0:
         return
     if isinstance(dst, np.ndarray):
         dst[:n] = host
-    else:
-        dst[:n].set(np.ascontiguousarray(host))
+        return
+    rt = _runtime()
+    _staging(rt, rt.array_device(dst)).upload(dst[:n], np.ascontiguousarray(host))
 
 
 def upload_ints(dst, host: np.ndarray) -> None:
@@ -286,112 +344,20 @@ def upload_ints(dst, host: np.ndarray) -> None:
     upload(dst, host.astype(np.int32))
 
 
+def settle(device: Device) -> None:
+    """End of a construction: wait (host side) until the zero fills and table uploads it queued
+    on the current stream of ``device`` ran, so the new memory is ready for work on any stream
+    (a non-blocking stream is not ordered after the construction's stream). A no-op on cpu."""
+    if device.is_cuda:
+        with device.scope():
+            _runtime().synchronize_stream()
+
+
 def to_host(array) -> np.ndarray:
     """A host view of ``array`` (NumPy as it is; a CuPy array is copied, **synchronously**)."""
     if isinstance(array, np.ndarray):
         return array
-    return np.asarray(array.get() if hasattr(array, "get") else array)
-
-
-# --- foreign arrays (docs/design.md §2) ---------------------------------------------------------
-
-_DLPACK_HOST = (1, 3)   # kDLCPU, kDLCUDAHost: memory the host reads in place
-_FOREIGN_ERRORS = (BufferError, RuntimeError, TypeError, ValueError)
-
-
-def on_device(value) -> bool:
-    """True when ``value`` says its memory is device memory (CuPy, the CUDA array interface, a
-    DLPack device other than the host)."""
-    cp = _cupy()
-    if (cp is not None and isinstance(value, cp.ndarray)) \
-            or hasattr(value, "__cuda_array_interface__"):
-        return True
-    where = getattr(value, "__dlpack_device__", None)
-    if where is None:
-        return False
-    try:
-        return int(where()[0]) not in _DLPACK_HOST
-    except _FOREIGN_ERRORS:
-        return False
-
-
-def host_array(name: str, value) -> np.ndarray:
-    """``value`` as a NumPy array, sharing its memory where it can.
-
-    A NumPy array is returned as it is; an object with ``__dlpack__`` goes through
-    ``numpy.from_dlpack`` (zero-copy; read-only when the producer says so); one with
-    ``__array_interface__`` / ``__array__`` through ``numpy.asarray`` (zero-copy when the
-    producer hands out its buffer, as JAX and NumPy-backed containers do). DLPack has no
-    NumPy equivalent of bfloat16 or float8: such an object is read through ``__array__`` when
-    it has one (JAX), else refused.
-
-    Raises
-    ------
-    TypeError
-        ``value`` is device memory, not an array (a list, a scalar, ``None``), or an array
-        NumPy cannot import (the message says why).
-    """
-    if isinstance(value, np.ndarray):
-        return value
-    kind = type(value).__name__
-    if on_device(value):
-        raise TypeError(f"{name}: expected a numpy array (host memory: the device is cpu), "
-                        f"got device memory ({kind})")
-    problem = ""
-    if hasattr(value, "__dlpack__"):
-        try:
-            return np.from_dlpack(value)
-        except _FOREIGN_ERRORS as exc:
-            problem = f": {exc}"
-    if any(hasattr(value, p) for p in ("__array_interface__", "__array_struct__", "__array__")):
-        try:
-            arr = np.asarray(value)
-        except _FOREIGN_ERRORS as exc:
-            problem = f": {exc}"
-        else:
-            if arr.dtype != object:
-                return arr
-            problem = problem or ": it converts to dtype object"
-    raise TypeError(f"{name}: expected a numpy array (or an array with __dlpack__ or "
-                    f"__array__), got {kind}{problem}")
-
-
-def as_array(name: str, value, device: Device, stream=None):
-    """``value`` as an array of ``device``'s module (``device.xp``), without a copy.
-
-    On ``cpu`` see :func:`host_array`. On ``cuda`` a CuPy array is returned as it is and any
-    other device array is imported by :func:`_cuda_import` (``__cuda_array_interface__`` or
-    DLPack, on ``stream``); host memory is refused, since using it would mean a copy.
-
-    Raises
-    ------
-    TypeError
-        ``value`` is not an array, lives in the other kind of memory, or has a dtype the array
-        module cannot import (the message says which).
-    TypeError, ValueError
-        ``device`` is not a device, or ``stream`` not a stream (:func:`stream_handle`).
-    """
-    device = resolve_device(device)
-    stream_handle(stream)   # a bad stream is the stream's error, not the array's
-    if not device.is_cuda:
-        return host_array(name, value)
-    if isinstance(value, _cupy().ndarray):
-        return value
-    if not on_device(value):
-        raise TypeError(f"{name}: expected a cupy array (or an array on {device} with "
-                        f"__cuda_array_interface__ or __dlpack__), got {type(value).__name__}")
-    try:
-        return _cuda_import(value, device, stream)
-    except _FOREIGN_ERRORS as exc:
-        raise TypeError(f"{name}: expected an array CuPy can import, got "
-                        f"{type(value).__name__}: {exc}") from None
-
-
-def _cuda_import(value, device: Device, stream):
-    """A CuPy view of a foreign device array: the CUDA array interface, else DLPack (the
-    producer orders its work before ``stream``)."""
-    cp = _cupy()
-    with launch_scope(device, stream):
-        if hasattr(value, "__cuda_array_interface__"):
-            return cp.asarray(value)
-        return cp.from_dlpack(value)
+    rt = _runtime()
+    if rt is not None and rt.is_array(array):
+        return rt.to_host(array)
+    return np.asarray(array)

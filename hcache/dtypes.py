@@ -11,6 +11,8 @@ import functools
 import ml_dtypes
 import numpy as np
 
+from .device import array_module_of
+
 __all__ = ["DTYPE_NAMES", "resolve_dtype", "dtype_name", "storage_dtype", "is_fp8", "fp8_max",
            "fp8_scales", "dlpack_view"]
 
@@ -188,10 +190,8 @@ def fp8_scales(amax, dtype="float8_e4m3fn"):
             raise ValueError("amax: expected finite values >= 0, got a negative or non-finite "
                              "one")
         return np.where(a > 0, a / np.float32(fmax), np.float32(1)).astype(np.float32)
-    xp = type(amax).__module__.split(".")[0]
-    if xp != "cupy":
+    xp = array_module_of(amax)
+    if xp is np:
         raise TypeError(f"amax: expected a float or a float array, got {type(amax).__name__}")
-    import cupy
-
-    a = amax.astype(cupy.float32)
-    return cupy.where(a > 0, a / cupy.float32(fmax), cupy.float32(1)).astype(cupy.float32)
+    a = amax.astype(np.float32)
+    return xp.where(a > 0, a / np.float32(fmax), np.float32(1)).astype(np.float32)

@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-from .device import as_array
+from .arrays import as_array
 from .dtypes import is_fp8, resolve_dtype, storage_dtype
 
 __all__ = ["FLOAT_ROWS", "check_scale", "source_dtype"]
@@ -45,18 +45,21 @@ def source_dtype(name: str, dtype, cache_dtype, xp):
     raise ValueError(f"{name}: expected dtype {cache_dtype}, got {dtype}")
 
 
-def check_scale(name: str, scale, quantize: bool, device, num_layers: int, heads: int):
+def check_scale(name: str, scale, quantize: bool, device, num_layers: int, heads: int,
+                stream=None):
     """``scale`` of a write checked: None (1.0) or a float (finite, > 0, as float32) or a
     C-contiguous float32 array of ``device`` (any array library, see
-    :func:`hcache.device.as_array`) ``[num_layers]`` / ``[num_layers, >= heads]``; returns
-    the value to pass to :func:`hcache.ops.kv_write_fp8`. A write that does not quantize
-    (``quantize`` false) takes only None.
+    :func:`hcache.arrays.as_array`; a foreign table orders ``stream``, the write's, after its
+    producer) ``[num_layers]`` / ``[num_layers, >= heads]``; returns the value to pass to
+    :func:`hcache.ops.kv_write_fp8`. A write that does not quantize (``quantize`` false) takes
+    only None.
 
     Raises
     ------
     ValueError
         A scale for a plain write, a non-finite or non-positive float, a table of the wrong
-        dtype, shape or contiguity.
+        dtype, shape or contiguity, or a table on another device than ``device`` (a kernel
+        launched there could not read it).
     TypeError
         A bool, or not an array of ``device``'s memory.
     """
@@ -74,7 +77,7 @@ def check_scale(name: str, scale, quantize: bool, device, num_layers: int, heads
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name}: expected a finite scale > 0 (as float32), got {scale}")
         return value
-    scale = as_array(name, scale, device)
+    scale = as_array(name, scale, device, stream)
     ok = scale.dtype == np.float32 and scale.ndim in (1, 2) and scale.flags.c_contiguous \
         and scale.shape[0] == num_layers and (scale.ndim == 1 or scale.shape[1] >= heads)
     if not ok:

@@ -9,13 +9,18 @@ depend on the order); a kernel that needs position order starts at :func:`ring_s
 
 from __future__ import annotations
 
+import numpy as np
+
+from . import _cuda
 from ._checks import as_int, host_array
-from .device import array_module_of, as_array, on_device, resolve_device
+from .arrays import as_array, on_device
+from .device import launch_scope, resolve_device, stream_handle
+from .stream_order import StreamOrder
 
 __all__ = ["ring_start"]
 
 
-def ring_start(lengths, window: int, device=None):
+def ring_start(lengths, window: int, device=None, stream=None, *, order=None):
     """The entry of the oldest valid token of a ring of ``window`` tokens (0: unbounded).
 
     Parameters
@@ -26,37 +31,60 @@ def ring_start(lengths, window: int, device=None):
         The ring's window ``W`` (>= 0), or 0 for an unbounded cache.
     device : None, "cpu", "cuda", "cuda:N" or Device, optional
         The caches' device: device arrays of another library are viewed as its module
-        (``device.as_array``); host arrays of any library as NumPy arrays.
+        (:func:`hcache.arrays.as_array`); host arrays of any library as NumPy arrays.
+    stream : stream, optional
+        For device ``lengths``: the stream the result is computed on (default: the current
+        stream of ``device``).
+    order : StreamOrder, optional
+        The owner's cross-stream order of the lengths' writes (a manager's): the computation
+        is chained after its earlier work on other streams.
 
     Returns
     -------
-    int or array of ``lengths``' shape, dtype and module
+    int or array of ``lengths``' shape and dtype
         ``length % W`` once ``length > W``, else 0 (always 0 when ``window`` is 0). Entries
         ``start, ..., W - 1, 0, ..., start - 1`` hold positions ``length - min(length, W)``
-        onward, in order.
+        onward, in order. Host ``lengths`` give a NumPy array. Device ``lengths`` are **read
+        on the device** and give a new **device array** of ``device``'s module, written by an
+        elementwise kernel on ``stream`` (ordered after the lengths' producer, no host read or
+        sync; it allocates, so it is not for a captured step).
 
     Raises
     ------
     TypeError
         ``lengths`` is neither an int nor an integer array (of a library ``device`` can
-        import); ``window`` is not an int; ``device`` is not a device.
+        import); ``window`` is not an int; ``device`` is not a device; ``stream`` is not a
+        stream; ``order`` is not a :class:`~hcache.stream_order.StreamOrder`.
     ValueError
-        A negative host length, ``window`` < 0, or ``device`` names no usable device.
+        A negative host length, ``window`` < 0, ``device`` names no usable device, or a
+        ``stream`` handle out of range.
     """
     window = as_int("window", window, 0)
     if device is not None:
         device = resolve_device(device)
+    stream_handle(stream)
+    if order is not None and not isinstance(order, StreamOrder):
+        raise TypeError(f"order: expected None or a StreamOrder, got {type(order).__name__}")
     if isinstance(lengths, int) and not isinstance(lengths, bool):
         if lengths < 0:
             raise ValueError(f"lengths: expected a length >= 0, got {lengths}")
         return lengths % window if window and lengths > window else 0
-    on_host = device is None or not on_device(lengths)
-    lengths = host_array("lengths", lengths) if on_host else as_array("lengths", lengths, device)
+    if device is not None and device.is_cuda and on_device(lengths):
+        with launch_scope(device, stream, order):
+            lengths = as_array("lengths", lengths, device)
+            _check_int_array(lengths)
+            if not window:
+                return device.xp.zeros(lengths.shape, lengths.dtype)
+            return _cuda.runtime().ring_start(lengths, window)
+    lengths = host_array("lengths", lengths)
+    _check_int_array(lengths)
+    if lengths.size and int(lengths.min()) < 0:   # device lengths are not read
+        raise ValueError(f"lengths: expected lengths >= 0, got {int(lengths.min())}")
+    if not window:
+        return np.zeros_like(lengths)
+    return np.where(lengths > window, lengths % window, 0).astype(lengths.dtype)
+
+
+def _check_int_array(lengths) -> None:
     if lengths.dtype.kind not in "iu":
         raise TypeError(f"lengths: expected an int or an int array, got dtype {lengths.dtype}")
-    if on_host and lengths.size and int(lengths.min()) < 0:   # device lengths are not read
-        raise ValueError(f"lengths: expected lengths >= 0, got {int(lengths.min())}")
-    xp = array_module_of(lengths)
-    if not window:
-        return xp.zeros_like(lengths)
-    return xp.where(lengths > window, lengths % window, 0).astype(lengths.dtype)

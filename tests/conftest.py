@@ -60,6 +60,28 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{n:6d}  {reason}")
 
 
+@pytest.fixture(autouse=True)
+def _emulated_device(request):
+    """Tests marked ``emulated`` run with the asynchronous emulated device as the CUDA runtime
+    (tests/emu_device.py): ``device="cuda"`` resolves to it, ``cuda:1`` to its second device.
+    At the end every queue is drained, so a hazard queued by the test still runs."""
+    if request.node.get_closest_marker("emulated") is None:
+        yield None
+        return
+    emu = pytest.importorskip("emu")
+    if not emu.have_compiler():
+        pytest.skip("no host C++ compiler")
+    from hcache import _cuda
+
+    from emu_device import EmuRuntime
+
+    rt = EmuRuntime()
+    with _cuda.use_runtime(rt):
+        yield rt
+        if not rt.capturing_anywhere():
+            rt.synchronize()
+
+
 def pytest_report_header(config):
     return f"hcache: GPU tier {'enabled' if HAS_GPU else 'skipped (no CUDA GPU)'}"
 
@@ -70,3 +92,10 @@ def xp_device():
     import numpy
 
     return "cpu", numpy
+
+
+@pytest.fixture
+def emu_rt(_emulated_device):
+    """The emulated device's runtime of a test marked ``emulated``."""
+    assert _emulated_device is not None, "emu_rt: expected a test marked emulated"
+    return _emulated_device

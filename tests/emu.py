@@ -66,17 +66,28 @@ class EmuLauncher:
         self.launches: list[tuple[str, tuple, tuple]] = []
 
     def launch(self, family, name, grid, block, args):
-        holders = []
-        for a in args:
-            if not isinstance(a, np.generic) or a.dtype not in _CTYPE:
-                raise TypeError(f"kernel argument {a!r}: expected an int32/int64/uint64/float32 "
-                                "scalar")
-            holders.append(_CTYPE[a.dtype](a.item()))
-        argv = (ctypes.c_void_p * len(holders))(
-            *[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
-        fn = getattr(build(family, self.wide_index), f"emu_{name}")
-        fn.restype = None
-        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-        block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+        grid, block = run_kernel(family, name, grid, block, args, reverse=self.reverse,
+                                 wide_index=self.wide_index)
         self.launches.append((name, grid, block))
-        fn(*[ctypes.c_uint(x) for x in grid + block], ctypes.c_int(int(self.reverse)), argv)
+
+
+def check_args(args) -> None:
+    """Kernel arguments are NumPy scalars of the C types the kernels take."""
+    for a in args:
+        if not isinstance(a, np.generic) or a.dtype not in _CTYPE:
+            raise TypeError(f"kernel argument {a!r}: expected an int32/int64/uint64/float32 "
+                            "scalar")
+
+
+def run_kernel(family, name, grid, block, args, *, reverse=False, wide_index=False):
+    """Run kernel ``name`` of ``family`` on the host, now; returns the 3-d grid and block."""
+    check_args(args)
+    holders = [_CTYPE[a.dtype](a.item()) for a in args]
+    argv = (ctypes.c_void_p * len(holders))(
+        *[ctypes.cast(ctypes.pointer(h), ctypes.c_void_p) for h in holders])
+    fn = getattr(build(family, wide_index), f"emu_{name}")
+    fn.restype = None
+    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+    fn(*[ctypes.c_uint(x) for x in grid + block], ctypes.c_int(int(reverse)), argv)
+    return grid, block

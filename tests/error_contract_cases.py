@@ -155,10 +155,10 @@ case("PagedKVPool", "num_blocks_for", lambda: (None, PagedKVPool),
                 "dtype": "float16"},
      layer_configs=Instance(), block_size=Int(1), budget=Int(0), dtype=Choice())
 _LABEL = Fixed("the label of the checked argument", label=True)
-fn("device.as_array", {"name": "x", "value": np.zeros((2, 3), np.float16), "device": CPU,
+fn("arrays.as_array", {"name": "x", "value": np.zeros((2, 3), np.float16), "device": CPU,
                        "stream": None},
    name=_LABEL, value=AnyArray(), device=Choice(none_ok=True), stream=Stream())
-fn("device.host_array", {"name": "x", "value": np.zeros(3, np.int32)}, name=_LABEL,
+fn("arrays.host_array", {"name": "x", "value": np.zeros(3, np.int32)}, name=_LABEL,
    value=AnyArray())
 fn("device.zeros", {"device": CPU, "shape": (2, 3), "dtype": "bfloat16"},
    device=Choice(none_ok=True), shape=Ints(fixed_length=False), dtype=Choice())
@@ -393,7 +393,8 @@ CASES[(CB, "__init__")] = Case(
 case(CB, "can_claim", make_cb(), lambda _: {"batch_size": 1}, batch_size=Int(0))
 case(CB, "claim", make_cb(), lambda _: {"batch_size": 1}, batch_size=Int(0, 1))
 case(CB, "block_of", make_cb(), lambda _: {"seq_id": 0}, seq_id=Key(unknown=(99, -1, 2**70)))
-case(CB, "release", make_cb(), lambda _: {"seq_id": 0}, seq_id=Key(unknown=(99, -1, 2**70)))
+case(CB, "release", make_cb(), lambda _: {"seq_id": 0, "stream": None},
+     seq_id=Key(unknown=(99, -1, 2**70)), stream=Stream())
 case(CB, "fetch", make_cb(), lambda _: {"seq_ids": [0, 1], "wait": False, "timeout": None,
                                         "stream": None},
      seq_ids=Keys(unknown=99), wait=Bool(), timeout=Seconds(),
@@ -861,15 +862,20 @@ for _key in (("PagedKVPool", "write"), ("PagedKVPool", "write_kv"),
 for _key in (("KVCacheManager", "restore_kv_cache"), ("HybridCacheManager", "restore_kv_cache"),
              ("KVCacheManager", "restore_kv_cache", "mla")):
     _extend(_key, sequence_length=(3, Int(3, 3, none_ok=True).relating("saved")))
-fn("rings.ring_start", {"lengths": np.array([2, 7], np.int64), "window": 3, "device": CPU},
-   lengths=Lengths(), window=Int(0), device=Choice(none_ok=True))
+fn("rings.ring_start", {"lengths": np.array([2, 7], np.int64), "window": 3, "device": CPU,
+                       "stream": None, "order": None},
+   lengths=Lengths(), window=Int(0), device=Choice(none_ok=True), stream=Stream(),
+   order=Instance(none_ok=True))
 case("KVCacheManager", "get_ring_window", make_kv, lambda _: {"i": 1}, i=Index(2))
-case("KVCacheManager", "ring_start", make_kv, lambda _: {"i": 1, "lengths": [2, 5]},
-     i=Index(2), lengths=Lengths())
+case("KVCacheManager", "ring_start", make_kv,
+     lambda _: {"i": 1, "lengths": [2, 5], "stream": None},
+     i=Index(2), lengths=Lengths(), stream=Stream())
 case("HybridCacheManager", "get_ring_window", make_hybrid, lambda _: {"i": 1}, i=Index(4))
-case("HybridCacheManager", "ring_start", make_hybrid, lambda _: {"i": 3, "lengths": None},
-     i=Index(4), lengths=Lengths(none_ok=True))
-case(CB, "ring_start", make_cb(), lambda _: {"lengths": 5}, lengths=Lengths())
+case("HybridCacheManager", "ring_start", make_hybrid,
+     lambda _: {"i": 3, "lengths": None, "stream": None},
+     i=Index(4), lengths=Lengths(none_ok=True), stream=Stream())
+case(CB, "ring_start", make_cb(), lambda _: {"lengths": 5, "stream": None}, lengths=Lengths(),
+     stream=Stream())
 case(CTX, "local_block_ids", make_ctx(), lambda _: {"request_id": "a"}, request_id=Key())
 
 # A ring layout: layer 0 a ring of 3 entries, layer 1 a ring of 4 (max_sequence_length 6), so
@@ -914,10 +920,11 @@ variant("HybridCacheManager", "restore_kv_cache", "ring", make_hybrid_ring,
         saved=Arrays(), b=B3, stream=Stream(), scales=Instance(none_ok=True),
         sequence_length=Int(2, 2, none_ok=True).relating("saved"))
 variant("KVCacheManager", "ring_start", "ring", make_kv_ring,
-        lambda _: {"i": 0, "lengths": np.array([2, 5, 6], np.int32)}, i=Index(2),
-        lengths=Lengths())
+        lambda _: {"i": 0, "lengths": np.array([2, 5, 6], np.int32), "stream": None},
+        i=Index(2), lengths=Lengths(), stream=Stream())
 variant("HybridCacheManager", "ring_start", "ring", make_hybrid_ring,
-        lambda _: {"i": 1, "lengths": None}, i=Index(4), lengths=Lengths(none_ok=True))
+        lambda _: {"i": 1, "lengths": None, "stream": None}, i=Index(4),
+        lengths=Lengths(none_ok=True), stream=Stream())
 variant("HybridCacheManager", "write_kv", "ring", make_hybrid_ring,
         lambda _: {"layer": 3, "k": rows((3, 1, 8)), "v": rows((3, 1, 8), seed=1),
                    "seq_lengths": [1, 2], "positions": None, "k_scale": None,
@@ -947,8 +954,8 @@ variant(CB, "__init__", "ring", lambda: (None, None),
                    "max_batch_size": 2, "max_seq_len": 6, "num_layers": 1, "device": CPU,
                    "sliding_window": 2},
         **CASES[(CB, "__init__")].kinds)
-variant(CB, "ring_start", "ring", make_cb_ring(), lambda _: {"lengths": [5, 6]},
-        lengths=Lengths())
+variant(CB, "ring_start", "ring", make_cb_ring(), lambda _: {"lengths": [5, 6], "stream": None},
+        lengths=Lengths(), stream=Stream())
 variant(CB, "step", "ring", lambda: (lambda m: (m, m))(make_cb_ring()()[0]),
         lambda m: {"valid_lengths": [1, 2], "collection": m.fetch([0, 1])},
         valid_lengths=Ints(0, 2), collection=Instance())

@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+
+from hcache.device import array_module_of
+
+# The device parameter of the manager tests: NumPy, a real GPU (skipped without one), and the
+# asynchronous emulated device (tests/emu_device.py), which runs the CUDA path in CI.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu),
+           pytest.param("cuda", marks=pytest.mark.emulated, id="emulated")]
 
 
 def host(a) -> np.ndarray:
@@ -13,9 +21,7 @@ def host(a) -> np.ndarray:
 def put(dst, values) -> None:
     """``dst[...] = values`` with host ``values``, whatever ``dst``'s array module."""
     if hasattr(dst, "get"):
-        import cupy
-
-        dst[...] = cupy.asarray(values)
+        dst[...] = array_module_of(dst).asarray(values)
     else:
         dst[...] = values
 

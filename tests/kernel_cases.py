@@ -12,10 +12,12 @@ from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 
 GUARD = 64
 # Where the kernels run: the host emulation (forward order, 32-bit indices), the alternate
-# emulation (reverse thread order, 64-bit index paths) and CuPy on a GPU.
+# emulation (reverse thread order, 64-bit index paths), CuPy on a GPU, and the asynchronous
+# emulated device (tests/emu_device.py: device arrays, queued launches, the CUDA path).
 BACKENDS = [pytest.param("emu", marks=pytest.mark.emu),
             pytest.param("emu-reverse", marks=pytest.mark.emu),
-            pytest.param("cuda", marks=pytest.mark.gpu)]
+            pytest.param("cuda", marks=pytest.mark.gpu),
+            pytest.param("emulated", marks=pytest.mark.emulated)]
 # The NumPy reference (NumPy arrays, no backend) and the kernels: for checks that every path
 # makes alike (argument checks, edge cases).
 WITH_REFERENCE = [pytest.param("reference", id="reference"), *BACKENDS]
@@ -33,9 +35,9 @@ def kernel_env(kind):
             pytest.skip("no host C++ compiler")
         alternate = kind == "emu-reverse"
         return np, emu.EmuLauncher(reverse=alternate, wide_index=alternate)
-    import cupy
+    from hcache import _cuda
 
-    return cupy, None
+    return _cuda.runtime().xp, None
 
 
 HEAD_DIMS = (1, 3, 8, 36, 80, 96, 128, 512)

@@ -16,12 +16,14 @@ from hcache.config.caches import (
     LinearCacheConfig,
     MambaCacheConfig,
 )
+from hcache.device import array_module_of, resolve_device
 from hcache.slots.hybrid import HybridCacheManager
 from hcache.slots.linear import LinearKVCache
 
+import helpers
 from helpers import host
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = helpers.DEVICES
 B, S = 6, 12
 
 
@@ -68,9 +70,7 @@ def fill_random(arrays, rng):
         raw = rng.integers(0, 256, size=a.nbytes, dtype=np.uint8)
         u8 = a.view(np.uint8)
         if hasattr(a, "get"):
-            import cupy
-
-            u8[...] = cupy.asarray(raw.reshape(u8.shape))
+            u8[...] = array_module_of(a).asarray(raw.reshape(u8.shape))
         else:
             u8[...] = raw.reshape(u8.shape)
         out.append(raw.reshape(u8.shape).copy())
@@ -345,11 +345,10 @@ def test_compaction_property(case, use_linear):
 
 # --- device data (GPU tier) -----------------------------------------------------------------
 
-@pytest.mark.gpu
-def test_device_commit_and_conservative_flag():
-    import cupy
-
-    m = hybrid("cuda")
+@pytest.mark.parametrize("device", helpers.DEVICES[1:])
+def test_device_commit_and_conservative_flag(device):
+    cupy = resolve_device(device).xp
+    m = hybrid(device)
     m.reset_for_new_sequences([0, 0])
     m.commit_sequence_length(cupy.zeros(2, dtype=cupy.int32))
     assert not m.kv_cache_all_empty                 # unknown on the host: conservative
@@ -369,11 +368,10 @@ def test_device_commit_and_conservative_flag():
         m.commit_sequence_length(cupy.array([1, 1, 1], dtype=cupy.int32))
 
 
-@pytest.mark.gpu
-def test_device_mapping_compaction_and_invalid_mapping():
-    import cupy
-
-    m = hybrid("cuda")
+@pytest.mark.parametrize("device", helpers.DEVICES[1:])
+def test_device_mapping_compaction_and_invalid_mapping(device):
+    cupy = resolve_device(device).xp
+    m = hybrid(device)
     m.reset_for_new_sequences([1, 2, 3])
     m.compact_batch(cupy.array([1, -1, 0], dtype=cupy.int32), 3, 2)
     assert m.last_compaction_valid()

@@ -47,32 +47,32 @@ def _mamba(num_layers, batch):
     return MambaCacheConfig(num_layers, batch, **MAMBA)
 
 
-def exported_buffers(dtype):
+def exported_buffers(dtype, device="cpu"):
     """``(name, array)``: every cache buffer and per-layer view each manager hands out."""
     out = []
-    kv = KVCacheManager(KVCacheConfig(2, 8, KV_LAYERS, dtype), device="cpu")
+    kv = KVCacheManager(KVCacheConfig(2, 8, KV_LAYERS, dtype), device=device)
     out += [(f"kv.layer{i}", kv.get_combined_kv_cache(i)) for i in range(2)]
-    mamba = MambaCacheManager(_mamba(2, 2), device="cpu")
+    mamba = MambaCacheManager(_mamba(2, 2), device=device)
     out += [(f"mamba.state{i}", t) for i, t in enumerate(mamba.state_tensors)]
     hybrid = HybridCacheManager(HybridCacheConfig(
-        [A, M, A], KVCacheConfig(2, 8, KV_LAYERS, dtype), _mamba(1, 2), 2), device="cpu")
+        [A, M, A], KVCacheConfig(2, 8, KV_LAYERS, dtype), _mamba(1, 2), 2), device=device)
     out += [("hybrid.kv0", hybrid.get_combined_kv_cache(0)),
             ("hybrid.kv2", hybrid.get_combined_kv_cache(2)),
             ("hybrid.recurrent1", hybrid.get_recurrent_state(1)),
             ("hybrid.conv1", hybrid.get_conv_state(1))]
-    lin = LinearKVCache(LinearCacheConfig(2, 2, 8, 2, 16, dtype=dtype), device="cpu")
+    lin = LinearKVCache(LinearCacheConfig(2, 2, 8, 2, 16, dtype=dtype), device=device)
     out += [("linear.buffer", lin.get_kv_cache_buffer())]
     out += [(f"linear.layer{i}", lin.get_combined_kv_cache_for_decoder_layer(i))
             for i in range(2)]
     cb = ContinuousBatchingKVCacheManager(dtype, KVCacheStaticParams(2, 16), 2, 8, 2,
-                                          device="cpu")
+                                          device=device)
     out += [("continuous.blocks_buf", cb.blocks_buf)]
-    pool = PagedKVPool(KV_LAYERS, 4, 8, dtype, device="cpu")
+    pool = PagedKVPool(KV_LAYERS, 4, 8, dtype, device=device)
     out += [(f"paged.layer{i}", a) for i, a in enumerate(pool.layers)]
     ctx = DynamicInferenceContext(
         kv_layer_configs=KV_LAYERS, num_blocks=4, block_size_tokens=4, max_requests=4,
         max_blocks_per_request=2, num_mamba_layers=1, conv_states_shape=(16, 4),
-        ssm_states_shape=(2, 4, 8), mamba_cache_slots=2, kv_dtype=dtype, device="cpu")
+        ssm_states_shape=(2, 4, 8), mamba_cache_slots=2, kv_dtype=dtype, device=device)
     alloc = ctx.mamba_slot_allocator
     out += [("context.live_conv", ctx.mamba_conv_states),
             ("context.live_ssm", ctx.mamba_ssm_states),
@@ -80,31 +80,31 @@ def exported_buffers(dtype):
             ("context.scratch_conv", alloc.intermediate_conv_out),
             ("context.scratch_ssm", alloc.intermediate_ssm_out)]
     out += [(f"context.kv{i}", a) for i, a in enumerate(ctx.kv_pool.layers)]
-    return out + latent_and_conv_only_buffers(dtype) + ring_buffers(dtype)
+    return out + latent_and_conv_only_buffers(dtype, device) + ring_buffers(dtype, device)
 
 
-def latent_and_conv_only_buffers(dtype):
+def latent_and_conv_only_buffers(dtype, device="cpu"):
     """The buffers of latent (MLA) layers (one plane) and of conv-only Mamba layers (no
     recurrent state), which their managers allocate in their own shapes."""
     out = []
     layers = [LATENT, KV_LAYERS[0]]
-    kv = KVCacheManager(KVCacheConfig(2, 8, layers, dtype), device="cpu")
+    kv = KVCacheManager(KVCacheConfig(2, 8, layers, dtype), device=device)
     out += [("latent.kv0", kv.get_combined_kv_cache(0))]
     conv_only = MambaCacheConfig(2, 2, 0, 0, 0, 16, 4)
     out += [(f"conv_only.state{i}", t) for i, t in enumerate(
-        MambaCacheManager(conv_only, device="cpu").state_tensors)]
+        MambaCacheManager(conv_only, device=device).state_tensors)]
     hybrid = HybridCacheManager(HybridCacheConfig(
         [A, M, A], KVCacheConfig(2, 8, layers, dtype), MambaCacheConfig(1, 2, 0, 0, 0, 16, 4),
-        2), device="cpu")
+        2), device=device)
     out += [("hybrid.latent0", hybrid.get_combined_kv_cache(0)),
             ("hybrid.conv_only1", hybrid.get_conv_state(1))]
     cb = ContinuousBatchingKVCacheManager(dtype, KVCacheStaticParams(1, 32, is_mla=True), 2, 8,
-                                          2, device="cpu")
+                                          2, device=device)
     out += [("continuous.mla_blocks_buf", cb.blocks_buf)]
     ctx = DynamicInferenceContext(
         kv_layer_configs=layers, num_blocks=4, block_size_tokens=4, max_requests=4,
         max_blocks_per_request=2, num_mamba_layers=1, conv_states_shape=(16, 4),
-        ssm_states_shape=None, mamba_cache_slots=2, kv_dtype=dtype, device="cpu")
+        ssm_states_shape=None, mamba_cache_slots=2, kv_dtype=dtype, device=device)
     alloc = ctx.mamba_slot_allocator
     assert ctx.mamba_ssm_states is None and alloc.ssm_states is None
     out += [("conv_context.live_conv", ctx.mamba_conv_states),
@@ -114,7 +114,7 @@ def latent_and_conv_only_buffers(dtype):
     return out
 
 
-def ring_buffers(dtype):
+def ring_buffers(dtype, device="cpu"):
     """The buffers of sliding-window layers: ring caches (a K/V ring and a latent ring) of
     every manager that keeps them, ring blocks of the continuous-batching manager, and the
     local block space of a paged pool and of a context (``num_local_blocks``)."""
@@ -122,22 +122,22 @@ def ring_buffers(dtype):
     layers = [KVLayerConfig(2, 16, 4), KVLayerConfig(1, 32, 2, components=1), KV_LAYERS[1]]
     rings = KVCacheConfig(2, 8, layers, dtype, ring_windows=True)
     assert rings.layer_ring_windows == (4, 2, 0)
-    kv = KVCacheManager(rings, device="cpu")
+    kv = KVCacheManager(rings, device=device)
     out += [(f"ring.kv{i}", kv.get_combined_kv_cache(i)) for i in range(3)]
     hybrid = HybridCacheManager(HybridCacheConfig([A, M, A, A], rings, _mamba(1, 2), 2),
-                                device="cpu")
+                                device=device)
     out += [("ring_hybrid.kv0", hybrid.get_combined_kv_cache(0)),
             ("ring_hybrid.latent2", hybrid.get_combined_kv_cache(2))]
     cb = ContinuousBatchingKVCacheManager(dtype, KVCacheStaticParams(2, 16), 2, 8, 2,
-                                          device="cpu", sliding_window=4)
+                                          device=device, sliding_window=4)
     assert cb.blocks_buf.shape[3] == 4
     out += [("ring_continuous.blocks_buf", cb.blocks_buf)]
-    pool = PagedKVPool(layers, 4, 8, dtype, device="cpu", num_local_blocks=3)
+    pool = PagedKVPool(layers, 4, 8, dtype, device=device, num_local_blocks=3)
     assert [a.shape[0] for a in pool.layers] == [3, 3, 4]
     out += [(f"local_paged.layer{i}", a) for i, a in enumerate(pool.layers)]
     ctx = DynamicInferenceContext(
         kv_layer_configs=layers, num_blocks=4, block_size_tokens=4, max_requests=4,
-        max_blocks_per_request=2, kv_dtype=dtype, device="cpu", num_local_blocks=3)
+        max_blocks_per_request=2, kv_dtype=dtype, device=device, num_local_blocks=3)
     out += [(f"local_context.kv{i}", a) for i, a in enumerate(ctx.kv_pool.layers)]
     return out
 

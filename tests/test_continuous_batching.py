@@ -20,12 +20,14 @@ from hcache.continuous.manager import (
     ContinuousBatchingKVCacheManager,
     KVCacheStaticParams,
 )
+from hcache.device import resolve_device
 from hcache.dtypes import DTYPE_NAMES
 from hcache.errors import CacheCapacityError
 
+import helpers
 from helpers import host
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = helpers.DEVICES
 H, D = 2, 3
 
 
@@ -228,7 +230,7 @@ def test_ragged_write_puts_each_rows_tokens_at_its_length(device):
     coll = m.fetch([a, b, c])
     m.step([1, 4, 0], coll)                       # committed lengths 1, 4, 0
     coll = m.fetch([a, b, c])
-    xp = np if device == "cpu" else __import__("cupy")
+    xp = resolve_device(device).xp
     k = xp.asarray(np.arange(1, 11, dtype=np.float32).reshape(5, 1, 2))
     coll.write(0, k, -k, seq_lengths=[3, 0, 2])
     buf = host(m.blocks_buf)

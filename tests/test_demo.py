@@ -22,7 +22,9 @@ from hcache.demo import run as demo
 from hcache.demo.model import PlainCache, TinyHybridModel, reference_logits
 from hcache.slots.hybrid import HybridCacheManager
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+import helpers
+
+DEVICES = helpers.DEVICES
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -447,7 +447,7 @@ def test_incremental_hashes_equal_hashes_of_the_whole_prefix(bs, chunks):
     """Hashes kept as blocks complete (chained from the parent's digest, across any number of
     extensions) are compute_block_hashes of the whole sequence, and so are the registered
     KV hashes after each commit."""
-    ctx = make_ctx(64, bs=bs, mamba=1, slots=4, rows=2, max_blocks=64 // bs + 1)
+    ctx = make_ctx(64, bs=bs, mamba=1, slots=4, rows=2, max_blocks=64 // bs)   # fits the pool
     seq = list(chunks[0])
     ctx.add_request("x", seq)
     ctx.commit_step()

@@ -3,8 +3,9 @@ raises ``IndexError``, ``ValueError``, ``TypeError`` or ``CacheCapacityError`` w
 starts with the name of the argument the caller passed ("name: expected X, got Y", or
 ``name[i]`` / ``name.field`` for a part of it), and changes nothing.
 
-The callables are enumerated by introspection (with the interop functions of ``hcache.device``,
-``hcache.dtypes`` and ``hcache.memory`` listed in ``MODULE_FUNCTIONS``), so a new public method
+The callables are enumerated by introspection (with the interop functions of ``hcache.arrays``,
+``hcache.device``, ``hcache.dtypes``, ``hcache.memory`` and ``hcache.rings`` listed in
+``MODULE_FUNCTIONS``), so a new public method
 without a case in :mod:`error_contract_cases` fails ``test_every_public_callable_has_a_case``.
 Each case's valid call must succeed (``test_valid_calls_succeed``); the fuzzer perturbs one
 argument of it with a value its kind refuses (:mod:`error_contract_kinds`) and compares a
@@ -57,7 +58,7 @@ SKIPPED = {
     ("KVHeadDimGroupView", "__init__"): "built by HybridCacheManager.get_kv_head_dim_groups",
     ("ContinuousBatchingKVCacheCollection", "__init__"): "built by "
                                                          "ContinuousBatchingKVCacheManager.fetch",
-    ("device.on_device", ""): "a predicate: every value has an answer, none is an error",
+    ("arrays.on_device", ""): "a predicate: every value has an answer, none is an error",
     ("device.cuda_free_bytes", ""): "needs a CUDA device; memory.available_bytes is the "
                                     "checked entry point",
 }
@@ -65,7 +66,8 @@ SKIPPED = {
 
 # Functions of public modules (README "Binding hcache into your engine") that issue 12's
 # interop half added: foreign arrays, aligned allocation, DLPack views, memory checks.
-MODULE_FUNCTIONS = {"device": ("as_array", "host_array", "on_device", "zeros", "cuda_free_bytes"),
+MODULE_FUNCTIONS = {"arrays": ("as_array", "host_array", "on_device"),
+                    "device": ("zeros", "cuda_free_bytes"),
                     "dtypes": ("dlpack_view",), "memory": ("available_bytes", "check_fits"),
                     "rings": ("ring_start",)}
 
@@ -260,6 +262,17 @@ REGRESSIONS = [
     (("KVCacheStaticParams", "__init__", "mla"), "is_mla", 1),
     # merged with issue 12's interop half: foreign arrays, sizing, memory
     (("LinearKVCache", "write_kv"), "k", None),
+    # merged with issue 10 (the device boundary): its new stream and order parameters. Host
+    # lengths ignored ``stream`` (a bad one passed on cpu and failed only on cuda).
+    (("rings.ring_start", ""), "stream", "s"),
+    (("rings.ring_start", ""), "stream", 2**64),
+    (("rings.ring_start", ""), "order", "chain"),
+    (("KVCacheManager", "ring_start"), "stream", -1),
+    (("HybridCacheManager", "ring_start", "ring"), "stream", 1.5),
+    (("ContinuousBatchingKVCacheManager", "ring_start"), "stream", object()),
+    (("ContinuousBatchingKVCacheManager", "release"), "stream", "s"),
+    (("arrays.as_array", ""), "stream", -1),
+    (("arrays.as_array", ""), "device", "gpu"),
 ]
 
 
@@ -305,6 +318,36 @@ def test_a_foreign_array_of_a_wrong_dtype_is_refused(key, name, wrong, wrap):
                               enumerate(REGRESSIONS)])
 def test_regression(key, name, value):
     check_refused(key, name, value)
+
+
+def test_release_with_a_bad_stream_releases_nothing():
+    """``release(seq_id, stream=<bad>)`` refuses the stream before the block returns to the
+    pool: the sequence stays live, its block held, and a later valid release still works."""
+    m = hcache.ContinuousBatchingKVCacheManager("float16", hcache.KVCacheStaticParams(1, 2), 2,
+                                                4, 1, device="cpu")
+    (sid,) = m.claim(1)
+    block, free = m.block_of(sid), m.can_claim(2)
+    for bad in ("s", -1, 2**64, True, object()):
+        with pytest.raises((TypeError, ValueError), match=r"^stream: expected"):
+            m.release(sid, stream=bad)
+        assert m.block_of(sid) == block and m.can_claim(2) == free
+    m.release(sid, stream=None)
+    assert m.can_claim(2)
+    with pytest.raises(ValueError, match=r"^seq_id"):
+        m.block_of(sid)
+
+
+def test_ring_start_refuses_a_bad_stream_for_host_lengths():
+    """On cpu (host lengths) ``stream`` is validated as on cuda: the same call must not pass
+    on one device and fail on the other."""
+    from hcache.rings import ring_start
+
+    assert ring_start(np.array([2, 7]), 3, "cpu", stream=0).tolist() == [0, 1]
+    assert ring_start(7, 3, stream=None) == 1
+    with pytest.raises(ValueError, match=r"^stream: expected a cudaStream_t handle"):
+        ring_start(np.array([2, 7]), 3, "cpu", stream=2**64)
+    with pytest.raises(TypeError, match=r"^stream: expected"):
+        ring_start(7, 3, stream="s")
 
 
 def test_messages_name_the_callers_argument_exactly():

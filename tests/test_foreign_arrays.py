@@ -22,10 +22,13 @@ from hcache import (
     compute_block_hashes,
 )
 from hcache._checks import host_array as checked_host_array
+from hcache.arrays import as_array, host_array
 from hcache.config.caches import KVCacheConfig, KVLayerConfig, MambaCacheConfig
-from hcache.device import as_array, host_array, resolve_device
+from hcache.device import resolve_device
 from hcache.slots.kv import KVCacheManager
 from hcache.slots.mamba import MambaCacheManager
+
+from helpers import DEVICES
 
 
 class DLPackOnly:
@@ -256,26 +259,25 @@ def test_a_foreign_array_of_the_wrong_memory_changes_nothing():
 
 # --- cuda: device memory of any library, host memory refused -----------------------------------
 
-def test_cuda_views_device_arrays_of_any_protocol():
-    """Not run without a GPU: a CuPy array wrapped to expose only DLPack or only the CUDA array
-    interface is viewed in place; a NumPy array is refused (using it would be a copy)."""
-    from hcache.device import cupy_available
-    if not cupy_available():
-        pytest.skip("no CUDA GPU (cupy.cuda.is_available() is False)")
-    import cupy as cp
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+def test_cuda_views_device_arrays_of_any_protocol(device):
+    """On a GPU and on the emulated device: a device array wrapped to expose only DLPack or
+    only the CUDA array interface is viewed in place; a NumPy array is refused (using it would
+    be a copy)."""
+    device = resolve_device(device)
+    xp = device.xp
 
     class CudaInterface:
         def __init__(self, a):
             self._a = a
             self.__cuda_array_interface__ = a.__cuda_array_interface__
 
-    device = resolve_device("cuda")
-    a = cp.arange(12, dtype=cp.float32).reshape(3, 4)
+    a = xp.arange(12, dtype=np.float32).reshape(3, 4)
     for wrapped in (DLPackOnly(a, device=a.__dlpack_device__()), CudaInterface(a)):
         view = as_array("k", wrapped, device)
-        assert isinstance(view, cp.ndarray) and view.data.ptr == a.data.ptr
+        assert isinstance(view, xp.ndarray) and view.data.ptr == a.data.ptr
         assert view.shape == a.shape and view.dtype == a.dtype
-    with pytest.raises(TypeError, match="k: expected a cupy array"):
+    with pytest.raises(TypeError, match=f"k: expected a {xp.__name__} array"):
         as_array("k", np.zeros(3, np.float32), device)
 
 

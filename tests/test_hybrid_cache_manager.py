@@ -24,9 +24,10 @@ from hcache.dtypes import DTYPE_NAMES
 from hcache.slots.hybrid import HybridCacheManager, KVHeadDimGroupView
 from hcache.slots.linear import LinearKVCache
 
+import helpers
 from helpers import host, randomize
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = helpers.DEVICES
 B, S = 4, 9
 A, M, AM, N = (LayerType.ATTENTION, LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA,
                LayerType.NONE)

@@ -13,9 +13,10 @@ from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 from hcache.slots.kv import KVCacheManager
 
+import helpers
 from helpers import host, put
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = helpers.DEVICES
 B, S = 3, 10
 HETERO = [KVLayerConfig(2, 80), KVLayerConfig(1, 8), KVLayerConfig(3, 80), KVLayerConfig(2, 36),
           KVLayerConfig(4, 8)]

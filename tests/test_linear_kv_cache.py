@@ -11,9 +11,10 @@ from hcache.device import data_pointer
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 from hcache.slots.linear import LinearKVCache
 
+import helpers
 from helpers import host, randomize
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = helpers.DEVICES
 L, B, H, S, D = 3, 5, 2, 7, 36
 ML, MH, MD, DS, CD, CK = 2, 2, 3, 4, 6, 3
 

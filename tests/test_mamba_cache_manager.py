@@ -12,9 +12,10 @@ from hcache.config.caches import MambaCacheConfig
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
 from hcache.slots.mamba import MambaCacheManager
 
+import helpers
 from helpers import host, put
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = helpers.DEVICES
 L, B = 3, 4
 REC = (2, 3, 5)        # heads, head_dim, state_size
 CONV = (6, 4)          # conv_dim, conv_kernel

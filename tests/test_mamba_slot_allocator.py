@@ -21,20 +21,19 @@ from hcache.contexts import (
     MambaSlotAllocator,
     MambaSlotCapacityError,
 )
+from hcache.device import resolve_device
 from hcache.errors import CacheCapacityError
 
+import helpers
 from helpers import host
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = helpers.DEVICES
 L, R = 3, 4
 CONV, SSM = (3, 2), (2, 5)
 
 
 def xp_of(device):
-    if device == "cuda":
-        import cupy
-        return cupy
-    return np
+    return resolve_device(device).xp
 
 
 

@@ -121,3 +121,38 @@ def test_design_references_resolve():
 def test_first_wave_module_paths_are_aliases(old, new):
     assert importlib.import_module(f"hcache.{old}") is importlib.import_module(f"hcache.{new}")
     assert getattr(hcache, old) is importlib.import_module(f"hcache.{new}")
+
+
+BOUNDARY = "hcache._cuda"
+
+
+def _cupy_uses(path: Path) -> list[str]:
+    """Imports of CuPy, and attribute chains through ``.cuda`` (``xp.cuda.Event``), in a
+    module's source."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "cupy"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "cupy":
+            found.append(node.module)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "__import__":
+            found += [a.value for a in node.args if isinstance(a, ast.Constant)
+                      and str(a.value).startswith("cupy")]
+        elif isinstance(node, ast.Attribute) and node.attr == "cuda" \
+                and isinstance(node.ctx, ast.Load):
+            found.append(f"<expr>.cuda (line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - {BOUNDARY}))
+def test_only_the_device_boundary_touches_cupy(name):
+    """One device boundary (docs/design.md §2): every CuPy / CUDA call lives in hcache._cuda."""
+    assert not _cupy_uses(MODULES[name]), f"{name} uses CuPy outside {BOUNDARY}"
+
+
+def test_the_boundary_scan_finds_cupy(tmp_path):
+    sample = tmp_path / "m.py"
+    sample.write_text("import cupy.cuda\nfrom cupy import ndarray\n"
+                      "def f(xp):\n    return xp.cuda.Event()\n")
+    assert len(_cupy_uses(sample)) == 3
+    assert _cupy_uses(MODULES[BOUNDARY]), "the boundary itself is where CuPy is used"

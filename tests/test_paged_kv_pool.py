@@ -10,9 +10,10 @@ from hypothesis import given
 from hcache import DTYPE_NAMES, KVLayerConfig, resolve_dtype
 from hcache.contexts import PagedKVPool
 
+import helpers
 from helpers import host
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = helpers.DEVICES
 # Two head dims (4 and 8), interleaved, with different head counts.
 LAYERS = [KVLayerConfig(2, 4), KVLayerConfig(1, 8), KVLayerConfig(3, 4)]
 

@@ -20,9 +20,10 @@ from hcache.config.caches import KVLayerConfig
 from hcache.contexts import DynamicInferenceContext
 from hcache.errors import CacheCapacityError
 
+import helpers
 from helpers import host
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = helpers.DEVICES
 BS, L = 4, 2
 CONV, SSM = (2, 3), (2, 2)
 ATTN = [KVLayerConfig(2, 4), KVLayerConfig(1, 8), KVLayerConfig(2, 4)]

@@ -18,6 +18,8 @@ from hcache import HybridCacheConfig, HybridCacheManager, KVCacheConfig, KVLayer
 from hcache.config.caches import LayerType, MambaCacheConfig
 from hcache.dtypes import resolve_dtype
 
+from helpers import DEVICES, host
+
 W = 5
 S = 48
 VOCAB, HIDDEN = 13, 8
@@ -31,6 +33,16 @@ def _config(rings: bool, max_batch=4) -> HybridCacheConfig:
                        ring_windows=rings)
     mamba = MambaCacheConfig(1, max_batch, 1, 2, 2, 2, 2, "float32", "float32")
     return HybridCacheConfig(kinds, kv, mamba, max_batch)
+
+
+def _on(device, a):
+    """Host rows ``a`` as an array of ``device``'s module (C-contiguous)."""
+    a = np.ascontiguousarray(a)
+    if device == "cpu":
+        return a
+    from hcache import _cuda
+
+    return _cuda.runtime().xp.asarray(a)
 
 
 class TinyModel:
@@ -66,7 +78,7 @@ class TinyModel:
 def _ordered(manager, a, layer, slot, length):
     """Layer ``a``'s cached K and V of ``slot`` that its window sees, in position order: an
     unbounded cache is sliced by position, a ring is unrolled from :meth:`ring_start`."""
-    cache = np.asarray(manager.get_combined_kv_cache(layer))
+    cache = host(manager.get_combined_kv_cache(layer))
     window = LAYERS[a][2] or S
     m = min(length, window)
     ring = manager.get_ring_window(layer)
@@ -84,8 +96,9 @@ class Engine:
 
     ATTN = [0, 1, 2, 4, 5]   # decoder layers of the attention layers
 
-    def __init__(self, rings, model):
-        self.m = HybridCacheManager(_config(rings), device="cpu")
+    def __init__(self, rings, model, device="cpu"):
+        self.m = HybridCacheManager(_config(rings), device=device)
+        self.device = device
         self.model = model
 
     def forward(self, tokens_per_row, lengths):
@@ -112,7 +125,7 @@ class Engine:
                     new[t + i] = self.model.attend(a, hidden[t + i:t + i + 1],
                                                    keys[:, lo:hi], values[:, lo:hi])[0]
                 t += n
-            m.write_kv(layer, np.ascontiguousarray(k), np.ascontiguousarray(v),
+            m.write_kv(layer, _on(self.device, k), _on(self.device, v),
                        seq_lengths=counts)
             hidden = new
         last = np.cumsum(counts) - 1
@@ -128,17 +141,17 @@ def _check_rings_equal_window(ring_m, flat_m, lengths):
             want = _ordered(flat_m, a, layer, slot, length)
             w = ring_m.get_ring_window(layer)
             if w:   # the whole window the ring holds, not only what the model reads
-                cache = np.asarray(ring_m.get_combined_kv_cache(layer))[slot]
-                flat = np.asarray(flat_m.get_combined_kv_cache(layer))[slot]
+                cache = host(ring_m.get_combined_kv_cache(layer))[slot]
+                flat = host(flat_m.get_combined_kv_cache(layer))[slot]
                 for p in range(max(0, length - w), length):
                     assert np.array_equal(cache[:, :, p % w], flat[:, :, p])
             for g, e in zip(got, want):
                 assert np.array_equal(g, e)
 
 
-def _run_loop(backend=None):
+def _run_loop(device="cpu"):
     model = TinyModel()
-    ring, flat = Engine(True, model), Engine(False, model)
+    ring, flat = Engine(True, model, device), Engine(False, model, device)
     assert ring.m.memory_report()["kv_cache"] < flat.m.memory_report()["kv_cache"]
     assert ring.m.memory_report()["kv_cache_unbounded"] == flat.m.memory_report()["kv_cache"]
     rng = np.random.default_rng(1)
@@ -174,8 +187,8 @@ def _run_loop(backend=None):
     saved_flat = flat.m.capture_kv_cache(slot, n)
     for a, layer in enumerate(Engine.ATTN):
         w = ring.m.get_ring_window(layer)
-        want = saved_flat[a][:, :, n - w:] if w else saved_flat[a]
-        assert np.array_equal(saved_ring[a], want)
+        want = host(saved_flat[a])[:, :, n - w:] if w else host(saved_flat[a])
+        assert np.array_equal(host(saved_ring[a]), want)
     with pytest.raises(ValueError, match=r"sequence_length: expected \d+ \(slot 0's length"):
         ring.m.capture_kv_cache(slot, n - 1)
     for e, saved in ((ring, saved_ring), (flat, saved_flat)):
@@ -190,9 +203,11 @@ def _run_loop(backend=None):
     assert np.array_equal(outs[0][0], outs[0][2])   # the restored slot continues as slot 0
 
 
-def test_step_loop_on_rings_matches_unbounded_cache():
-    """cpu device (the NumPy reference)."""
-    _run_loop()
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_loop_on_rings_matches_unbounded_cache(device):
+    """cpu device (the NumPy reference), a GPU, and the asynchronous emulated device (the CUDA
+    path: staged tables, queued launches)."""
+    _run_loop(device)
 
 
 @pytest.mark.emu
@@ -404,16 +419,16 @@ def ring_programs(draw):
     return ops_
 
 
-def _apply(program, seed):
+def _apply(program, seed, device="cpu"):
     rng = np.random.default_rng(seed)
-    ring, flat = (HybridCacheManager(_config(r), device="cpu") for r in (True, False))
+    ring, flat = (HybridCacheManager(_config(r), device=device) for r in (True, False))
     for m in (ring, flat):
         m.reset_for_new_sequences([0] * 4)
     lengths = [0] * 4
     for op in program:
         if op[0] == "write":
             counts = [min(c, S - n) for c, n in zip(op[1], lengths)]
-            k = [rng.standard_normal((sum(counts), h, d)).astype(np.float32)
+            k = [_on(device, rng.standard_normal((sum(counts), h, d)).astype(np.float32))
                  for h, d, _ in LAYERS]
             for m in (ring, flat):
                 m.write_kv(None, k, k, seq_lengths=counts)
@@ -433,8 +448,9 @@ def _apply(program, seed):
             saved = [m.capture_kv_cache(src, lengths[src]) for m in (ring, flat)]
             for a, layer in enumerate(Engine.ATTN):
                 w = ring.get_ring_window(layer)
-                want = saved[1][a][:, :, max(0, lengths[src] - w):] if w else saved[1][a]
-                assert np.array_equal(saved[0][a], want)
+                flat_saved = host(saved[1][a])
+                want = flat_saved[:, :, max(0, lengths[src] - w):] if w else flat_saved
+                assert np.array_equal(host(saved[0][a]), want)
             lengths[dst] = lengths[src]
             for m, s in zip((ring, flat), saved):
                 m.restore_kv_cache(s, dst)
@@ -461,3 +477,77 @@ def test_random_programs_on_rings_emulated(program, seed):
         pytest.skip("no host C++ compiler")
     with ops.host_backend(emu.EmuLauncher(reverse=True, wide_index=True)):
         _apply(program, seed)
+
+
+@pytest.mark.emulated
+@settings(max_examples=6)
+@given(program=ring_programs(), seed=st.integers(0, 2**32 - 1))
+def test_random_programs_on_rings_emulated_device(program, seed):
+    """The same on the asynchronous emulated device (the CUDA path: staged tables, queued
+    launches, device captures restored)."""
+    _apply(program, seed, "cuda")
+
+
+# --- a captured decode step of a ring layout, replayed past the window -----------------------
+
+@pytest.mark.emulated
+def test_captured_ring_decode_step_replays_past_the_window(emu_rt):
+    """One decode step of every layer (``write_kv`` at the device lengths, then the length
+    commit) captured on the emulated device and replayed ``3W + 2`` times, each replay with new
+    K/V rows: the rings wrap several times inside the graph. Against the NumPy model (the same
+    steps on an unbounded ``cpu`` manager): every ring equals the unbounded cache restricted to
+    its window, the device lengths and the device ``ring_start`` are the model's, and the
+    replay loop makes no host sync and no pageable copy."""
+    xp, rng = emu_rt.xp, np.random.default_rng(7)
+    ring = HybridCacheManager(_config(True), device="cuda")
+    flat = HybridCacheManager(_config(False), device="cpu")   # the NumPy model
+    prompt = [3, 2 * W + 1, W, W + 2]
+    for m in (ring, flat):
+        m.reset_for_new_sequences([0] * 4)
+    rows = [rng.standard_normal((sum(prompt), h, d)).astype(np.float32) for h, d, _ in LAYERS]
+    ring.write_kv(None, [xp.asarray(r) for r in rows], [xp.asarray(-r) for r in rows],
+                  seq_lengths=prompt)
+    flat.write_kv(None, rows, [-r for r in rows], seq_lengths=prompt)
+    for m in (ring, flat):
+        m.commit_sequence_length(np.asarray(prompt, np.int32))
+    steps = 3 * W + 2
+    # every step's rows on the device up front: a replay's inputs are copied device to device
+    inputs = [rng.standard_normal((steps + 1, 4, 1, h, d)).astype(np.float32)
+              for h, d, _ in LAYERS]
+    staged = [xp.asarray(a) for a in inputs]
+    staged_v = [xp.asarray(a * 2) for a in inputs]
+    ks = [xp.empty((4, 1, h, d), np.float32) for h, d, _ in LAYERS]
+    vs = [xp.empty((4, 1, h, d), np.float32) for h, d, _ in LAYERS]
+    one = np.ones(4, np.int32)
+    s = emu_rt.stream(non_blocking=True)
+    emu_rt.synchronize()
+    with s:
+        for k, v, a, b in zip(ks, vs, staged, staged_v):   # step 0, eager on s (warm-up)
+            k[...] = a[0]
+            v[...] = b[0]
+        ring.write_kv(None, ks, vs, stream=s)
+        ring.commit_sequence_length(one, stream=s)
+        s.begin_capture()
+        ring.write_kv(None, ks, vs, stream=s)
+        ring.commit_sequence_length(one, stream=s)
+        graph = s.end_capture()
+        syncs, pageable = emu_rt.counters["syncs"], emu_rt.counters["pageable_copies"]
+        for step in range(1, steps + 1):
+            for k, v, a, b in zip(ks, vs, staged, staged_v):
+                k[...] = a[step]
+                v[...] = b[step]
+            graph.launch(s)
+        assert (emu_rt.counters["syncs"], emu_rt.counters["pageable_copies"]) == \
+            (syncs, pageable)
+        s.synchronize()
+    for step in range(steps + 1):
+        flat.write_kv(None, [a[step] for a in inputs], [a[step] * 2 for a in inputs])
+        flat.commit_sequence_length(one)
+    lengths = [n + steps + 1 for n in prompt]
+    assert min(lengths) > 3 * W   # every ring wrapped inside the graph
+    assert host(ring.get_kv_cache_lengths()).tolist() == lengths
+    _check_rings_equal_window(ring, flat, lengths)
+    for layer in Engine.ATTN:
+        w = ring.get_ring_window(layer)
+        starts = ring.ring_start(layer)   # from the device lengths, on the device
+        assert host(starts).tolist() == [n % w if w and n > w else 0 for n in lengths]

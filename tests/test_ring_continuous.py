@@ -13,12 +13,15 @@ from hcache import ops
 from hcache.continuous.manager import ContinuousBatchingKVCacheManager
 from hcache.continuous.params import KVCacheStaticParams
 
+from helpers import DEVICES, host
+from kernel_cases import on
+
 W, S, LAYERS, HEADS, DIM = 4, 40, 2, 2, 8
 
 
 def _check(ring, flat, lengths):
     """Every live sequence's ring against the unbounded block, every layer, K and V."""
-    rb, fb = np.asarray(ring.blocks_buf), np.asarray(flat.blocks_buf)
+    rb, fb = host(ring.blocks_buf), host(flat.blocks_buf)
     for (rblock, fblock), n in lengths.items():
         for p in range(max(0, n - W), n):
             assert np.array_equal(rb[rblock, :, :, p % W], fb[fblock, :, :, p])
@@ -27,15 +30,22 @@ def _check(ring, flat, lengths):
         assert np.array_equal(rb[rblock][:, :, order], fb[fblock][:, :, n - min(n, W):n])
 
 
-def _run(rng):
+def _device_xp():
+    from hcache import _cuda
+
+    return _cuda.runtime().xp
+
+
+def _run(rng, device="cpu"):
     params = KVCacheStaticParams(HEADS, DIM)
-    ring = ContinuousBatchingKVCacheManager("float32", params, 3, S, LAYERS, device="cpu",
+    ring = ContinuousBatchingKVCacheManager("float32", params, 3, S, LAYERS, device=device,
                                             sliding_window=W)
-    flat = ContinuousBatchingKVCacheManager("float32", params, 3, S, LAYERS, device="cpu")
+    flat = ContinuousBatchingKVCacheManager("float32", params, 3, S, LAYERS, device=device)
     assert ring.blocks_buf.shape == (3, 2, LAYERS, W, HEADS, DIM) and ring.ring_window == W
     assert ring.memory_report()["blocks_buf_bytes"] * S == \
         flat.memory_report()["blocks_buf_bytes"] * W
     live = {}   # ring seq_id -> (flat seq_id, length)
+    xp = np if device == "cpu" else _device_xp()
 
     def admit(prompt_len):
         rid, fid = ring.claim(1)[0], flat.claim(1)[0]
@@ -47,10 +57,16 @@ def _run(rng):
         colls = ring.fetch(rids), flat.fetch([live[r][0] for r in rids])
         n = [counts[r] for r in rids]
         for layer in range(LAYERS):
-            k = rng.standard_normal((sum(n), HEADS, DIM)).astype(np.float32)
-            v = rng.standard_normal((sum(n), HEADS, DIM)).astype(np.float32)
+            k = on(xp, rng.standard_normal((sum(n), HEADS, DIM)).astype(np.float32))
+            v = on(xp, rng.standard_normal((sum(n), HEADS, DIM)).astype(np.float32))
             for coll in colls:
                 coll.write(layer, k, v, seq_lengths=n)
+        # the ring starts of the batch, from its device lengths (before the step commits)
+        lengths = colls[0].cache_lengths
+        starts = ring.ring_start(lengths)
+        assert type(starts) is type(lengths)
+        want = [live[r][1] % W if live[r][1] > W else 0 for r in rids]
+        assert host(starts).tolist() == want
         ring.step(n, colls[0])
         flat.step(n, colls[1])
         for r, c in counts.items():
@@ -71,8 +87,10 @@ def _run(rng):
     ring.check_invariants()
 
 
-def test_continuous_batching_rings_match_unbounded_blocks():
-    _run(np.random.default_rng(0))
+@pytest.mark.parametrize("device", DEVICES)
+def test_continuous_batching_rings_match_unbounded_blocks(device):
+    """cpu, a GPU, and the asynchronous emulated device (the CUDA path)."""
+    _run(np.random.default_rng(0), device)
 
 
 @pytest.mark.emu

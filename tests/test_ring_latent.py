@@ -19,24 +19,27 @@ import pytest
 from hcache import HybridCacheConfig, HybridCacheManager, KVCacheConfig, KVLayerConfig, ops
 from hcache.config.caches import LayerType
 
+from helpers import DEVICES, host
+from kernel_cases import on
+
 W, S, D = 3, 24, 16
 # (heads, head_dim, window, components): a latent ring, a latent unbounded layer, a K/V ring
 LAYERS = [(1, D, W, 1), (1, D, None, 1), (2, D, W, 2)]
 
 
-def _manager(rings: bool) -> HybridCacheManager:
+def _manager(rings: bool, device="cpu") -> HybridCacheManager:
     kv = KVCacheConfig(3, S, [KVLayerConfig(h, d, w, components=c) for h, d, w, c in LAYERS],
                        "float32", ring_windows=rings)
     cfg = HybridCacheConfig((LayerType.ATTENTION,) * len(LAYERS), kv, None, 3)
-    return HybridCacheManager(cfg, device="cpu")
+    return HybridCacheManager(cfg, device=device)
 
 
 def _check(ring, flat, lengths):
     """Every ring holds the unbounded cache's last min(length, W) positions at p mod W; every
     unbounded layer of the ring manager equals the other manager's, token for token."""
     for layer, (_, _, window, comps) in enumerate(LAYERS):
-        r = np.asarray(ring.get_combined_kv_cache(layer))
-        f = np.asarray(flat.get_combined_kv_cache(layer))
+        r = host(ring.get_combined_kv_cache(layer))
+        f = host(flat.get_combined_kv_cache(layer))
         assert r.shape[1] == f.shape[1] == comps
         w = ring.get_ring_window(layer)
         assert w == (window or 0)
@@ -55,13 +58,15 @@ def _write(managers, rng, counts):
     vs = [rng.standard_normal((total, h, d)).astype(np.float32) if c == 2 else None
           for h, d, _, c in LAYERS]
     for m in managers:
-        m.write_kv(None, ks, vs, seq_lengths=counts)
+        xp = m.kv_cache_manager.device.xp
+        m.write_kv(None, [on(xp, k) for k in ks], [v if v is None else on(xp, v) for v in vs],
+                   seq_lengths=counts)
         m.commit_sequence_length(np.asarray(counts, np.int32))
 
 
-def _program():
+def _program(device="cpu"):
     rng = np.random.default_rng(7)
-    ring, flat = _manager(True), _manager(False)
+    ring, flat = _manager(True, device), _manager(False, device)
     groups = ring._kv.groups
     # one launch per (head dim, components): the two latent layers together, the K/V ring alone
     assert [(g.components, g.ring_windows) for g in groups] == [(1, (W, 0)), (2, (W,))]
@@ -85,9 +90,10 @@ def _program():
     n = lengths[1]
     saved_ring, saved_flat = ring.capture_kv_cache(1, n), flat.capture_kv_cache(1, n)
     for a, (_, _, window, comps) in enumerate(LAYERS):
-        want = saved_flat[a][:, :, n - window:] if window else saved_flat[a]
+        flat_a = host(saved_flat[a])
+        want = flat_a[:, :, n - window:] if window else flat_a
         assert saved_ring[a].shape[0] == comps
-        assert np.array_equal(saved_ring[a], want)
+        assert np.array_equal(host(saved_ring[a]), want)
     for m, saved in ((ring, saved_ring), (flat, saved_flat)):
         m.reset_for_new_sequences([lengths[0], lengths[1], 0])
         m.restore_kv_cache(saved, 2)
@@ -97,9 +103,10 @@ def _program():
     _check(ring, flat, [lengths[0] + 1, lengths[1] + 1, n + 1])
 
 
-def test_latent_ring_layer_matches_unbounded_cache():
-    """cpu device (the NumPy reference)."""
-    _program()
+@pytest.mark.parametrize("device", DEVICES)
+def test_latent_ring_layer_matches_unbounded_cache(device):
+    """cpu device (the NumPy reference), a GPU, and the asynchronous emulated device."""
+    _program(device)
 
 
 @pytest.mark.emu

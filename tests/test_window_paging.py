@@ -17,14 +17,21 @@ import pytest
 from hcache import KVLayerConfig, ops
 from hcache.contexts import DynamicInferenceContext, PagedKVPool
 
+from helpers import DEVICES, host
+from kernel_cases import on
+
 BS, W = 4, 6
 LAYERS = [KVLayerConfig(1, 8), KVLayerConfig(2, 4, W)]   # full, local
 
 
-def _ctx(num_local_blocks=10):
+def _ctx(num_local_blocks=10, device="cpu"):
     return DynamicInferenceContext(kv_layer_configs=LAYERS, num_blocks=32, block_size_tokens=BS,
                                    max_requests=4, max_blocks_per_request=16, kv_dtype="float32",
-                                   num_local_blocks=num_local_blocks, device="cpu")
+                                   num_local_blocks=num_local_blocks, device=device)
+
+
+def _xp(ctx):
+    return ctx.kv_pool.xp
 
 
 def _rows(tokens, start, end):
@@ -37,7 +44,7 @@ def _rows(tokens, start, end):
 
 def _run(ctx, rid, tokens, start, end):
     """The engine's step for one request: write its K/V, commit."""
-    rows = _rows(tokens, start, end)
+    rows = [on(_xp(ctx), r) for r in _rows(tokens, start, end)]
     ctx.write_kv([rid], rows, rows)
     return ctx.commit_step()
 
@@ -48,12 +55,12 @@ def _used(allocator) -> int:
 
 def _block_positions(ctx, layer, block):
     """The position part of a block's K values (layer: attention index)."""
-    data = np.asarray(ctx.kv_pool.layers[layer][block, 0, 0, :, 0])
+    data = host(ctx.kv_pool.layers[layer][block, 0, 0, :, 0])
     return (data % 1000).astype(int).tolist()
 
 
-def scenario():
-    ctx = _ctx()
+def scenario(device="cpu"):
+    ctx = _ctx(device=device)
     full, local = ctx.kv_block_allocator, ctx.window_blocks.allocator
     a_tokens = list(range(1, 40))           # A's prompt: 32 tokens, then decode
     # A, chunk 1: 16 tokens, 4 columns in both spaces; (16 - 5) // 4 = 2 columns leave the window
@@ -97,7 +104,7 @@ def scenario():
         assert _block_positions(ctx, 1, b_local[col]) == list(range(4 * col, 4 * col + 4))
     _run(ctx, "B", b_tokens, 32, 33)
     assert _block_positions(ctx, 1, ctx.local_block_ids("B")[8])[0] == 32
-    assert np.asarray(ctx.kv_pool.layers[1][ctx.local_block_ids("B")[8], 0, 0, 0, 0]) == \
+    assert host(ctx.kv_pool.layers[1][ctx.local_block_ids("B")[8], 0, 0, 0, 0]) == \
         7 * 1000 + 32
     # E = A's first 12 tokens + 4 new: its local window (columns 1, 2) was evicted, and so were
     # the shorter windows: no usable match, everything is computed
@@ -108,8 +115,11 @@ def scenario():
     return ctx
 
 
-def test_window_paging_frees_and_reuses_blocks():
-    scenario()
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_paging_frees_and_reuses_blocks(device):
+    """cpu, a GPU, and the asynchronous emulated device (the local block table staged per
+    step)."""
+    scenario(device)
 
 
 @pytest.mark.emu
@@ -123,33 +133,38 @@ def test_window_paging_emulated():
     assert any(name == "hc_kv_write" for name, _, _ in launcher.launches)
 
 
-def test_pool_with_a_local_block_space():
+@pytest.mark.parametrize("device", DEVICES)
+def test_pool_with_a_local_block_space(device):
     """Local layers live in num_local_blocks blocks and are written through the local table
     (-1 entries skipped); the full layers through the full one; a missing local table is
     refused before anything is written."""
     pool = PagedKVPool(LAYERS, num_blocks=5, block_size=2, dtype="float32",
-                       num_local_blocks=3, device="cpu")
+                       num_local_blocks=3, device=device)
     assert pool.local_layers == (False, True)
     assert pool.layers[0].shape == (5, 2, 1, 2, 8) and pool.layers[1].shape == (3, 2, 2, 2, 4)
     assert pool.memory_report()["num_local_blocks"] == 3
     assert pool.bytes_per_local_block == 2 * 2 * 2 * 4 * 4
-    k = [np.arange(4 * lc.num_kv_heads * lc.head_dim, dtype=np.float32).reshape(
+    k_host = [np.arange(4 * lc.num_kv_heads * lc.head_dim, dtype=np.float32).reshape(
         4, lc.num_kv_heads, lc.head_dim) for lc in LAYERS]
-    table = np.array([[4, 1]], np.int32)
+    k = [on(pool.xp, a) for a in k_host]
+    table = on(pool.xp, np.array([[4, 1]], np.int32))
     with pytest.raises(TypeError, match="local_block_table: expected"):
         pool.write_kv(k, k, block_table=table, uniform_tokens=4)
-    assert not np.asarray(pool.layers[0]).any()
-    pool.write_kv(k, k, block_table=table, local_block_table=np.array([[-1, 2]], np.int32),
+    assert not host(pool.layers[0]).any()
+    pool.write_kv(k, k, block_table=table,
+                  local_block_table=on(pool.xp, np.array([[-1, 2]], np.int32)),
                   uniform_tokens=4)
-    assert np.array_equal(pool.layers[0][4, 0, :, 0], k[0][0])
-    assert np.array_equal(pool.layers[0][1, 1, :, 1], k[0][3])
-    assert np.array_equal(pool.layers[1][2, 0, :, 0], k[1][2])   # positions 2, 3 -> block 2
-    assert not np.asarray(pool.layers[1][:2]).any()                # column 0 was -1
+    layers = [host(a) for a in pool.layers]
+    assert np.array_equal(layers[0][4, 0, :, 0], k_host[0][0])
+    assert np.array_equal(layers[0][1, 1, :, 1], k_host[0][3])
+    assert np.array_equal(layers[1][2, 0, :, 0], k_host[1][2])   # positions 2, 3 -> block 2
+    assert not layers[1][:2].any()                                # column 0 was -1
     pool.copy_blocks([2], [0], local=True)
-    assert np.array_equal(pool.layers[1][0], pool.layers[1][2])
+    local = host(pool.layers[1])
+    assert np.array_equal(local[0], local[2])
     with pytest.raises(IndexError):
         pool.copy_blocks([3], [0], local=True)
-    plain = PagedKVPool(LAYERS, num_blocks=5, block_size=2, device="cpu")
+    plain = PagedKVPool(LAYERS, num_blocks=5, block_size=2, device=device)
     assert plain.local_layers == (False, False) and not plain.has_local_space
     with pytest.raises(ValueError, match="local: expected a pool with a local block space"):
         plain.copy_blocks([1], [0], local=True)
@@ -177,7 +192,7 @@ def _check_data(ctx, tokens_of):
                 if block < 0:
                     assert layer == 1 and p < computed - W + 1   # only out-of-window ones
                     continue
-                got = np.asarray(ctx.kv_pool.layers[layer][block, 0, 0, p % BS, 0])
+                got = host(ctx.kv_pool.layers[layer][block, 0, 0, p % BS, 0])
                 assert got == tokens[p] * 1000 + p, (rid, layer, p)
 
 
@@ -190,11 +205,25 @@ def test_random_runs_keep_every_window(ops_, local_blocks, mamba):
     with a small local space (refusals allowed): after every step the invariants hold and every
     live request's full blocks and live local blocks hold its K/V; released local columns are
     all out of the window."""
+    _random_run(ops_, local_blocks, mamba, "cpu")
+
+
+@pytest.mark.emulated
+@settings(max_examples=6)
+@given(ops_=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.booleans(),
+                               st.integers(0, 4)), min_size=1, max_size=15),
+       local_blocks=st.integers(6, 14), mamba=st.booleans())
+def test_random_runs_keep_every_window_emulated_device(ops_, local_blocks, mamba):
+    """The same on the asynchronous emulated device (the CUDA path)."""
+    _random_run(ops_, local_blocks, mamba, "cuda")
+
+
+def _random_run(ops_, local_blocks, mamba, device):
     ctx = DynamicInferenceContext(
         kv_layer_configs=LAYERS, num_blocks=40, block_size_tokens=BS, max_requests=4,
         max_blocks_per_request=16, kv_dtype="float32", num_local_blocks=local_blocks,
         num_mamba_layers=1 if mamba else 0, conv_states_shape=(2, 2), ssm_states_shape=(2,),
-        mamba_cache_slots=4 if mamba else 0, device="cpu")
+        mamba_cache_slots=4 if mamba else 0, device=device)
     tokens_of: dict = {}
     for i, (rid, n, private, what) in enumerate(ops_):
         try:
@@ -215,7 +244,8 @@ def test_random_runs_keep_every_window(ops_, local_blocks, mamba):
                 for r in rids:
                     tokens_of[r] = tokens_of[r] + [3000 + i]
                 rows = [_rows(tokens_of[r], p.start, p.end) for r, p in zip(rids, batch)]
-                k = [np.concatenate([r[a] for r in rows]) for a in range(len(LAYERS))]
+                k = [on(_xp(ctx), np.concatenate([r[a] for r in rows]))
+                     for a in range(len(LAYERS))]
                 ctx.write_kv(rids, k, k)
                 ctx.commit_step()
                 ctx.check_invariants()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hcache import _cuda
 from hcache.device import Device
 from hcache.ops.tables import KVGroup
 
@@ -25,8 +26,8 @@ DTYPE = np.float16  # KV caches and conv states; SSM states are float32
 class Timer:
     """Median time of ``fn()`` in µs over ``repeat`` runs, after ``warmup`` untimed runs.
 
-    On a GPU each run is bracketed by CuPy CUDA events on the current stream (the device time
-    of the work ``fn`` enqueues); on the CPU by ``time.perf_counter_ns``.
+    On a GPU each run is bracketed by CUDA events (:mod:`hcache._cuda`) on the current stream
+    (the device time of the work ``fn`` enqueues); on the CPU by ``time.perf_counter_ns``.
     """
 
     def __init__(self, xp, repeat: int, warmup: int):
@@ -42,13 +43,14 @@ class Timer:
                 fn()
                 times.append((time.perf_counter_ns() - t0) / 1e3)
         else:
-            start, end = self.xp.cuda.Event(), self.xp.cuda.Event()
+            rt = _cuda.runtime()
+            start, end = rt.event(timing=True), rt.event(timing=True)
             for _ in range(self.repeat):
-                start.record()
+                rt.record(start)
                 fn()
-                end.record()
-                end.synchronize()
-                times.append(self.xp.cuda.get_elapsed_time(start, end) * 1e3)  # ms -> µs
+                rt.record(end)
+                rt.event_synchronize(end)
+                times.append(rt.elapsed_ms(start, end) * 1e3)  # ms -> µs
         return statistics.median(times)
 
 

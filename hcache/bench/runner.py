@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
+from hcache import _cuda
 from hcache.device import Device, resolve_device
 
 from . import compact, kv_capture, kv_write, lengths, slot_copy
@@ -60,7 +61,4 @@ def _describe(dev: Device) -> tuple[str, str]:
         return (platform.processor() or "cpu",
                 f"CPU: NumPy reference path (the cpu backend), shapes scaled down "
                 f"{CPU_SCALE}x; not kernel speed")
-    props = dev.xp.cuda.runtime.getDeviceProperties(dev.index)
-    name = props["name"]
-    return (name.decode() if isinstance(name, bytes) else name,
-            "CUDA kernels, CUDA-event medians")
+    return _cuda.runtime().device_name(dev.index), "CUDA kernels, CUDA-event medians"

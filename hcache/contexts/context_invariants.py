@@ -1,24 +1,29 @@
-"""The invariants a :class:`~hcache.contexts.dynamic_context.DynamicInferenceContext` keeps
-across its collaborators (docs/design.md §6): each one's own (the request table, the KV block
-allocator, the local block space of sliding-window layers, the Mamba slot allocator) and their
-agreement, every active request holding one reference on each block of its block-table row.
-Checked by ``DynamicInferenceContext.check_invariants`` (for tests: it rehashes every request).
+"""The invariants a :class:`~hcache.contexts.dynamic_context.DynamicInferenceContext` and its
+collaborators must agree on (docs/design.md §6.5), recounted from scratch: for tests and
+debugging, never on a step's path.
+
+Each collaborator states its own invariants (the request table, the KV block allocator, the
+local block space of sliding-window layers, the Mamba slot allocator: ``broken_invariants`` /
+``check_invariants``); what is checked here besides is their agreement: every active request
+holds one reference on each block of its block-table row.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["broken_invariants"]
+__all__ = ["broken_context_invariants"]
 
 
-def broken_invariants(requests, kv_block_allocator, window_blocks=None,
-                      mamba_slot_allocator=None) -> list[str]:
-    """Every broken invariant, in words (empty when all hold).
+def broken_context_invariants(requests, kv_block_allocator, window_blocks=None,
+                              mamba_slot_allocator=None) -> list[str]:
+    """Every broken invariant of the collaborators and of their agreement, one message each;
+    empty when all hold.
 
     Parameters
     ----------
     requests : RequestTable
+        It rehashes every request.
     kv_block_allocator : KVBlockAllocator
     window_blocks : WindowBlocks or None
         The local block space, when the pool has one.

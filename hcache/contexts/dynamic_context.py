@@ -32,10 +32,10 @@ from .._checks import as_int
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.layers import kv_layer_list
 from ..config.sizing import context_states_nbytes
-from ..device import resolve_device, stream_handle
+from ..device import resolve_device, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
-from .context_invariants import broken_invariants
+from .context_invariants import broken_context_invariants
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
@@ -147,6 +147,7 @@ class DynamicInferenceContext:
         self._scheduler = StepScheduler(self._requests, self.kv_block_allocator,
                                         self.mamba_slot_allocator, self._live, L, blocks)
         self.stats = PrefixCacheStats()
+        settle(self.device)   # the step tables and live states are ready for any stream
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -391,10 +392,9 @@ class DynamicInferenceContext:
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` listing every broken invariant of the request table, the KV
         allocator, the local block space and the Mamba slot allocator, and of their agreement
-        (:func:`~.context_invariants.broken_invariants`: each active request holds one
-        reference on each of its blocks). For tests: it rehashes every request."""
-        problems = broken_invariants(self._requests, self.kv_block_allocator,
-                                     self.window_blocks, self.mamba_slot_allocator)
+        (:func:`~hcache.contexts.context_invariants.broken_context_invariants`). For tests: it
+        rehashes every request."""
+        problems = broken_context_invariants(self._requests, self.kv_block_allocator,
+                                             self.window_blocks, self.mamba_slot_allocator)
         if problems:
-            raise RuntimeError("DynamicInferenceContext invariants broken: "
-                               + "; ".join(problems))
+            raise RuntimeError("DynamicInferenceContext invariants broken: " + "; ".join(problems))

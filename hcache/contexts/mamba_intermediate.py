@@ -25,6 +25,7 @@ import numpy as np
 
 from .._checks import as_int, host_ints, index_array
 from ..device import launch_scope, stream_handle, to_host, upload_ints, zeros
+from ..stream_order import StreamOrder
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
 
@@ -106,6 +107,7 @@ class IntermediateStates:
                  ssm_states_shape, conv_dtype, ssm_dtype):
         xp, L, R = device.xp, num_mamba_layers, max_requests
         self.device, self.max_requests, self.max_count = device, R, _K * R
+        self.order = StreamOrder()   # its staging buffers: one chain across streams
         with device.scope():
             self.conv_out, self.ssm_out = (
                 None if shape is None else zeros(device, (L, self.max_count, *shape), dt)
@@ -301,7 +303,7 @@ class IntermediateStates:
                              f"got [{start}, {start + count})")
         if not self.pending or count == 0:
             return None, None
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             upload_ints(self._offsets_dev, self.offsets[start:start + count])
             upload_ints(self._counts_dev, self.counts[start:start + count])
         return self._offsets_dev[:count], self._counts_dev[:count]

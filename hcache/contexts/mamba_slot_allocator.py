@@ -29,7 +29,7 @@ import numpy as np
 
 from .._checks import as_int, check_index, host_ints, index_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import Device, array_module_of, stream_handle
+from ..device import Device, array_device, array_module_of, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .mamba_hash_map import MambaHashMap
 from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, IntermediateStates
@@ -96,18 +96,18 @@ class MambaSlotAllocator:
         self.max_requests = check_live_states("context.mamba_ssm_states", live_ssm, xp, L,
                                               self.ssm_states_shape, ssm_dt, rows)
         self.xp = xp
-        self.device = Device("cuda", live.device.id) if xp is not np else Device("cpu")
-        self._intermediate = IntermediateStates(
+        self.device = Device("cuda", array_device(live)) if xp is not np else Device("cpu")
+        self._intermediate = inter = IntermediateStates(
             self.device, self.num_mamba_layers, self.max_requests, self.conv_states_shape,
             self.ssm_states_shape, conv_dt, ssm_dt)
-        self.max_intermediate_count = self._intermediate.max_count
+        self.max_intermediate_count = inter.max_count
         self._pool = MambaSlotPool(self.num_blocks, self.max_slots)
         # Bound to the KV allocator for its lifetime, as the observer subscribed below is.
         self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owners)
-        self._copies = MambaStateCopies(context, self._pool, self.device,
-                                        self._intermediate.conv_out, self._intermediate.ssm_out,
-                                        conv_dt, ssm_dt)
+        self._copies = MambaStateCopies(context, self._pool, self.device, inter.conv_out,
+                                        inter.ssm_out, conv_dt, ssm_dt)
         kv.add_blocks_deregistered_observer(self.on_kv_blocks_deregistered)
+        settle(self.device)   # the new slots are ready for any stream
 
     # --- queries --------------------------------------------------------------------------------
 

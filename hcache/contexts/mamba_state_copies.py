@@ -17,17 +17,17 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, index_array, int_shape
+from ..arrays import as_array, host_array, on_device
 from ..device import (
     array_module_of,
-    as_array,
-    host_array,
     launch_scope,
-    on_device,
     to_host,
+    upload,
     upload_ints,
     zeros,
 )
 from ..ops.tables import SlotSet
+from ..stream_order import StreamOrder
 
 __all__ = ["MambaStateCopies", "check_live_states", "context_parts", "state_shapes"]
 
@@ -118,6 +118,7 @@ class MambaStateCopies:
     def __init__(self, context, pool, device, scratch_conv, scratch_ssm, conv_dtype, ssm_dtype):
         live_conv, live_ssm = context.mamba_conv_states, context.mamba_ssm_states
         self.context, self._pool, self.device = context, pool, device
+        self.order = StreamOrder()   # the staged index lanes: one chain across streams
         live = live_conv if live_conv is not None else live_ssm
         self.num_mamba_layers, self.max_requests = int(live.shape[0]), int(live.shape[1])
         self.max_scratch = int((scratch_conv if scratch_conv is not None
@@ -152,7 +153,7 @@ class MambaStateCopies:
         if n == 0:
             return
         src_dev, dst_dev = self._idx_dev[2 * lane], self._idx_dev[2 * lane + 1]
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             upload_ints(src_dev, np.asarray(src))
             upload_ints(dst_dev, np.asarray(dst))
             ops.slot_copy(slotset, src_dev[:n], dst_dev[:n], stream=stream)
@@ -193,16 +194,20 @@ class MambaStateCopies:
                     raise ValueError(f"{name}: expected None (the layers have no such state), "
                                      f"got {type(value).__name__}")
                 continue
-            # device memory of this device, or host memory (copied up: this is no hot path)
-            value = (as_array(name, value, self.device) if on_device(value)
+            # device memory of this device (viewed; the call's stream waits for its producer
+            # on the device), or host memory (uploaded through the staging ring)
+            value = (as_array(name, value, self.device, stream) if on_device(value)
                      else host_array(name, value))
             if tuple(value.shape) != cache.shape[2:] or value.dtype != cache.dtype:
                 raise ValueError(f"{name}: expected {cache.dtype}{cache.shape[2:]}, "
                                  f"got {value.dtype}{tuple(value.shape)}")
             states.append((value, cache))
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             for value, cache in states:
-                cache[mamba_index, slot] = self.device.xp.asarray(value)
+                if isinstance(value, np.ndarray):
+                    upload(cache[mamba_index, slot], value)   # pinned, no alloc
+                else:   # a device array of this device, ordered after its producer
+                    cache[mamba_index, slot] = value
 
     def store_from_live(self, slots, request_indices, *, stream=None) -> None:
         """``cache[:, slots[i]] = live[:, live slot of request_indices[i]]`` (one launch).

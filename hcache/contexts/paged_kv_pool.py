@@ -21,14 +21,16 @@ import numpy as np
 from .. import ops
 from .._checks import as_int, block_id_array, int32_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
+from ..arrays import as_array, on_device
 from ..config.caches import KVCacheConfig
 from ..config.layers import kv_layer_list
 from ..config.sizing import largest_fitting, paged_pool_nbytes
-from ..device import as_array, launch_scope, on_device, resolve_device, upload_ints, zeros
+from ..device import launch_scope, resolve_device, settle, upload_ints, zeros
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
 from ..memory import check_fits
 from ..ops.tables import KVGroup, SlotSet
+from ..stream_order import StreamOrder
 from .paged_kv_rows import attention_index, check_rows, check_tables
 
 __all__ = ["PagedKVPool"]
@@ -92,6 +94,7 @@ class PagedKVPool:
         self.block_size = as_int("block_size", block_size, 1)
         self.dtype = resolve_dtype(dtype)
         self.device = resolve_device(device)
+        self.order = StreamOrder()   # writes and block copies: one chain across streams
         self.num_local_blocks = (None if num_local_blocks is None
                                  else as_int("num_local_blocks", num_local_blocks, 1))
         check_fits("num_blocks", as_int("extra_nbytes", extra_nbytes) + paged_pool_nbytes(
@@ -124,6 +127,7 @@ class PagedKVPool:
             # Host id lists for copy_blocks are uploaded here, so copies allocate nothing.
             self._copy_ids = xp.empty((2, max(self.num_blocks, self.num_local_blocks or 0)),
                                       dtype=np.int32)
+            settle(self.device)
         # attention_index -> (group index, group_position)
         self._group_position = {a: (g, position) for g, indices in enumerate(members)
                                 for position, a in enumerate(indices)}
@@ -205,12 +209,9 @@ class PagedKVPool:
         """Sizes in bytes: ``total_bytes`` (layers and metadata: what :meth:`nbytes_for`
         says), ``metadata_bytes``, per block (layers), per layer, and the head-dim groups."""
         return {
-            "device": str(self.device),
-            "dtype": dtype_name(self.dtype),
-            "num_blocks": self.num_blocks,
-            "block_size": self.block_size,
-            "num_layers": self.num_layers,
-            "bytes_per_block": self.bytes_per_block,
+            "device": str(self.device), "dtype": dtype_name(self.dtype),
+            "num_blocks": self.num_blocks, "block_size": self.block_size,
+            "num_layers": self.num_layers, "bytes_per_block": self.bytes_per_block,
             "num_local_blocks": self.num_local_blocks or 0,
             "bytes_per_local_block": self.bytes_per_local_block,
             "total_bytes": self.nbytes + self.metadata_nbytes,
@@ -260,19 +261,20 @@ class PagedKVPool:
             An array has the wrong shape, dtype, array module or contiguity; a scale is given
             for a write that does not quantize or is not a valid scale (nothing written).
         """
-        checked = self.check_write(k, v, layer=layer, k_scale=k_scale, v_scale=v_scale)
+        with launch_scope(self.device, stream):   # foreign arrays: stream after their producers
+            checked = self.check_write(k, v, layer=layer, k_scale=k_scale, v_scale=v_scale)
+            # index arrays of any library, viewed as this pool's (the op checks them)
+            block_table, seq_offsets, cache_lengths, positions, local_block_table = (
+                a if a is None else as_array(name, a, self.device) for name, a in (
+                    ("block_table", block_table), ("seq_offsets", seq_offsets),
+                    ("cache_lengths", cache_lengths), ("positions", positions),
+                    ("local_block_table", local_block_table)))
         if checked is not None and seq_offsets is None and batch is None \
                 and type(uniform_tokens) is int and uniform_tokens > 0:
             rows = (checked[1][0] if layer is None else checked[1]).shape[0]
             if rows % uniform_tokens:   # the rows past the last whole one would be dropped
                 raise ValueError(f"k: expected a multiple of uniform_tokens ({uniform_tokens}) "
                                  f"rows, got {rows}")
-        # index arrays of any library, viewed as this pool's (the op checks them)
-        block_table, seq_offsets, cache_lengths, positions, local_block_table = (
-            a if a is None else as_array(name, a, self.device, stream) for name, a in (
-                ("block_table", block_table), ("seq_offsets", seq_offsets),
-                ("cache_lengths", cache_lengths), ("positions", positions),
-                ("local_block_table", local_block_table)))
         self.launch_write(checked, block_table=block_table, seq_offsets=seq_offsets,
                           uniform_tokens=uniform_tokens, batch=batch, cache_lengths=cache_lengths,
                           positions=positions, status=status, stream=stream,
@@ -282,7 +284,8 @@ class PagedKVPool:
 
     def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None):
         """The row and scale checks of :meth:`write_kv` (nothing else is read); returns the
-        checked call for :meth:`launch_write`. Raises as :meth:`write_kv`."""
+        checked call for :meth:`launch_write`. Foreign device arrays order the current stream
+        after their producers: call it in the write's launch scope. Raises as :meth:`write_kv`."""
         if layer is not None:
             layer = attention_index(self.num_layers, layer, "layer")
         rows = check_rows(self.layer_configs, self.device, k, v, layer, self.dtype)
@@ -316,14 +319,13 @@ class PagedKVPool:
         if src is not None:
             kwargs.update(k_scale=scales[0], v_scale=scales[1], fp8_dtype=self.dtype,
                           src_dtype=src)
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             if attention_index is not None:
                 g, group_position = self._group_position[attention_index]
                 op(self.groups[g], ks, vs, layers=group_position,
                    block_table=tables[self.local_layers[attention_index]], **kwargs)
                 return
-            # ops validates the shared index arrays on the first launch, before any write; the
-            # two block tables were checked alike above.
+            # ops validates the shared index arrays on the first launch, before any write.
             for group in self.groups:
                 indices = group.layer_indices
                 op(group, [ks[a] for a in indices], [vs[a] for a in indices],
@@ -356,8 +358,9 @@ class PagedKVPool:
         if local and not self.has_local_space:
             raise ValueError("local: expected a pool with a local block space, got none")
         space = self.num_local_blocks if local else self.num_blocks
-        src = self._copy_index("src_ids", src_ids, space)
-        dst = self._copy_index("dst_ids", dst_ids, space)
+        with launch_scope(self.device, stream):   # device ids: stream after their producers
+            src = self._copy_index("src_ids", src_ids, space)
+            dst = self._copy_index("dst_ids", dst_ids, space)
         if src.shape[0] != dst.shape[0]:
             raise ValueError(f"dst_ids: expected {src.shape[0]} ids (one per source), "
                              f"got {dst.shape[0]}")
@@ -375,7 +378,7 @@ class PagedKVPool:
                                  f"{int(dst[both][0])}")
         int32_array("status", status, self.xp, min_len=1)   # before the ids are staged
         slots = self._local_slots if local else self._slots
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             if slots is None:
                 return  # no attention layer in the space: blocks hold no data
             if host_ids:

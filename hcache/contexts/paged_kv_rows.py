@@ -4,7 +4,7 @@ staged.
 
 Rows are ``[num_tokens, H_i, D_i]`` per attention layer, C-contiguous, of one dtype (the first
 ``k``'s) and one token count; a latent layer (one component) takes its rows in ``k`` and None in
-``v``. Arrays of any library are viewed as the pool's array module (``device.as_array``).
+``v``. Arrays of any library are viewed as the pool's array module (``hcache.arrays.as_array``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import int32_array
-from ..device import as_array
+from ..arrays import as_array
 from ..kv_scales import source_dtype
 
 __all__ = ["attention_index", "check_rows", "check_tables"]

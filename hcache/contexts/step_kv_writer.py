@@ -67,8 +67,9 @@ class StepKVWriter:
         if (requests.pending_end[rows] < 0).any():
             raise ValueError("request_ids: expected requests with a scheduled step")
         stream_handle(stream)
-        checked = self.kv_pool.check_write(k, v, layer=layer, k_scale=k_scale,
-                                           v_scale=v_scale)
+        with launch_scope(self.kv_pool.device, stream):   # foreign arrays: after producers
+            checked = self.kv_pool.check_write(k, v, layer=layer, k_scale=k_scale,
+                                               v_scale=v_scale)
         starts = requests.computed[rows]
         lengths = requests.pending_end[rows] - starts
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -80,7 +81,7 @@ class StepKVWriter:
         positions[positions < requests.kv_cached[rows][which]] = -1
         table = requests.request_to_kv_block_ids[rows]
         n, b = len(positions), len(rows)
-        with launch_scope(self.kv_pool.device, stream):
+        with launch_scope(self.kv_pool.device, stream, self.kv_pool.order):
             upload_ints(self._positions_dev, positions)
             upload_ints(self._offsets_dev, offsets)
             upload_ints(self._table_dev, table)

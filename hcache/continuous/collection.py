@@ -14,7 +14,8 @@ import numpy as np
 
 from .._checks import token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import as_array, stream_handle
+from ..arrays import as_array
+from ..device import stream_handle
 from ..kv_scales import check_scale, source_dtype
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
@@ -219,7 +220,8 @@ class ContinuousBatchingKVCacheCollection:
                 if key.dtype != value.dtype:
                     raise ValueError(f"{names[1]}: expected dtype {key.dtype} (as "
                                      f"{names[0]}), got {value.dtype}")
-            scales = [check_scale(n, s, src is not None, store.device, store.num_layers, heads)
+            scales = [check_scale(n, s, src is not None, store.device, store.num_layers, heads,
+                                  stream)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
             if ragged and int(counts.sum()) != key.shape[0]:
                 raise ValueError(f"{names[0]}: expected {int(counts.sum())} tokens (the sum of "

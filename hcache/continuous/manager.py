@@ -40,11 +40,12 @@ import numpy as np
 
 from .._checks import as_int, exact_int, token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import resolve_device, stream_handle, to_host
+from ..device import launch_scope, resolve_device, stream_handle
 from ..dtypes import dtype_name
 from ..memory import check_fits
 from ..rings import ring_start
 from .collection import ContinuousBatchingKVCacheCollection
+from .invariants import broken_manager_invariants
 from .params import KVCacheStaticParams, manager_arguments
 from .sequences import SequenceBlocks, seq_id_list, token_count_array
 from .store import KVBlockStore
@@ -125,12 +126,15 @@ class ContinuousBatchingKVCacheManager:
         zero-copy on both devices."""
         return self._store.blocks
 
-    def ring_start(self, lengths):
+    def ring_start(self, lengths, stream=None):
         """Entry of the oldest valid token of a ring block for sequences of ``lengths``
         tokens (an int or an int array, e.g. a collection's ``cache_lengths``): ``length %
         W`` once ``length > W``, else 0; always 0 without rings. Valid entries are
-        ``min(length, W)``, in rotated order from here."""
-        return ring_start(lengths, self._ring_window, self._device)
+        ``min(length, W)``, in rotated order from here. Device lengths are read on the device
+        and give a new device array computed on ``stream`` (no host sync; see
+        :func:`hcache.rings.ring_start`)."""
+        return ring_start(lengths, self._ring_window, self._device, stream,
+                          order=self._store.order)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -276,22 +280,36 @@ class ContinuousBatchingKVCacheManager:
             self._inflight, self._inflight_owner = None, None
             self._cond.notify_all()
 
-    def release(self, seq_id: int) -> None:
+    def release(self, seq_id: int, stream=None) -> None:
         """Return a sequence's block to the pool; the id is never valid again.
+
+        Parameters
+        ----------
+        seq_id : int
+        stream : optional
+            The stream on which the caller queued the last work that reads or writes the
+            sequence's block (its attention, say); default the current stream. On cuda an event
+            is recorded there, and the manager's next upload or launch on any other stream
+            waits for it (on the device), so a later claim of the block, from any thread and
+            stream, cannot overwrite it before that work ran. Work queued on *other* streams is
+            the caller's to order before the release.
 
         Raises
         ------
         TypeError
-            ``seq_id`` is not an int.
+            ``seq_id`` is not an int, or ``stream`` is not a stream.
         ValueError
             Unknown (or already released) ``seq_id``, or one in the in-flight batch.
         """
         sid = exact_int("seq_id", seq_id)
+        stream_handle(stream)
         with self._cond:
             self._sequences.block(sid)   # raises for an unknown id
             if self._inflight is not None and sid in self._inflight.seq_ids:
                 raise ValueError(f"seq_id: expected a sequence not in the batch in flight, "
                                  f"got {sid}; step the batch first")
+            with launch_scope(self._device, stream, self._store.order):
+                pass   # the block's reuse is ordered after the work queued on ``stream``
             self._sequences.release(sid)
 
     def reset(self) -> None:
@@ -336,32 +354,10 @@ class ContinuousBatchingKVCacheManager:
             Listing every broken invariant.
         """
         with self._cond:
-            p = self._sequences.broken_invariants()
-            coll = self._inflight
-            if coll is not None:
-                p.extend(self._inflight_problems(coll))
-            elif self._inflight_owner is not None:
-                p.append("an in-flight owner without a batch in flight")
+            p = broken_manager_invariants(self._sequences, self._inflight, self._inflight_owner)
             if p:
                 raise RuntimeError("ContinuousBatchingKVCacheManager: broken invariants:\n- "
                                    + "\n- ".join(p))
-
-    def _inflight_problems(self, coll) -> list[str]:
-        ids, p, seqs = coll.seq_ids, [], self._sequences
-        if any(s not in seqs.block_of for s in ids) or len(set(ids)) != len(ids):
-            return [f"in-flight batch {list(ids)} holds dead or repeated seq_ids"]
-        if [seqs.block_of[s] for s in ids] != list(coll.blocks):
-            p.append("in-flight blocks differ from the live sequences' blocks")
-        if [int(seqs.block_len[seqs.block_of[s]]) for s in ids] != list(
-                coll.host_cache_lengths):
-            p.append("in-flight lengths differ from the committed lengths")
-        dev = [to_host(a) for a in (coll.lookup_table, coll.cache_lengths)]
-        if dev[0].tolist() != list(coll.blocks) or dev[1].tolist() != list(
-                coll.host_cache_lengths):
-            p.append("device lookup_table/cache_lengths differ from the batch")
-        if self._inflight_owner is None:
-            p.append("a batch in flight without an owner thread")
-        return p
 
     def memory_report(self) -> dict:
         """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``

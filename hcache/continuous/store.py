@@ -15,9 +15,10 @@ import numpy as np
 
 from .. import ops
 from .._checks import exact_int
-from ..device import launch_scope, upload_ints, zeros
+from ..device import launch_scope, settle, upload_ints, zeros
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
+from ..stream_order import StreamOrder
 
 __all__ = ["KVBlockStore"]
 
@@ -55,6 +56,9 @@ class KVBlockStore:
         ``fetch``.
     seq_offsets : array, int32 [num_blocks + 1]
         Row offsets of a ragged write, refilled by every ragged write.
+    order : StreamOrder
+        Chains the manager's uploads and launches across streams, and orders a released
+        block's reuse after the work queued before its release.
     lock : threading.Condition
         Over a re-entrant lock: guards the manager's bookkeeping, and a write holds it across
         its launch so that ``step`` cannot end the batch half-way.
@@ -74,7 +78,9 @@ class KVBlockStore:
             self.lookup_table = xp.zeros((num_blocks,), dtype=np.int32)
             self.cache_lengths = xp.zeros((num_blocks,), dtype=np.int32)
             self.seq_offsets = xp.zeros((num_blocks + 1,), dtype=np.int32)
+            settle(device)
         self.lock = threading.Condition(threading.RLock())
+        self.order = StreamOrder()   # the manager's device work: one chain across streams
 
     @property
     def num_layers(self) -> int:
@@ -123,7 +129,7 @@ class KVBlockStore:
     def load_batch(self, blocks: np.ndarray, lengths: np.ndarray, stream) -> None:
         """``lookup_table[:batch] = blocks``, ``cache_lengths[:batch] = lengths`` (host to
         device, on ``stream``), in place."""
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             upload_ints(self.lookup_table, blocks)
             upload_ints(self.cache_lengths, lengths)
 
@@ -153,7 +159,7 @@ class KVBlockStore:
                         src_dtype=src_dtype)
         else:
             op = ops.kv_write
-        with launch_scope(self.device, stream):
+        with launch_scope(self.device, stream, self.order):
             if ragged:
                 upload_ints(self.seq_offsets, np.concatenate([[0], np.cumsum(counts)]))
                 op(self.group, key, value, seq_offsets=self.seq_offsets[:batch + 1], **rows)

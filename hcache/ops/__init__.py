@@ -24,17 +24,19 @@ given stream. Its parameters are those of its reference, then the launch-only ke
 ``stream=None, backend=None``. On NumPy arrays with no explicit ``backend`` the call goes to the
 NumPy reference, which is the ``cpu`` backend.
 
-``backend`` is anything with ``launch(family, name, grid, block, args)`` (and ``upload``): the
+``backend`` is anything with ``launch(family, name, grid, block, args)``: the
 CuPy launcher (:class:`CupyLauncher`), or the host emulation of the test suite, which runs the
 same ``.cu`` through g++. The argument tuples are identical for both: ``numpy`` scalars
 (``int32``, ``int64``, ``uint64`` for pointers; 0 is a null pointer).
 
 The descriptor tables the kernels read (:class:`~hcache.ops.tables.KVGroup`,
 :class:`~hcache.ops.tables.SlotSet`) and the compaction plan's format live in
-:mod:`hcache.ops.tables`; :mod:`hcache.ops._loader` is the only caller of ``cupy.RawModule``.
+:mod:`hcache.ops.tables`; :mod:`hcache.ops._loader` compiles the kernels through the device
+boundary (:mod:`hcache._cuda`).
 
 None of these functions synchronizes the device or allocates device memory. Kernels launch on
-the current CUDA device (the managers make theirs current around every call).
+the device that owns the op's arrays (its table, plan or lengths), whatever device is current,
+on ``stream`` (a stream of that device; ``None``: that device's current stream).
 """
 
 from __future__ import annotations

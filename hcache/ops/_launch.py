@@ -10,8 +10,9 @@ import contextlib
 
 import numpy as np
 
+from .. import _cuda
 from .._checks import int32_array
-from ..device import Device, data_pointer, launch_scope, stream_handle, upload
+from ..device import Device, array_device, data_pointer, launch_scope, stream_handle, upload
 from . import _loader
 from .tables import PLAN_HEADER, compaction_plan_size, plan_max_batch
 
@@ -21,34 +22,33 @@ MAX_GRID_Z = 64
 
 
 class CupyLauncher:
-    """Launches through CuPy ``RawKernel`` on the current device and ``stream``."""
+    """Launches through the device runtime on ``device`` (the CUDA ordinal of the op's arrays;
+    ``None``: the current device) and ``stream`` (a stream of that device)."""
 
-    def __init__(self, stream=None):
+    def __init__(self, stream=None, device: int | None = None):
         self.stream = stream
+        self.device = device
 
     def _device(self):
-        import cupy
-
-        return Device("cuda", cupy.cuda.runtime.getDevice())
+        index = self.device
+        return Device("cuda", _cuda.runtime().current_device() if index is None else index)
 
     def launch(self, family, name, grid, block, args):
         device = self._device()
         kernel = _loader.get_function(family, name, device.index)
         with launch_scope(device, self.stream):
-            kernel(grid, block, args)
-
-    def upload(self, scratch, host: np.ndarray):
-        """Copy a small host table into preallocated device memory, ordered on the stream."""
-        with launch_scope(self._device(), self.stream):
-            upload(scratch, host)
+            _cuda.runtime().launch(kernel, grid, block, args)
 
 
-def launcher(xp, backend, stream):
+def launcher(xp, backend, stream, like=None):
+    """The launcher of an op: ``backend`` if given, the host backend (NumPy arrays), else a
+    :class:`CupyLauncher` on the device of ``like`` (one of the op's device arrays), so an op
+    runs where its arrays live whatever device is current."""
     if backend is not None:
         return backend
     if xp is np:
         return _host_backend  # None: the NumPy reference
-    return CupyLauncher(stream)
+    return CupyLauncher(stream, None if like is None else array_device(like))
 
 
 _host_backend = None
@@ -127,16 +127,25 @@ def upload_table(run, group, host: np.ndarray):
     Skipped when the table equals the last one uploaded on the same stream (an engine that
     reuses its K/V buffers pays for the upload once); another stream uploads again, since it
     is not ordered after the first upload. ``stream=None`` is keyed by the current stream's
-    handle, not by ``None``. The table is one per group: calls on two streams that may run
-    concurrently must be ordered by the caller (a later upload may overwrite the table that an
-    earlier launch on another stream has yet to read)."""
-    key = stream_handle(getattr(run, "stream", None))  # None: the current stream's handle
-    last = group.scratch_host
-    if last is not None and last[0] == key and np.array_equal(last[1], host):
-        return
+    handle, not by ``None``. During stream capture the upload is always made (from a pinned slot
+    the graph keeps), and from then on never skipped: a replay rewrites the scratch with its own
+    table, so the last eager upload no longer says what the scratch holds. The table is one per
+    group: calls on two streams that may run concurrently must be ordered (the managers order
+    their own calls, see :class:`hcache.device.StreamOrder`)."""
+    stream = getattr(run, "stream", None)
+    key = stream_handle(stream)  # None: the current stream's handle
+    scratch = group.scratch_infos
     flat = host.reshape(-1)   # the scratch is flat: tables of 2- or 3-word records
-    if isinstance(group.scratch_infos, np.ndarray):
-        upload(group.scratch_infos, flat)
-    else:
-        run.upload(group.scratch_infos, flat)
-    group.scratch_host = (key, host)
+    if isinstance(scratch, np.ndarray):
+        upload(scratch, flat)
+        return
+    with launch_scope(Device("cuda", array_device(scratch)), stream):
+        if _cuda.runtime().is_capturing():
+            group.scratch_captured = True
+        else:
+            last = group.scratch_host
+            if not group.scratch_captured and last is not None and last[0] == key \
+                    and np.array_equal(last[1], host):
+                return
+        upload(scratch, flat)
+    group.scratch_host = None if group.scratch_captured else (key, host)

@@ -1,8 +1,8 @@
-"""The kernel loader: the only place that calls ``cupy.RawModule``.
+"""The kernel loader: sources of ``hcache/kernels/`` compiled through the device runtime.
 
 Sources live in ``hcache/kernels/`` (package data of the wheel); each family is
-compiled on first use, once per device, with a ``#line`` directive so that compile errors name
-the real file and line. Importing hcache compiles nothing.
+compiled on first use, once per device (and runtime), with a ``#line`` directive so that compile
+errors name the real file and line. Importing hcache compiles nothing.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
-from ..errors import KernelCompileError
+from .. import _cuda
 
 __all__ = ["FAMILIES", "kernel_dir", "kernel_source", "nvrtc_options", "get_function"]
 
@@ -49,23 +49,19 @@ def nvrtc_options() -> tuple[str, ...]:
 
 
 @cache
-def _module(family: str, device_id: int):
-    import cupy
-
+def _module(family: str, device_id: int, runtime_key: str):
     path, source = kernel_source(family)
-    with cupy.cuda.Device(device_id):
-        module = cupy.RawModule(code=source, options=nvrtc_options(),
-                                name_expressions=None)
-        try:
-            module.compile()
-        except cupy.cuda.compiler.CompileException as exc:
-            raise KernelCompileError(path, str(exc)) from None
-    return module
+    return _cuda.runtime().compile(path, source, nvrtc_options(), device_id)
+
+
+def get_function(family: str, name: str, device_id: int):
+    """The kernel ``name`` of ``family`` on device ``device_id`` of the active runtime
+    (compiled once per family, device and kind of runtime)."""
+    if name not in FAMILIES.get(family, ()):
+        raise ValueError(f"name: expected a kernel of {family!r}, got {name!r}")
+    return _kernel(family, name, device_id, _cuda.runtime().cache_key)
 
 
 @cache
-def get_function(family: str, name: str, device_id: int):
-    """The cached ``RawKernel`` ``name`` of ``family`` on CUDA device ``device_id``."""
-    if name not in FAMILIES.get(family, ()):
-        raise ValueError(f"name: expected a kernel of {family!r}, got {name!r}")
-    return _module(family, device_id).get_function(name)
+def _kernel(family: str, name: str, device_id: int, runtime_key: str):
+    return _cuda.runtime().kernel(_module(family, device_id, runtime_key), name)

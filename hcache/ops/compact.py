@@ -44,7 +44,7 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
     max_batch = check_plan(plan, xp)
     int32_array("mapping", mapping, xp, min_len=old_batch)
     int32_array("lengths", lengths, xp, min_len=max_batch)
-    run = launcher(xp, backend, stream)
+    run = launcher(xp, backend, stream, plan)
     if run is None:
         return ref.compaction_plan(mapping, old_batch, new_batch, plan, lengths=lengths)
     run.launch("compact", "hc_compaction_plan", (1, 1, 1), (1, 1, 1),
@@ -63,7 +63,7 @@ def kv_compact(group, plan, lengths, *, stream=None, backend=None):
         raise ValueError("group: expected an HND group for compaction, got NHD")
     max_batch = check_plan(plan, xp, group.num_slots)
     int32_array("lengths", lengths, xp, min_len=group.num_slots)
-    run = launcher(xp, backend, stream)
+    run = launcher(xp, backend, stream, plan)
     if run is None:
         return ref.kv_compact(group, plan, lengths)
     span = max(group.max_seq_lens) * group.row_bytes
@@ -83,7 +83,7 @@ def slots_compact(slots, plan, *, stream=None, backend=None):
         if s is not d and data_pointer(s) != data_pointer(d):
             raise ValueError(f"slots.pairs[{i}]: expected an in-place pair (t, t)")
     max_batch = check_plan(plan, xp, min(int(s.shape[0]) for s, _ in slots.pairs))
-    run = launcher(xp, backend, stream)
+    run = launcher(xp, backend, stream, plan)
     if run is None:
         return ref.slots_compact(slots, plan)
     grid = (grid_x(ceil_div(slots.max_slot_bytes, 16)), slots.num_tensors, 1)

@@ -147,7 +147,7 @@ def _checked_launcher(group, compact, status, stream, backend):
         if not t.flags.c_contiguous:
             raise ValueError(f"compact[{j}]: expected a C-contiguous array")
     check_status(status, xp)
-    return launcher(xp, backend, stream)
+    return launcher(xp, backend, stream, group.device_layer_infos)
 
 
 def _launch(run, group, slot, num_tokens, compact, to_cache, status):

@@ -171,7 +171,7 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
     launched, ks, vs, num_tokens, uniform_tokens, batch = _check_write(
         group, k, v, layers, seq_offsets, uniform_tokens, batch, cache_lengths, positions,
         row_to_slot, block_table, status, (group.dtype,))
-    run = launcher(group.xp, backend, stream)
+    run = launcher(group.xp, backend, stream, group.device_layer_infos)
     if run is None:
         return ref.kv_write(group, k, v, layers=layers, seq_offsets=seq_offsets,
                             uniform_tokens=uniform_tokens, batch=batch,
@@ -303,7 +303,7 @@ block_table, status
         row_to_slot, block_table, status, dtypes)
     k_args = _scale_args("k_scale", k_scale, group, launched)
     v_args = _scale_args("v_scale", v_scale, group, launched)
-    run = launcher(group.xp, backend, stream)
+    run = launcher(group.xp, backend, stream, group.device_layer_infos)
     if run is None:
         return ref.kv_write_fp8(group, k, v, layers=layers, seq_offsets=seq_offsets,
                                 uniform_tokens=uniform_tokens, batch=batch,

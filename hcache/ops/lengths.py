@@ -43,7 +43,7 @@ def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None, bac
     else:
         inc = increment
         int32_array("increment", inc, xp, min_len=n)
-    run = launcher(xp, backend, stream)
+    run = launcher(xp, backend, stream, lengths)
     if run is None:
         return ref.lengths_add(lengths, n, increment if inc is None else inc[:n], max_len,
                                status=status)

@@ -36,7 +36,7 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None, stream=None, backend=None
     int32_array("dst_idx", dst_idx, xp, min_len=src_idx.shape[0])
     check_status(status, xp)
     n = int(src_idx.shape[0])
-    run = launcher(xp, backend, stream)
+    run = launcher(xp, backend, stream, slots.device_infos)
     if run is None:
         return ref.slot_copy(slots, src_idx[:n], dst_idx[:n], status=status)
     if n == 0:

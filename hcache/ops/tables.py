@@ -18,7 +18,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import Device, array_module_of, data_pointer, launch_scope, to_host, upload
+from ..device import (
+    Device,
+    array_device,
+    array_module_of,
+    data_pointer,
+    launch_scope,
+    to_host,
+    upload,
+)
 
 __all__ = ["KVGroup", "SlotSet", "group_layers_by_head_dim", "pack_kv_layer_infos",
            "KV_LAYER_INFO_WORDS",
@@ -194,6 +202,7 @@ class KVGroup:
         self.scratch_infos = self.xp.zeros(len(self.layers) * KV_LAYER_INFO_WORDS,
                                            dtype=np.uint64)
         self.scratch_host = None  # (stream key, table) that scratch_infos holds now
+        self.scratch_captured = False  # a captured graph rewrites scratch_infos when replayed
 
     @property
     def num_layers(self) -> int:
@@ -322,7 +331,7 @@ class SlotSet:
         if isinstance(self.device_infos, np.ndarray):
             upload(self.device_infos, host)
         else:
-            with launch_scope(Device("cuda", self.device_infos.device.id), stream):
+            with launch_scope(Device("cuda", array_device(self.device_infos)), stream):
                 upload(self.device_infos, host)
         self.pairs = pairs
 

@@ -25,7 +25,9 @@ import numpy as np
 from .. import ops
 from .._checks import check_int, host_ints
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import as_array, launch_scope, on_device, to_host, upload_ints
+from ..arrays import as_array, on_device
+from ..device import launch_scope, settle, to_host, upload_ints
+from ..stream_order import StreamOrder
 from .batch_compaction import BatchCompaction
 
 __all__ = ["BatchAPI"]
@@ -56,6 +58,7 @@ class BatchAPI:
                  kv_groups=(), slot_tensors=()):
         xp = device.xp
         self._device = device
+        self._order = StreamOrder()   # the manager's calls: one chain across streams
         self._max_batch = int(max_batch_size)
         self._max_len = int(max_sequence_length)
         self._lengths = xp.zeros(self._max_batch, dtype=np.int32)      # the device truth
@@ -72,6 +75,7 @@ class BatchAPI:
         # known, else None; recomputed only after a change other than a uniform commit.
         self._headroom: int | None = self._max_len
         self._headroom_stale = False
+        settle(device)   # the manager's memory is ready for any stream
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -116,13 +120,13 @@ class BatchAPI:
     def refused_commit_count(self, stream=None) -> int:
         """How many commits the device refused (they would have passed
         ``max_sequence_length``). **Synchronizes** ``stream``."""
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self._order):
             return int(to_host(self._status)[0])
 
     def refresh_host_lengths(self, stream=None) -> None:
         """Copy the device lengths to the host mirror, so every length is known again.
         **Synchronizes** ``stream``."""
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self._order):
             host = to_host(self._lengths)
         self._host_lengths[:] = host
         self._known[:] = True
@@ -166,7 +170,7 @@ class BatchAPI:
         if bad.size:
             raise ValueError(f"reuse_kv_cache_lengths[{bad[0]}]: expected a length in "
                              f"[0, {self._max_len}], got {reuse[bad[0]]}")
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self._order):
             upload_ints(self._lengths, reuse)
         self._host_lengths[:n] = reuse
         self._known[:n] = True
@@ -227,7 +231,7 @@ class BatchAPI:
             slot = int(np.flatnonzero(new > self._max_len)[0])
             raise ValueError(f"increment[{slot}]: expected a commit within max_sequence_length "
                              f"{self._max_len}, got length {int(new[slot])}")
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self._order):
             ops.lengths_add(self._lengths, n, inc, self._max_len, status=self._status,
                             stream=stream)
         if headroom is not None:
@@ -249,7 +253,7 @@ class BatchAPI:
             slot = int(np.flatnonzero(new > self._max_len)[0])
             raise ValueError(f"increment[{slot}]: expected a commit within max_sequence_length "
                              f"{self._max_len}, got length {int(new[slot])}")
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self._order):
             upload_ints(self._increments, inc)
             ops.lengths_add(self._lengths, n, self._increments, self._max_len,
                             status=self._status, stream=stream)
@@ -271,7 +275,7 @@ class BatchAPI:
             raise ValueError(f"increment: expected shape ({n},), got {tuple(increment.shape)}")
         if not increment.flags.c_contiguous:
             raise ValueError("increment: expected a C-contiguous array")
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self._order):
             ops.lengths_add(self._lengths, n, increment, self._max_len, status=self._status,
                             stream=stream)
         self._known[:n] = False
@@ -362,8 +366,8 @@ class BatchAPI:
             raise ValueError(f"old_batch: expected the active batch size {self._active}, "
                              f"got {old}")
         new = check_int("new_batch", new_batch, 0, self._max_batch)
-        mapping = self._compaction.check_mapping(batch_mapping, old, new)
-        with launch_scope(self._device, stream):
+        mapping = self._compaction.check_mapping(batch_mapping, old, new, stream)
+        with launch_scope(self._device, stream, self._order):
             self._compaction.run(mapping, old, new, stream)
         if not isinstance(mapping, np.ndarray):   # a device mapping: lengths now unknown
             self._known[:new] = False
@@ -383,5 +387,5 @@ class BatchAPI:
         Only a device mapping can be invalid here (host mappings are validated and raise);
         an invalid one moved nothing. **Synchronizes** ``stream`` to read the plan status.
         """
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self._order):
             return self._compaction.last_valid()

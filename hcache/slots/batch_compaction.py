@@ -14,7 +14,8 @@ import numpy as np
 
 from .. import ops
 from .._checks import host_ints
-from ..device import as_array, on_device, to_host, upload_ints
+from ..arrays import as_array, on_device
+from ..device import to_host, upload_ints
 from ..ops.tables import SlotSet
 
 __all__ = ["BatchCompaction"]
@@ -55,8 +56,9 @@ class BatchCompaction:
         """Device bytes of the mapping and plan buffers and of the slot descriptor table."""
         return int(self._mapping.nbytes + self._plan.nbytes + self._slots.device_infos.nbytes)
 
-    def check_mapping(self, batch_mapping, old: int, new: int):
-        """``batch_mapping`` in the form :meth:`run` takes; changes nothing.
+    def check_mapping(self, batch_mapping, old: int, new: int, stream=None):
+        """``batch_mapping`` in the form :meth:`run` takes; changes nothing (a foreign device
+        mapping orders ``stream``, the compaction's, after its producer).
 
         Returns
         -------
@@ -73,7 +75,7 @@ class BatchCompaction:
             other than ``old`` entries, an entry out of range, or a slot named twice.
         """
         if self._device.is_cuda and on_device(batch_mapping):
-            mapping = as_array("batch_mapping", batch_mapping, self._device)
+            mapping = as_array("batch_mapping", batch_mapping, self._device, stream)
             if mapping.dtype != np.int32 or mapping.ndim != 1 or mapping.shape[0] < old \
                     or not mapping.flags.c_contiguous:
                 raise ValueError(f"batch_mapping: expected a C-contiguous int32 [>= {old}] "

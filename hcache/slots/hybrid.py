@@ -206,13 +206,14 @@ class HybridCacheManager(BatchAPI):
         :meth:`get_combined_kv_cache`."""
         return self._kv.get_ring_window(self._attention_index(i))
 
-    def ring_start(self, i, lengths=None):
+    def ring_start(self, i, lengths=None, stream=None):
         """Entry of the oldest valid token of decoder layer ``i``'s ring for ``lengths``
-        (default: the active slots' lengths, :meth:`get_kv_cache_lengths`, a device array);
-        see :meth:`KVCacheManager.ring_start`."""
+        (default: the active slots' lengths, :meth:`get_kv_cache_lengths`, a device array:
+        the result is then a new device array computed on ``stream``, no host sync); see
+        :meth:`KVCacheManager.ring_start`."""
         index = self._attention_index(i)
         return self._kv.ring_start(index, self.get_kv_cache_lengths() if lengths is None
-                                   else lengths)
+                                   else lengths, stream)
 
     def get_recurrent_state(self, i):
         """Recurrent state of decoder layer ``i``, a view ``[max_batch, heads, head_dim,

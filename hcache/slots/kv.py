@@ -18,8 +18,9 @@ import numpy as np
 from .. import ops
 from .._checks import check_index, check_int
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
+from ..arrays import as_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import as_array, launch_scope, resolve_device, zeros
+from ..device import launch_scope, resolve_device, settle, zeros
 from ..dtypes import is_fp8, storage_dtype
 from ..memory import check_fits
 from ..ops.kv_capture import prefix_length
@@ -74,6 +75,7 @@ class KVCacheManager:
                     [lc.components for lc in config.layer_configs]))
             self._writer = KVWriter(self._device, self._caches, self._groups, config.dtype,
                                     config.max_sequence_length, ring_windows=rings)
+            settle(self._device)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -132,7 +134,7 @@ class KVCacheManager:
         ``p`` at entry ``p mod W``), or 0 for an unbounded cache. Raises ``IndexError``."""
         return self._config.layer_ring_windows[check_index("i", i, self.num_layers)]
 
-    def ring_start(self, i, lengths):
+    def ring_start(self, i, lengths, stream=None):
         """The entry of the oldest valid token of layer ``i`` for sequences of ``lengths``
         tokens: ``lengths % W`` once ``lengths > W``, else 0 (always 0 for an unbounded layer).
         Entries ``ring_start, ..., W - 1, 0, ..., ring_start - 1`` hold positions ``length -
@@ -148,11 +150,18 @@ class KVCacheManager:
             Absolute sequence lengths (e.g. :meth:`~hcache.slots.batch.BatchAPI.
             get_kv_cache_lengths`).
 
+        stream : stream, optional
+            For device lengths: the stream of the computation, chained after the manager's
+            earlier work (its length commits) on other streams.
+
         Returns
         -------
         int or array of the same shape and module (int32 for a device array)
+            Device lengths are read on the device and give a new device array (an elementwise
+            kernel on ``stream``: no host read or sync; it allocates, so not in a capture).
         """
-        return ring_start(lengths, self.get_ring_window(i), self._device)
+        return ring_start(lengths, self.get_ring_window(i), self._device, stream,
+                          order=self._writer.order)
 
     def get_layer_config(self, i) -> KVLayerConfig:
         """Layer ``i``'s :class:`KVLayerConfig`. Raises ``IndexError``."""
@@ -314,7 +323,7 @@ class KVCacheManager:
                 raise TypeError(f"scales: expected a (k_scales, v_scales) pair, "
                                 f"got {type(scales).__name__}")
             for name, t in zip(("scales[0]", "scales[1]"), scales):
-                self._writer.check_scale(name, t)
+                self._writer.check_scale(name, t, stream)
         with launch_scope(self._device, stream):
             for group in self._groups:
                 ops.kv_restore(group, [saved[a] for a in group.layer_indices], b, num_tokens=n,

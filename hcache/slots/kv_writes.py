@@ -11,9 +11,8 @@ rows into an FP8 cache) once per head-dim group. Row ``b`` of a batch is slot ``
 land at explicit positions or at the row's committed length (the ``lengths`` of the batch state
 that calls it).
 
-FP8 caches keep one scale per attention layer and KV head for K and for V (float32 tables
-``[num_layers, max_kv_heads]``, 1.0 at construction): the scale the layer's latest write
-divided by, which an attention kernel multiplies back (``x ~= q * scale``).
+FP8 caches keep one scale per attention layer and KV head for K and for V
+(:class:`~hcache.slots.kv_scale_tables.KVScaleTables`).
 """
 
 from __future__ import annotations
@@ -22,9 +21,16 @@ import numpy as np
 
 from .. import ops
 from .._checks import token_counts
-from ..device import as_array, launch_scope, stream_handle, upload, upload_ints
+from ..arrays import as_array
+from ..device import (
+    launch_scope,
+    stream_handle,
+    upload,
+    upload_ints,
+)
 from ..dtypes import is_fp8, resolve_dtype, storage_dtype
-from .kv_scale_tables import check_table_scale, record_scale
+from ..stream_order import StreamOrder
+from .kv_scale_tables import KVScaleTables
 from .write_positions import check_positions
 
 __all__ = ["KVWriter"]
@@ -61,6 +67,7 @@ class KVWriter:
                  ring_windows=None):
         xp = device.xp
         self._device, self._caches, self._groups = device, tuple(caches), tuple(groups)
+        self.order = StreamOrder()   # replaced by the batch state's when a manager has one
         self.dtype = resolve_dtype(dtype)
         self._storage = storage_dtype(self.dtype, xp)
         self._max_len = int(max_sequence_length)
@@ -73,13 +80,7 @@ class KVWriter:
         self._positions = xp.zeros(max(self._max_batch, 1) * n, dtype=np.int32)
         self._status = xp.zeros(n, dtype=np.int32)
         self._fp8 = is_fp8(self.dtype)
-        heads = max((int(c.shape[2]) for c in caches), default=0)
-        if self._fp8:
-            self._scales = (xp.ones((len(caches), heads), dtype=np.float32),
-                            xp.ones((len(caches), heads), dtype=np.float32))
-            self._recorded = [[1.0] * len(caches), [1.0] * len(caches)]  # host floats, or None
-        else:
-            self._scales = None
+        self._scales = KVScaleTables(device, caches) if self._fp8 else None
         # float rows a quantizing write takes, by array dtype (bfloat16 may be held as uint16)
         self._float_dtypes = {np.dtype(storage_dtype(d, xp)): d for d in _FLOATS}
 
@@ -94,7 +95,7 @@ class KVWriter:
         """Device bytes of the staging buffers, the status word and the scale tables."""
         n = self._offsets.nbytes + self._positions.nbytes + self._status.nbytes
         if self._scales is not None:
-            n += self._scales[0].nbytes + self._scales[1].nbytes
+            n += self._scales.nbytes
         return int(n)
 
     def scales(self):
@@ -107,19 +108,19 @@ class KVWriter:
         """
         if self._scales is None:
             raise ValueError(f"kv scales: expected an FP8 cache, got {self.dtype}")
-        return self._scales
+        return self._scales.tables
 
-    def check_scale(self, name, scale):
+    def check_scale(self, name, scale, stream=None):
         """``scale`` checked for every layer, as :meth:`set_scales` would take it (FP8 caches
         only). Raises ``ValueError`` / ``TypeError``."""
         self.scales()
-        return self._check_scale(name, scale, list(range(self.num_layers)))
+        return self._scales.check(name, scale, list(range(self.num_layers)), stream)
 
     def skipped_count(self, stream=None) -> int:
         """Tokens the kernels skipped as out of range so far. **Synchronizes** ``stream``."""
         if not self._caches:
             return 0
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self.order):
             host = self._status.get() if hasattr(self._status, "get") else self._status
         return int(host[0])
 
@@ -131,11 +132,11 @@ class KVWriter:
         stream_handle(stream)
         self.scales()
         layers = list(range(self.num_layers))
-        checked = [self._check_scale(name, s, layers)
+        checked = [self._scales.check(name, s, layers, stream)
                    for name, s in (("k_scale", k_scale), ("v_scale", v_scale))]
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream, self.order):
             for kv, s in enumerate(checked):
-                self._record(kv, s, layers)
+                self._scales.record(kv, s, layers)
 
     def write(self, index, k, v, *, batch_state=None, seq_lengths=None, positions=None,
               k_scale=None, v_scale=None, stream=None) -> None:
@@ -176,7 +177,7 @@ class KVWriter:
             raise ValueError(f"k: expected {batch} sequences (the active batch), got {lead[0]}")
         total = lead[0] if ragged else lead[0] * lead[1]
         staged = self._check_positions(positions, lead, batch,
-                                       counts if ragged else lead[1], layers)
+                                       counts if ragged else lead[1], layers, stream)
         if positions is None:
             if batch_state is None:
                 raise ValueError("positions: expected explicit positions (a KVCacheManager "
@@ -184,7 +185,7 @@ class KVWriter:
             self._check_room(batch_state, counts if ragged else lead[1])
         scales = [None, None]
         if quantize:
-            scales = [self._check_scale(n, s, layers)
+            scales = [self._scales.check(n, s, layers, stream)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]
             if v_scale is not None and all(self._latent(a) for a in layers):
                 raise ValueError(f"v_scale: expected None (latent layers have no V), "
@@ -194,7 +195,9 @@ class KVWriter:
                 if s is not None:
                     raise ValueError(f"{name}: expected None (scales apply to float rows "
                                      f"written into an FP8 cache), got {type(s).__name__}")
-        with launch_scope(self._device, stream):
+        if batch_state is not None:
+            self.order = batch_state._order   # one chain with the manager's other calls
+        with launch_scope(self._device, stream, self.order):
             if total == 0:
                 return
             kwargs = dict(batch=batch, status=self._status, stream=stream)
@@ -209,8 +212,8 @@ class KVWriter:
                 kwargs["positions"] = self._stage(staged, total)
             if quantize:
                 for kv, s in enumerate(scales):
-                    self._record(kv, s, layers)
-                kwargs.update(k_scale=self._scales[0], v_scale=self._scales[1],
+                    self._scales.record(kv, s, layers)
+                kwargs.update(k_scale=self._scales.tables[0], v_scale=self._scales.tables[1],
                               fp8_dtype=self.dtype, src_dtype=src)
             self._launch(index, ks, vs, total, quantize, kwargs)
 
@@ -299,23 +302,11 @@ class KVWriter:
             raise ValueError(f"k: expected at most {self._max_len - have} new tokens for slot "
                              f"{b} (length {have}), got {int(new[b]) - have}")
 
-    def _check_positions(self, positions, lead, batch, counts, layers):
+    def _check_positions(self, positions, lead, batch, counts, layers, stream):
         """Host positions, checked and flattened (int64), or the device array as it is."""
         windows = sorted({self._rings[a] for a in layers} - {0})
         return check_positions(positions, lead, batch, counts, self._max_len, windows,
-                               self._device)
-
-    def _check_scale(self, name, scale, layers):
-        """A scale argument as ``None`` (the recorded tables), a float or a device table of
-        any array library (:func:`~hcache.slots.kv_scale_tables.check_table_scale`)."""
-        if scale is not None and not isinstance(scale, (bool, np.bool_, int, float, np.integer,
-                                                        np.floating)):
-            scale = as_array(name, scale, self._device)
-        heads = max((int(self._caches[a].shape[2]) for a in layers), default=0)
-        return check_table_scale(name, scale, self._device.xp, self.num_layers, heads)
-
-    def _record(self, kv: int, scale, layers) -> None:
-        record_scale(self._scales[kv], self._recorded[kv], scale, layers)
+                               self._device, stream)
 
     def _stage(self, staged, total):
         """Host positions into the staging buffer (grown, once, past its capacity); device

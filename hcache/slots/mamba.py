@@ -16,8 +16,9 @@ import numpy as np
 from .. import ops
 from .._checks import check_index
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
+from ..arrays import as_array
 from ..config.caches import MambaCacheConfig
-from ..device import as_array, launch_scope, resolve_device, zeros
+from ..device import launch_scope, resolve_device, settle, zeros
 from ..dtypes import storage_dtype
 from ..memory import check_fits
 from ..ops.tables import SlotSet
@@ -76,6 +77,7 @@ class MambaCacheManager:
                     for kind, views in (("recurrent", self._recurrent_views),
                                         ("conv", self._conv_views)) if views}
                 self._restore_set = SlotSet([(v, v) for v in self.state_tensors])
+            settle(self._device)
 
     # --- queries ----------------------------------------------------------------------------
 

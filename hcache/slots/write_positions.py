@@ -13,18 +13,18 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import host_array, is_array
-from ..device import as_array, on_device
+from ..arrays import as_array, on_device
 
 __all__ = ["check_positions"]
 
 
-def check_positions(positions, lead, batch, counts, max_len, windows, device):
+def check_positions(positions, lead, batch, counts, max_len, windows, device, stream=None):
     """Host positions checked and flattened, or a device array as it is.
 
     Parameters
     ----------
     positions : None, host ints shaped ``lead`` (a sequence, or an array of any library), or
-        an int32 device array (on a cuda device; any library ``device.as_array`` imports)
+        an int32 device array (on a cuda device; any library ``hcache.arrays.as_array`` imports)
     lead : tuple of int
         The leading axes of the write's ``k``: ``(batch, new_tokens)`` or ``(total_tokens,)``.
     batch : int
@@ -37,6 +37,8 @@ def check_positions(positions, lead, batch, counts, max_len, windows, device):
         The distinct ring windows (> 0) of the written layers.
     device : Device
         The caches' device.
+    stream : stream, optional
+        The write's stream: a foreign device array is imported ordered on it.
 
     Returns
     -------
@@ -54,7 +56,7 @@ def check_positions(positions, lead, batch, counts, max_len, windows, device):
     if positions is None:
         return None
     if device.xp is not np and on_device(positions):   # device data: not read
-        positions = as_array("positions", positions, device)
+        positions = as_array("positions", positions, device, stream)
         if positions.dtype != np.int32 or tuple(positions.shape) != lead \
                 or not positions.flags.c_contiguous:
             raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
