@@ -9,12 +9,23 @@ import sys
 
 def layout(args) -> int:
     """Print the cache layout of a ``config.json`` and its bytes per token and per sequence;
-    exit status 2 (and the reason on stderr) for a config hcache cannot lay out."""
+    exit status 2 (and the reason, one line on stderr) for a bad option or a config hcache
+    cannot lay out."""
     import json
 
+    from hcache._checks import as_int
     from hcache.config import HybridCacheConfig
     from hcache.config.report import layout_report
+    from hcache.dtypes import resolve_dtype
 
+    try:   # the options first, each named as typed
+        as_int("--seq-len", args.seq_len, 1)
+        for option in ("kv_dtype", "ssm_dtype", "conv_dtype"):
+            if getattr(args, option) is not None:
+                resolve_dtype(getattr(args, option), "--" + option.replace("_", "-"))
+    except (TypeError, ValueError) as exc:
+        print(f"python -m hcache info: error: {exc}", file=sys.stderr)
+        return 2
     try:
         with open(args.config, encoding="utf-8") as f:
             raw = json.load(f)
@@ -104,7 +115,13 @@ def bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    """Run one command; returns the exit status (2 for a bad ``--device``, printed as one
+    line on stderr, no traceback)."""
+    from hcache import __version__
+    from hcache.device import resolve_device
+
     parser = argparse.ArgumentParser(prog="python -m hcache", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, text in (("info", info, "versions, device, dtypes, kernel compilation"),
                            ("demo", demo, "serve a small hybrid model with every cache"),
@@ -139,6 +156,11 @@ def main(argv=None) -> int:
                            help="host overhead per decode step (bookkeeping µs, median and "
                                 "worst step) instead of the kernels")
     args = parser.parse_args(argv)
+    try:
+        args.device = resolve_device(args.device)
+    except (TypeError, ValueError) as exc:
+        print(f"python -m hcache {args.command}: error: --{exc}", file=sys.stderr)
+        return 2
     return args.fn(args)
 
 

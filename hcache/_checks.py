@@ -10,38 +10,19 @@ its checks before its first mutation changes nothing when one fails.
 from __future__ import annotations
 
 import operator
+from itertools import repeat
 
 import numpy as np
 
-from .arrays import host_array, on_device
+from .arrays import host_array as _import_host
+from .arrays import on_device
 
 __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host_ints",
            "index_array", "block_id_array", "hash_array", "int_shape", "int32_array",
-           "exact_int", "token_counts", "token_list", "host_view"]
+           "exact_int", "token_counts", "token_list", "host_array", "is_array"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1   # the C ``int`` of the kernels, int32 lengths
 _INT64_MAX = np.iinfo(np.int64).max
-
-
-_ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__array_struct__",
-                    "__cuda_array_interface__")
-
-
-def host_view(name: str, values):
-    """An array of any library as a NumPy array (zero-copy where its producer allows, see
-    :func:`hcache.arrays.host_array`); any other value (a list, a tuple, a scalar) as it is.
-
-    Raises
-    ------
-    TypeError
-        ``values`` is device memory, or an array NumPy cannot import.
-    """
-    if isinstance(values, np.ndarray) or not any(hasattr(values, p) for p in _ARRAY_PROTOCOLS):
-        return values
-    if on_device(values):
-        raise TypeError(f"{name}: expected host integers, got device memory "
-                        f"({type(values).__name__})")
-    return host_array(name, values)
 
 
 def _exact_int(name: str, value) -> int:
@@ -78,6 +59,61 @@ def check_index(name: str, value, size: int) -> int:
     return value
 
 
+_ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__array_struct__",
+                    "__cuda_array_interface__")
+
+
+def is_array(values) -> bool:
+    """True for an array of any library (NumPy, JAX, CuPy, an object with an array protocol):
+    what :func:`host_array` imports rather than reads as a Python sequence."""
+    return isinstance(values, np.ndarray) or any(hasattr(values, p) for p in _ARRAY_PROTOCOLS)
+
+
+def host_array(name: str, values) -> np.ndarray:
+    """``values`` as a NumPy array: the one host coercion of integer arguments.
+
+    A NumPy array is returned as it is; an array of any other library (``__dlpack__``,
+    ``__array__``, ``__array_interface__``, JAX) through :func:`hcache.arrays.host_array`,
+    without a copy where its producer allows; a flat sequence (a list, a tuple, a range, a
+    generator) through ``np.asarray``.
+
+    Raises
+    ------
+    TypeError
+        Device memory ("expected host integers, got device memory"), an array NumPy cannot
+        import, a string, a scalar, a nested or ragged sequence, or a bool entry of a sequence
+        (which ``np.asarray`` would read as 0 or 1).
+    ValueError
+        A Python int of a sequence beyond int64.
+    """
+    if isinstance(values, np.ndarray):
+        return values
+    if any(hasattr(values, p) for p in _ARRAY_PROTOCOLS):
+        if on_device(values):
+            raise TypeError(f"{name}: expected host integers, got device memory "
+                            f"({type(values).__name__})")
+        return _import_host(name, values)
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {type(values).__name__}")
+    if not isinstance(values, (list, tuple)):
+        values = list(values)          # a set, a generator, a range
+    if any(map(isinstance, values, repeat((bool, np.bool_)))):
+        i = next(i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)))
+        raise TypeError(f"{name}[{i}]: expected an int, got bool")
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError, OverflowError):   # ragged or nested
+        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {values!r:.60}") \
+            from None
+    if arr.dtype.kind in "fO" and arr.ndim == 1 and all(map(isinstance, values, repeat(int))):
+        # Python ints beyond int64 (and uint64) make a float or object array: say which.
+        i = next((i for i, v in enumerate(values) if not -(2**63) <= v < 2**63), None)
+        if i is not None:
+            raise ValueError(f"{name}[{i}]: expected an int64 value in [-2**63, 2**63), "
+                             f"got {values[i]}")
+    return arr
+
+
 def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
     """Host integers (a sequence or a NumPy array) as a 1-D ``int64`` array.
 
@@ -88,12 +124,7 @@ def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
     ValueError
         Not 1-D, not ``length`` entries, or a ``uint64`` value that int64 cannot hold.
     """
-    values = host_view(name, values)
-    if isinstance(values, (list, tuple)) and any(isinstance(v, (bool, np.bool_))
-                                                 for v in values):
-        # np.asarray([1, True]) is an int array: a bool entry would pass as 0 or 1.
-        raise TypeError(f"{name}: expected integers, got a bool entry")
-    arr = np.asarray(values)
+    arr = host_array(name, values)
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
@@ -108,32 +139,41 @@ def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def index_array(name: str, values, upper: int) -> np.ndarray:
-    """``values`` as host ``int64 [n]``, every entry in ``[0, upper)``."""
-    values = host_view(name, values)
-    arr = values if isinstance(values, np.ndarray) else np.asarray(list(values))
-    if arr.size == 0:
+def index_array(name: str, values, upper: int, *, distinct: bool = False) -> np.ndarray:
+    """``values`` as host ``int64 [n]``, every entry in ``[0, upper)`` (and no entry twice
+    when ``distinct``: a ``ValueError``)."""
+    arr = host_array(name, values)
+    if arr.size == 0 and arr.ndim == 1:
         return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected integers, got dtype {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.dtype == np.uint64 and (arr > _INT64_MAX).any():
+        raise IndexError(f"{name}: expected indices in [0, {upper}), got {arr.max()}")
     arr = arr.astype(np.int64)
     bad = (arr < 0) | (arr >= upper)
     if bad.any():
         raise IndexError(f"{name}: expected indices in [0, {upper}), got {int(arr[bad][0])}")
+    if distinct and len(arr) > 1:
+        first = np.unique(arr, return_index=True)[1]
+        if len(first) != len(arr):
+            i = int(np.setdiff1d(np.arange(len(arr)), first)[0])
+            raise ValueError(f"{name}[{i}]: expected distinct indices, got {arr[i]} again")
     return arr
 
 
 def block_id_array(name: str, ids, num_blocks: int, *, padding: bool = False) -> np.ndarray:
     """Block ids as host ``int64 [n]`` in ``[0, num_blocks)`` (``-1`` too if ``padding``)."""
-    arr = np.asarray(host_view(name, ids))
-    if arr.size == 0:
+    arr = host_array(name, ids)
+    if arr.size == 0 and arr.ndim == 1:
         return np.zeros(0, dtype=np.int64)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name}: expected integer block ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.dtype == np.uint64 and (arr > _INT64_MAX).any():
+        raise IndexError(f"{name}: expected block ids in [0, {num_blocks}), got {arr.max()}")
     arr = arr.astype(np.int64)
     bad = (arr < (-1 if padding else 0)) | (arr >= num_blocks)
     if bad.any():
@@ -144,12 +184,13 @@ def block_id_array(name: str, ids, num_blocks: int, *, padding: bool = False) ->
 
 def hash_array(name: str, values, length: int) -> np.ndarray:
     """Block hashes as host ``int64 [length]``."""
-    arr = np.asarray(host_view(name, values))
-    if arr.size == 0:
+    arr = host_array(name, values)
+    if arr.size == 0 and arr.ndim == 1:
         arr = np.zeros(0, dtype=np.int64)
-    elif arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) \
-            or (arr.dtype == np.uint64 and bool((arr > _INT64_MAX).any())):
+    elif arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name}: expected int64 hashes, got dtype {arr.dtype}")
+    elif arr.dtype == np.uint64 and bool((arr > _INT64_MAX).any()):
+        raise ValueError(f"{name}: expected int64 hashes (below 2**63), got {arr.max()}")
     if arr.ndim != 1 or arr.shape[0] != length:
         raise ValueError(f"{name}: expected {length} values (one per block id), "
                          f"got shape {arr.shape}")
@@ -205,7 +246,6 @@ def token_counts(values, batch: int, name: str = "valid_lengths") -> list[int]:
     ValueError
         Not ``batch`` entries, or a negative entry.
     """
-    values = host_view(name, values)
     if isinstance(values, np.ndarray):
         if values.dtype.kind not in "iu" or values.ndim != 1:
             raise TypeError(f"{name}: expected a 1-D integer array, "
@@ -232,8 +272,8 @@ def token_list(name: str, tokens) -> list:
     ValueError
         Not 1-D.
     """
-    arr = np.asarray(host_view(name, tokens))
-    if arr.size == 0:
+    arr = host_array(name, tokens)
+    if arr.size == 0 and arr.ndim == 1:
         return []
     if arr.ndim == 0 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} "

@@ -14,7 +14,15 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cuda
-from .device import Device, adopt, check_device, launch_scope, stream_handle, wait_for_producer
+from .device import (
+    Device,
+    adopt,
+    check_device,
+    launch_scope,
+    resolve_device,
+    stream_handle,
+    wait_for_producer,
+)
 
 __all__ = ["as_array", "host_array", "on_device"]
 
@@ -102,8 +110,10 @@ def as_array(name: str, value, device: Device, stream=None):
     ValueError
         On ``cuda``: the array lives on another device than ``device``.
     TypeError, ValueError
-        On ``cuda``, for a foreign array: ``stream`` is not a stream (:func:`stream_handle`).
+        ``device`` is not a device, or ``stream`` not a stream (:func:`stream_handle`).
     """
+    device = resolve_device(device)
+    stream_handle(stream)   # a bad stream is the stream's error, not the array's
     if not device.is_cuda:
         return host_array(name, value)
     if _is_runtime_array(value):
@@ -113,7 +123,6 @@ def as_array(name: str, value, device: Device, stream=None):
         raise TypeError(f"{name}: expected a {device.xp.__name__} array (or an array on "
                         f"{device} with __cuda_array_interface__ or __dlpack__), got "
                         f"{type(value).__name__}")
-    stream_handle(stream)   # a bad stream is the stream's error, not the array's
     try:
         view = adopt(value) if hasattr(value, "__cuda_array_interface__") else None
     except _FOREIGN_ERRORS as exc:

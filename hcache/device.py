@@ -41,6 +41,16 @@ class Device:
     kind: str
     index: int = 0
 
+    def __post_init__(self):
+        if self.kind not in ("cpu", "cuda"):
+            raise ValueError(f"kind: expected 'cpu' or 'cuda', got {self.kind!r}")
+        if isinstance(self.index, bool) or not isinstance(self.index, (int, np.integer)):
+            raise TypeError(f"index: expected an int, got {type(self.index).__name__}")
+        if not 0 <= self.index < 2**31 or (self.kind == "cpu" and self.index):
+            raise ValueError(f"index: expected a CUDA ordinal >= 0 (0 on cpu), "
+                             f"got {self.index}")
+        object.__setattr__(self, "index", int(self.index))
+
     @property
     def is_cuda(self) -> bool:
         return self.kind == "cuda"
@@ -283,9 +293,18 @@ def zeros(device: Device, shape, dtype):
     first aligned byte (``numpy.zeros`` gives only 16 bytes, and JAX copies a less than
     64-byte aligned buffer that it imports). On ``cuda`` the runtime allocates on the current
     device (256-byte aligned) and queues the zero fill on the current stream: call it inside
-    the construction's launch scope, which ends with :func:`settle`.
+    the construction's launch scope, which ends with :func:`settle`. ``TypeError`` for a bad
+    ``device``, ``shape`` or ``dtype``.
     """
-    dtype = np.dtype(dtype)
+    device = resolve_device(device)
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or any(
+            isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer))
+            or n < 0 for n in shape):
+        raise TypeError(f"shape: expected a sequence of ints >= 0, got {shape!r:.60}")
+    try:
+        dtype = np.dtype(dtype if dtype is not None else "")   # np.dtype(None) is float64
+    except TypeError:
+        raise TypeError(f"dtype: expected a dtype, got {dtype!r:.60}") from None
     shape = tuple(int(n) for n in shape)
     if device.is_cuda:
         return _runtime().zeros(shape, dtype)

@@ -102,7 +102,14 @@ def dlpack_view(array):
     array : numpy.ndarray or cupy.ndarray
         A cache view of any dtype (a CuPy cache stored as its storage dtype is returned as it
         is).
+
+    Raises
+    ------
+    TypeError
+        ``array`` is not an array (no ``dtype`` and ``view``).
     """
+    if not (hasattr(array, "dtype") and hasattr(array, "view")):
+        raise TypeError(f"array: expected a numpy or cupy array, got {type(array).__name__}")
     dt = np.dtype(array.dtype)
     return array.view(_UINT_OF_SIZE[dt.itemsize]) if dt in _NO_DLPACK else array
 

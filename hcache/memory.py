@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 
-from .device import Device, cuda_free_bytes
+from ._checks import as_int
+from .device import Device, cuda_free_bytes, resolve_device
 from .errors import CacheCapacityError
 
 __all__ = ["available_bytes", "check_fits"]
@@ -23,7 +24,13 @@ def available_bytes(device: Device) -> int | None:
     ``cuda``: the device's free memory (``cudaMemGetInfo``) plus what CuPy's memory pool holds
     unused. ``cpu``: ``MemAvailable`` of ``/proc/meminfo`` (else the free physical pages of
     ``os.sysconf``), capped by a cgroup v2 memory limit when the process runs under one.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``device`` is not a device (:func:`~hcache.device.resolve_device`).
     """
+    device = resolve_device(device)
     if device.is_cuda:
         return cuda_free_bytes(device)
     avail = None
@@ -58,7 +65,10 @@ def check_fits(name: str, nbytes: int, device: Device) -> None:
     CacheCapacityError
         ``nbytes`` exceeds :func:`available_bytes` (``required`` and ``available`` say by
         how much); no check where the available memory is unknown.
+    TypeError, ValueError
+        ``nbytes`` is not an int >= 0, or ``device`` not a device.
     """
+    nbytes, device = as_int("nbytes", nbytes, 0), resolve_device(device)
     avail = available_bytes(device)
     if avail is not None and nbytes > avail:
         raise CacheCapacityError(

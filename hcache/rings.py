@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cuda
-from ._checks import host_view
+from ._checks import as_int, host_array
 from .arrays import as_array, on_device
-from .device import launch_scope
+from .device import launch_scope, resolve_device, stream_handle
+from .stream_order import StreamOrder
 
 __all__ = ["ring_start"]
 
@@ -27,8 +28,8 @@ def ring_start(lengths, window: int, device=None, stream=None, *, order=None):
     lengths : int or int array (host memory, or ``device``'s memory: any array library)
         Absolute sequence lengths.
     window : int
-        The ring's window ``W``, or 0 for an unbounded cache.
-    device : Device, optional
+        The ring's window ``W`` (>= 0), or 0 for an unbounded cache.
+    device : None, "cpu", "cuda", "cuda:N" or Device, optional
         The caches' device: device arrays of another library are viewed as its module
         (:func:`hcache.arrays.as_array`); host arrays of any library as NumPy arrays.
     stream : stream, optional
@@ -52,9 +53,21 @@ def ring_start(lengths, window: int, device=None, stream=None, *, order=None):
     ------
     TypeError
         ``lengths`` is neither an int nor an integer array (of a library ``device`` can
-        import).
+        import); ``window`` is not an int; ``device`` is not a device; ``stream`` is not a
+        stream; ``order`` is not a :class:`~hcache.stream_order.StreamOrder`.
+    ValueError
+        A negative host length, ``window`` < 0, ``device`` names no usable device, or a
+        ``stream`` handle out of range.
     """
+    window = as_int("window", window, 0)
+    if device is not None:
+        device = resolve_device(device)
+    stream_handle(stream)
+    if order is not None and not isinstance(order, StreamOrder):
+        raise TypeError(f"order: expected None or a StreamOrder, got {type(order).__name__}")
     if isinstance(lengths, int) and not isinstance(lengths, bool):
+        if lengths < 0:
+            raise ValueError(f"lengths: expected a length >= 0, got {lengths}")
         return lengths % window if window and lengths > window else 0
     if device is not None and device.is_cuda and on_device(lengths):
         with launch_scope(device, stream, order):
@@ -62,15 +75,16 @@ def ring_start(lengths, window: int, device=None, stream=None, *, order=None):
             _check_int_array(lengths)
             if not window:
                 return device.xp.zeros(lengths.shape, lengths.dtype)
-            return _cuda.runtime().ring_start(lengths, int(window))
-    lengths = host_view("lengths", lengths)
+            return _cuda.runtime().ring_start(lengths, window)
+    lengths = host_array("lengths", lengths)
     _check_int_array(lengths)
+    if lengths.size and int(lengths.min()) < 0:   # device lengths are not read
+        raise ValueError(f"lengths: expected lengths >= 0, got {int(lengths.min())}")
     if not window:
         return np.zeros_like(lengths)
     return np.where(lengths > window, lengths % window, 0).astype(lengths.dtype)
 
 
 def _check_int_array(lengths) -> None:
-    if not hasattr(lengths, "dtype") or lengths.dtype.kind not in "iu":
-        raise TypeError(f"lengths: expected an int or an int array, "
-                        f"got {type(lengths).__name__}")
+    if lengths.dtype.kind not in "iu":
+        raise TypeError(f"lengths: expected an int or an int array, got dtype {lengths.dtype}")

@@ -31,7 +31,8 @@ class StreamOrder:
         self._lock = threading.Lock()
 
     def __reduce__(self):
-        """A copy (``copy.deepcopy`` of a manager) starts a chain of its own."""
+        """A copy starts a chain of its own (the cache owners themselves refuse copies,
+        :mod:`hcache._copying`)."""
         return (StreamOrder, ())
 
     def before(self, rt) -> None:

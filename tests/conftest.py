@@ -10,6 +10,7 @@ more examples), ``gpu`` (fewer examples, for the device tier); pick one with
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -44,6 +45,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason with its count (``-ra`` would list every skipped location
+    and bury the failures); printed before the short summary of failures."""
+    reports = terminalreporter.stats.get("skipped", [])
+    if not reports:
+        return
+    reasons = Counter(str(r.longrepr[2] if isinstance(r.longrepr, tuple) else r.longrepr)
+                      .removeprefix("Skipped: ") for r in reports)
+    terminalreporter.section("skipped tests by reason", sep="-")
+    for reason, n in reasons.most_common():
+        terminalreporter.write_line(f"{n:6d}  {reason}")
 
 
 @pytest.fixture(autouse=True)

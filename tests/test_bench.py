@@ -12,7 +12,7 @@ import hcache
 from hcache.__main__ import main
 from hcache.bench import KERNEL_BENCHES
 from hcache.bench import main as bench_main
-from hcache.bench._common import BenchContext
+from hcache.bench._common import BenchContext, significant
 
 KERNEL_FAMILIES = {p.stem for p in (Path(hcache.__file__).parent / "kernels").glob("*.cu")}
 
@@ -32,9 +32,13 @@ def test_bench_on_cpu_writes_every_family(tmp_path, capsys):
     assert {r["family"] for r in report["rows"]} == KERNEL_FAMILIES
     models = {r["model"] for r in report["rows"] if r["family"] != "lengths"}
     assert models == {"nemotron-h-like", "gemma-like", "deepseek-v3-like"}
+    assert any("fp8" in r["case"] for r in report["rows"] if r["family"] == "kv_write")
     for r in report["rows"]:
         assert r["us"] > 0 and r["bytes"] >= 0 and r["launches"] >= 1
+        # ratios keep 3 significant digits: the CPU reference of an FP8 decode write is so much
+        # slower than a copy that a fixed 2 or 3 decimals used to round its ratio to 0
         assert r["vs_copy"] > 0 and r["speedup_vs_naive"] > 0
+        assert significant(r["vs_copy"]) == r["vs_copy"]
     out = capsys.readouterr().out
     assert "NumPy reference path" in out and str(path) in out
 
@@ -91,3 +95,9 @@ def test_host_bench_on_cpu_reports_every_case(tmp_path, capsys):
         assert r["family"] == "host" and 0 < r["us"] <= r["worst_us"]
         assert min(r["us"], r["mean_us"]) <= r["worst_us"]
     assert "median us" in capsys.readouterr().out
+
+
+def test_ratios_keep_significant_digits_however_small():
+    assert significant(0.000123456) == 0.000123
+    assert significant(12345.6) == 12300.0
+    assert significant(2 / 3) == 0.667

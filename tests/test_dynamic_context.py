@@ -20,7 +20,12 @@ from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from hcache.config.caches import KVLayerConfig
-from hcache.contexts import DynamicInferenceContext, compute_block_hashes
+from hcache.contexts import (
+    DynamicInferenceContext,
+    MambaSlotAllocator,
+    PagedKVPool,
+    compute_block_hashes,
+)
 from hcache.errors import CacheCapacityError
 
 # --- helpers -------------------------------------------------------------------------------
@@ -264,8 +269,19 @@ def full_state(ctx):
 
 
 def twin(ctx):
-    """An independent copy (array modules are shared, not copied)."""
-    return copy.deepcopy(ctx, {id(np): np})
+    """An independent copy for an oracle (array modules are shared, not copied). The classes
+    refuse ``copy.deepcopy`` (hcache/_copying.py: on a GPU the copy's pointer tables would
+    still address the original); on cpu the NumPy reference reads the arrays themselves, so
+    the refusal is lifted while the test copies."""
+    owners = (DynamicInferenceContext, PagedKVPool, MambaSlotAllocator)
+    saved = {cls: (cls.__deepcopy__, cls.__reduce_ex__) for cls in owners}
+    try:
+        for cls in owners:
+            del cls.__deepcopy__, cls.__reduce_ex__
+        return copy.deepcopy(ctx, {id(np): np})
+    finally:
+        for cls, (deep, reduce) in saved.items():
+            cls.__deepcopy__, cls.__reduce_ex__ = deep, reduce
 
 
 def plans_of(plans):
@@ -514,7 +530,8 @@ class BatchedVersusLoopedContext(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data):
         if self.ctx.request_ids:
-            ids = data.draw(st.lists(st.sampled_from(self.ctx.request_ids), min_size=1))
+            ids = data.draw(st.lists(st.sampled_from(self.ctx.request_ids), min_size=1,
+                                     unique=True))
             self.ctx.release_requests(ids)
             self.loop.release_requests(ids)
 

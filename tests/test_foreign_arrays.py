@@ -21,7 +21,7 @@ from hcache import (
     PagedKVPool,
     compute_block_hashes,
 )
-from hcache._checks import host_view
+from hcache._checks import host_array as checked_host_array
 from hcache.arrays import as_array, host_array
 from hcache.config.caches import KVCacheConfig, KVLayerConfig, MambaCacheConfig
 from hcache.device import resolve_device
@@ -136,12 +136,18 @@ def test_a_dlpack_dtype_numpy_cannot_import_says_why():
     assert np.shares_memory(host_array("k", Both(a)), a)
 
 
-def test_host_view_leaves_sequences_and_refuses_device_memory():
-    assert host_view("ids", [1, 2]) == [1, 2]
+def test_checked_host_array_reads_sequences_views_arrays_and_refuses_device_memory():
+    # The one host coercion of integer arguments: sequences checked, foreign arrays viewed.
+    got = checked_host_array("ids", [1, 2])
+    assert got.tolist() == [1, 2] and got.dtype.kind == "i"
     a = np.arange(3)
-    assert np.shares_memory(host_view("ids", DLPackOnly(a)), a)
+    assert np.shares_memory(checked_host_array("ids", DLPackOnly(a)), a)
     with pytest.raises(TypeError, match="ids: expected host integers, got device memory"):
-        host_view("ids", CudaInterfaceOnly())
+        checked_host_array("ids", CudaInterfaceOnly())
+    with pytest.raises(TypeError, match=r"ids\[1\]: expected an int, got bool"):
+        checked_host_array("ids", [1, True])
+    with pytest.raises(ValueError, match=r"ids\[0\]: expected an int64 value"):
+        checked_host_array("ids", [2**64, 1])
 
 
 # --- every entry point --------------------------------------------------------------------------
@@ -246,7 +252,7 @@ def test_a_foreign_array_of_the_wrong_memory_changes_nothing():
     with pytest.raises(TypeError, match=r"v\[1\]: expected a numpy array .*device memory"):
         m.write_kv(None, [k, k], [k, bad])
     assert np.array_equal(before, m.get_kv_cache_buffer())
-    with pytest.raises(TypeError, match="positions: expected a numpy array"):
+    with pytest.raises(TypeError, match="positions: expected host integers, got device memory"):
         m.write_kv(0, k, k, positions=CudaInterfaceOnly())
 
 

@@ -84,6 +84,15 @@ def test_a_config_that_cannot_be_laid_out_exits_2(tmp_path, capsys, text, reason
     assert main(["info", "--config", str(tmp_path / "missing.json")]) == 2
 
 
+@pytest.mark.parametrize(("option", "value"), [("--seq-len", "0"), ("--kv-dtype", "float9"),
+                                               ("--ssm-dtype", "x"), ("--conv-dtype", "")])
+def test_a_bad_option_is_named_on_one_line_and_exits_2(tmp_path, capsys, option, value):
+    code, out, err = run_info(tmp_path, capsys, LFM2_1_2B, option, value)
+    assert code == 2 and out == ""
+    assert err.startswith(f"python -m hcache info: error: {option}: expected ")
+    assert err.count("\n") == 1 and repr(value)[1:-1] in err
+
+
 def test_ring_buffers_are_fixed_bytes(tmp_path, capsys):
     # Gemma 4 (default window 512): layer 0 slides, so at 4096 tokens it is a ring of 512;
     # layer 1 (2 heads x 16) is unbounded. float32.
@@ -112,3 +121,14 @@ def test_latent_ring_layer_bytes():
                                  "per_sequence": 128 * 576 * 2 + 1024 * 576 * 2}
     assert "  0         attention latent 576 (MLA, one component), window 128 (ring buffer) " \
            "bfloat16" in layout_report(cfg)
+
+
+def test_no_ring_windows_takes_no_value_and_bad_options_are_still_named(tmp_path, capsys):
+    code, out, err = run_info(tmp_path, capsys, GEMMA4_PER_LAYER, "--no-ring-windows",
+                              "--seq-len", "0")
+    assert code == 2 and out == ""
+    assert err == "python -m hcache info: error: --seq-len: expected an int >= 1, got 0\n"
+    with pytest.raises(SystemExit) as exit_:    # argparse's own usage error
+        run_info(tmp_path, capsys, GEMMA4_PER_LAYER, "--no-ring-windows=1")
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and "--no-ring-windows" in err

@@ -233,7 +233,7 @@ def pool_state(pool):
 
 @pytest.mark.parametrize("dtype, kwargs, exc, match", [
     ("float16", dict(src="float16", k_scale=2.0), ValueError, "k_scale: expected None"),
-    ("float16", dict(src="float32"), ValueError, r"k: expected dtype float16, got float32"),
+    ("float16", dict(src="float32"), ValueError, r"k\[0\]: expected dtype float16, got float32"),
     ("float8_e5m2", dict(src="float32", k_scale=np.ones(2, np.float32)), ValueError,
      r"k_scale: expected .* \[3\] \(per layer\) or \[3, >= 3\]"),
     ("float8_e5m2", dict(src="float32", v_scale=np.ones((3, 2), np.float32)), ValueError,

@@ -87,7 +87,8 @@ def test_mla_layer_allocates_exactly_one_latent_vector_per_token(dtype, device):
                                             b * s * D * item)
     assert [(g.components, g.layer_indices) for g in kv.groups] == [(1, (0, 2)), (2, (1,))]
     assert not kv.is_uniform
-    with pytest.raises(ValueError, match="layer 0: expected a layer with separate K and V"):
+    with pytest.raises(ValueError,
+                       match=r"^i: expected a layer with separate K and V, got layer 0\b"):
         kv.get_separate_kv_cache(0)
     k, v = kv.get_separate_kv_cache(1)
     assert k.shape == v.shape == (b, 2, s, 64)
@@ -100,7 +101,8 @@ def test_hybrid_routes_latent_layers_and_reports_their_groups(device):
     kv = KVCacheConfig(2, 5, [MLA, MLA], "float16")
     m = HybridCacheManager(HybridCacheConfig([A, N, A], kv, None, 2), device=device)
     assert m.get_combined_kv_cache(2).shape == (2, 1, 1, 5, D)
-    with pytest.raises(ValueError, match="layer 2: expected a layer with separate K and V"):
+    with pytest.raises(ValueError,
+                       match=r"^i: expected a layer with separate K and V, got layer 2\b"):
         m.get_separate_kv_cache(2)
     (view,) = m.get_kv_head_dim_groups()
     assert (view.components, view.head_dim, view.layer_indices) == (1, D, (0, 2))

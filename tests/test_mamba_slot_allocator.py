@@ -126,11 +126,15 @@ def test_capacity_error_type():
 
 # --- allocation and eviction --------------------------------------------------------------------
 
-def test_allocate_dedups_and_keeps_existing_slots():
+def test_allocate_refuses_repeats_and_keeps_existing_slots():
     _, kv, alloc = make(max_slots=4)
     ids, _ = registered_blocks(kv, 4)
-    slots = alloc.allocate_slots_batch([ids[1], ids[0], ids[1]])
-    assert slots[0] == slots[2] != slots[1]
+    before = snapshot(alloc)
+    with pytest.raises(ValueError, match=r"^block_ids\[2\]: expected distinct indices"):
+        alloc.allocate_slots_batch([ids[1], ids[0], ids[1]])   # issue 12: a repeat is refused
+    assert_unchanged(before, alloc)
+    slots = alloc.allocate_slots_batch([ids[1], ids[0]])
+    assert slots[0] != slots[1]
     assert alloc.free_count == 2
     again = alloc.allocate_slots_batch([ids[0], ids[2], ids[1]])
     assert again[0] == slots[1] and again[2] == slots[0]
@@ -150,7 +154,7 @@ def test_allocate_is_atomic_when_short():
     before = snapshot(alloc)
     assert not alloc.can_allocate_slots([more[0]])
     with pytest.raises(MambaSlotCapacityError) as info:
-        alloc.allocate_slots_batch([more[0], more[1], more[0]])
+        alloc.allocate_slots_batch([more[0], more[1]])
     assert (info.value.required, info.value.available) == (2, 0)
     assert_unchanged(before, alloc)
     kv.release_memory_blocks(used[2:])        # one slot becomes evictable

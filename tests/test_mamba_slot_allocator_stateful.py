@@ -146,6 +146,12 @@ class MambaCacheMachine(RuleBasedStateMachine):
         """Allocate with the outcome predicted first: refusal (nothing changes) or success
         with exactly the oldest (timestamp, id) evictable blocks losing their slots."""
         a, kv = self.alloc, self.kv
+        if len(set(ids)) != len(ids):        # a repeated block id is refused, nothing changes
+            before = self.snapshot()
+            with pytest.raises(ValueError, match=r"block_ids\[\d+\]: expected distinct"):
+                a.allocate_slots_batch(ids)
+            self.assert_unchanged(before)
+            return None
         had = {b: int(a.block_to_slot[b]) for b in ids if a.block_to_slot[b] >= 0}
         new = list(dict.fromkeys(b for b in ids if b not in had))
         candidates = sorted((int(kv.block_timestamps[b]), b) for b in self.owned_blocks()

@@ -286,7 +286,9 @@ def test_same_step_duplicates_and_deferral():
         slot = ctx.mamba_slot(rid)
         conv, ssm, _ = oracle((prompt + [9])[:n])
         np.testing.assert_array_equal(host(ctx.mamba_ssm_states[:, slot]), ssm)
-    ctx.release_requests(["x", "y", "z", "x"])
+    with pytest.raises(ValueError, match=r"request_ids: expected distinct request ids"):
+        ctx.release_requests(["x", "y", "z", "x"])       # a repeated id changes nothing
+    ctx.release_requests(["x", "y", "z"])
     check(ctx)
     assert ctx.num_active_requests == 0 and ctx.kv_block_allocator.num_used_blocks == 0
 

@@ -55,11 +55,14 @@ def test_lfm2_views_exist_for_the_conv_state_only(device):
     conv_layer, attn_layer = 0, 2
     assert m.get_conv_state(conv_layer).shape == (2, 2048, 3)
     assert m.get_conv_state(conv_layer).dtype == m.get_combined_kv_cache(attn_layer).dtype
-    with pytest.raises(ValueError, match="layer 0: expected a layer with a recurrent state"):
+    with pytest.raises(ValueError,
+                       match=r"^i: expected a layer with a recurrent state, got layer 0\b"):
         m.get_recurrent_state(conv_layer)
-    with pytest.raises(ValueError, match="layer 0: expected an attention layer"):
+    with pytest.raises(ValueError,
+                       match=r"^i: expected an attention layer, got layer 0\b"):
         m.get_combined_kv_cache(conv_layer)
-    with pytest.raises(ValueError, match="layer 2: expected a Mamba layer"):
+    with pytest.raises(ValueError,
+                       match=r"^i: expected a Mamba layer, got layer 2\b"):
         m.get_conv_state(attn_layer)
     assert m.get_combined_kv_cache(attn_layer).shape == (2, 2, 8, 16, 64)
     mamba = m.mamba_cache_manager
@@ -77,9 +80,11 @@ def test_minimax_views_exist_for_the_lightning_state_only(device):
     m = manager(MINIMAX_8, batch=1, device=device)
     assert m.get_recurrent_state(0).shape == (1, 64, 128, 128)
     assert m.get_recurrent_state(0).dtype == np.float32
-    with pytest.raises(ValueError, match="layer 3: expected a layer with a conv state"):
+    with pytest.raises(ValueError,
+                       match=r"^i: expected a layer with a conv state, got layer 3\b"):
         m.get_conv_state(3)
-    with pytest.raises(ValueError, match="layer 6: expected an attention layer"):
+    with pytest.raises(ValueError,
+                       match=r"^i: expected an attention layer, got layer 6\b"):
         m.get_combined_kv_cache(6)
     assert m.get_combined_kv_cache(7).shape == (1, 2, 8, 16, 128)
     report = m.memory_report()

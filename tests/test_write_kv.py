@@ -268,8 +268,10 @@ def _state(m):
 
 
 @pytest.mark.parametrize("call, exc, match", [
-    (lambda m, k: m.write_kv(0, k, k), ValueError, "layer 0: expected an attention layer"),
-    (lambda m, k: m.write_kv(2, k, k), ValueError, "layer 2: expected an attention layer"),
+    (lambda m, k: m.write_kv(0, k, k), ValueError,
+     "layer: expected an attention layer, got layer 0"),
+    (lambda m, k: m.write_kv(2, k, k), ValueError,
+     "layer: expected an attention layer, got layer 2"),
     (lambda m, k: m.write_kv(4, k, k), ValueError, "expected a layer that owns its KV cache"),
     (lambda m, k: m.write_kv(7, k, k), IndexError, "layer: expected an index in"),
     (lambda m, k: m.write_kv(1, k[:2], k[:2]), ValueError, r"k: expected 3 sequences"),
@@ -329,10 +331,11 @@ def test_refused_fp8_write_records_no_scale(backend, kwargs, exc, match):
 def test_scales_of_a_cache_that_is_not_fp8_are_refused():
     """get_kv_scales / set_kv_scales / capture with_scales need an FP8 cache."""
     m = hybrid()
-    for call in (m.get_kv_scales, lambda: m.set_kv_scales(1.0),
-                 lambda: m.capture_kv_cache(0, 1, with_scales=True)):
+    for call in (m.get_kv_scales, lambda: m.set_kv_scales(1.0)):
         with pytest.raises(ValueError, match="kv scales: expected an FP8 cache"):
             call()
+    with pytest.raises(ValueError, match="with_scales: expected False for a float16 cache"):
+        m.capture_kv_cache(0, 1, with_scales=True)
     assert m.skipped_kv_write_count() == 0
 
 

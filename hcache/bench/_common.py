@@ -85,8 +85,8 @@ class BenchContext:
         naive_us = self.timer(naive) if naive is not None else None
         return {"model": model, "case": case, "us": round(us, 3), "bytes": int(nbytes),
                 "GBps": round(nbytes / us / 1e3, 2) if us else None,
-                "vs_copy": round(copy_us / us, 3) if us else None,
-                "speedup_vs_naive": round(naive_us / us, 2) if naive_us and us else None,
+                "vs_copy": significant(copy_us / us) if us else None,
+                "speedup_vs_naive": significant(naive_us / us) if naive_us and us else None,
                 "launches": launches}
 
 
@@ -109,6 +109,12 @@ class Model:
     attention: tuple[tuple[int, int], ...]
     mamba: Mamba | None
     components: int = 2
+
+
+def significant(ratio: float, digits: int = 3) -> float:
+    """``ratio`` to ``digits`` significant digits: a slow case's tiny ratio (the CPU reference
+    of an FP8 write against a copy) stays > 0, where a fixed number of decimals rounds it to 0."""
+    return float(f"{ratio:.{digits}g}")
 
 
 def models(scale: int) -> list[Model]:

@@ -18,8 +18,8 @@ def print_table(rows: list[dict]) -> None:
               f"{'xnaive':>7} launches")
     for r in kernel_rows:
         print(f"{r['family']:<11} {r['model']:<16} {r['case']:<24} {r['us']:>10.1f} "
-              f"{r['GBps'] or 0:>9.1f} {r['vs_copy'] or 0:>7.2f} "
-              f"{r['speedup_vs_naive'] or 0:>7.2f} {r['launches']}")
+              f"{r['GBps'] or 0:>9.1f} {r['vs_copy'] or 0:>7.3g} "
+              f"{r['speedup_vs_naive'] or 0:>7.3g} {r['launches']}")
     if host_rows:
         print(f"{'case':<30} {'median us':>10} {'mean us':>9} {'worst us':>9} {'goal us':>8}  "
               "other")

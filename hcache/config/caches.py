@@ -16,7 +16,7 @@ from ..dtypes import dtype_name, resolve_dtype
 from . import sizing
 from .fields import _dtype, _FrozenMapping, _largest_batch, _seq_len, _state_fields
 from .hf import read_hf_layout
-from .layers import KVLayerConfig, LayerType, _set
+from .layers import KVLayerConfig, LayerType, _set, kv_layer_list
 
 __all__ = ["LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
            "HybridCacheConfig", "LinearCacheConfig", "hybrid_config_from_hf"]
@@ -42,16 +42,7 @@ class KVCacheConfig:
     def __post_init__(self):
         _set(self, "max_batch_size", as_int("max_batch_size", self.max_batch_size, 1))
         _set(self, "max_sequence_length", _seq_len(self.max_sequence_length))
-        if isinstance(self.layer_configs, (str, bytes)) or not hasattr(self.layer_configs,
-                                                                       "__iter__"):
-            raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
-                            f"got {type(self.layer_configs).__name__}")
-        layers = tuple(self.layer_configs)
-        for i, lc in enumerate(layers):
-            if not isinstance(lc, KVLayerConfig):
-                raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
-                                f"got {type(lc).__name__}")
-        _set(self, "layer_configs", layers)
+        _set(self, "layer_configs", kv_layer_list("layer_configs", self.layer_configs))
         _dtype(self, "dtype")
         if not isinstance(self.ring_windows, (bool, np.bool_)):
             raise TypeError(f"ring_windows: expected a bool, "
@@ -168,8 +159,8 @@ class HybridCacheConfig:
     kv_sharing: object = field(default=None)
 
     def __post_init__(self):
-        if isinstance(self.layer_types, (str, bytes)) or not hasattr(self.layer_types,
-                                                                     "__iter__"):
+        if isinstance(self.layer_types, (str, bytes, type)) \
+                or not hasattr(self.layer_types, "__iter__"):
             raise TypeError(f"layer_types: expected a sequence of LayerType, "
                             f"got {type(self.layer_types).__name__}")
         types = tuple(LayerType.coerce(t, f"layer_types[{i}]")

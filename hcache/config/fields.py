@@ -82,11 +82,15 @@ def _state_fields(obj, recurrent: tuple, conv: tuple) -> None:
         for name in names:
             _set(obj, name, as_int(name, getattr(obj, name), 0))
         zero = [name for name in names if getattr(obj, name) == 0]
-        if zero and len(zero) != len(names):
-            given = [n for n in names if n not in zero]
-            raise ValueError(f"{zero[0]}: expected >= 1 since {' and '.join(given)} "
-                             f"{'is' if len(given) == 1 else 'are'} set (0 for all of "
-                             f"{', '.join(names)}: no such state), got 0")
+        given = [n for n in names if n not in zero]
+        if zero and given:   # the message names the odd one out (the zeros on a tie)
+            odd, rest = (given, zero) if len(given) < len(zero) else (zero, given)
+            value = getattr(obj, odd[0])
+            want = "0" if odd is given else ">= 1"
+            state = "0" if odd is given else "set"
+            raise ValueError(f"{odd[0]}: expected {want} since {' and '.join(rest)} "
+                             f"{'is' if len(rest) == 1 else 'are'} {state} (0 for all of "
+                             f"{', '.join(names)}: no such state), got {value}")
     if all(getattr(obj, name) == 0 for name in recurrent + conv):
         raise ValueError(f"{recurrent[-1]}: expected a recurrent state or a conv state, got "
                          f"neither (every shape field is 0)")

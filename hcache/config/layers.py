@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .._checks import as_int
 
-__all__ = ["LayerType", "KVLayerConfig"]
+__all__ = ["LayerType", "KVLayerConfig", "kv_layer_list"]
 
 
 def _set(obj, name, value):
@@ -30,6 +30,11 @@ class LayerType(enum.Enum):
     @property
     def has_mamba(self) -> bool:
         return self in (LayerType.MAMBA, LayerType.ATTENTION_AND_MAMBA)
+
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"value: expected one of {', '.join(repr(m.value) for m in cls)}, "
+                         f"got {value!r}")
 
     @classmethod
     def coerce(cls, value, name: str = "layer_type") -> LayerType:
@@ -71,3 +76,16 @@ class KVLayerConfig:
         if self.components not in (1, 2):
             raise ValueError(f"components: expected 1 (latent MLA cache) or 2 (K and V), "
                              f"got {self.components}")
+
+
+def kv_layer_list(name: str, configs) -> tuple:
+    """``configs`` (a sequence of :class:`KVLayerConfig`) as a tuple; ``TypeError`` naming
+    ``name`` (or ``name[i]``) otherwise."""
+    if isinstance(configs, (str, bytes, type)) or not hasattr(configs, "__iter__"):
+        raise TypeError(f"{name}: expected a sequence of KVLayerConfig, "
+                        f"got {type(configs).__name__}")
+    configs = tuple(configs)
+    for i, lc in enumerate(configs):
+        if not isinstance(lc, KVLayerConfig):
+            raise TypeError(f"{name}[{i}]: expected KVLayerConfig, got {type(lc).__name__}")
+    return configs

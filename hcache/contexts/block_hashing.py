@@ -16,7 +16,7 @@ import hashlib
 
 import numpy as np
 
-from .._checks import as_int, host_view
+from .._checks import as_int, host_array
 from ..device import array_module_of
 
 __all__ = ["compute_block_hashes", "chain_block_hashes", "DIGEST_BYTES"]
@@ -52,9 +52,9 @@ def compute_block_hashes(tokens, block_size: int) -> list[int]:
     if array_module_of(tokens) is not np:
         tokens = tokens.get()   # host copy of a CuPy array (synchronizes)
     try:
-        arr = np.asarray(host_view("tokens", tokens))
-    except (OverflowError, ValueError) as exc:
-        raise TypeError(f"tokens: expected int64 token ids, got {exc}") from None
+        arr = host_array("tokens", tokens)   # bool entries, ragged lists: TypeError
+    except ValueError as exc:                 # a Python int beyond int64
+        raise TypeError(str(exc)) from None
     if arr.ndim != 1:
         raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
     if arr.size == 0:

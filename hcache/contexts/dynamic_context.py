@@ -13,12 +13,13 @@ prefix match. An engine drives it one step at a time::
     ctx.commit_step()                          # register blocks, keep Mamba snapshots, tick
     ctx.release_requests([rid])
 
-The context drives its collaborators: the request table (:class:`~.requests.RequestTable`: per-row
-tokens, counters, block hashes, live slots, host block tables; a step is vectorised over requests),
-the scheduler (:class:`~.step_scheduler.StepScheduler`, with the prefix-match policy of
-:mod:`~.prefix_match`), the live Mamba states (:class:`~.live_states.LiveMambaStates`), the
-step's KV writes (:class:`~.step_kv_writer.StepKVWriter`) and, with ``num_local_blocks``, the
-sliding-window layers' block space (:class:`~.window_blocks.WindowBlocks`).
+Collaborators: the request table (:class:`~.requests.RequestTable`: per-row tokens, counters,
+block hashes, live slots, host block tables; a step is vectorised over rows), the scheduler
+(:class:`~.step_scheduler.StepScheduler`, with the prefix-match policy of :mod:`~.prefix_match`),
+the live Mamba states (:class:`~.live_states.LiveMambaStates`), the step's KV writes
+(:class:`~.step_kv_writer.StepKVWriter`), with ``num_local_blocks`` the sliding-window layers'
+block space (:class:`~.window_blocks.WindowBlocks`), the invariants of the whole
+(:mod:`~.context_invariants`). Copies: see :mod:`hcache._copying`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
+from ..config.layers import kv_layer_list
 from ..config.sizing import context_states_nbytes
 from ..device import resolve_device, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
@@ -68,8 +71,7 @@ class DynamicInferenceContext:
     mamba_cache_slots : int
         Durable Mamba cache slots; 0 disables state caching (KV blocks are still shared).
     mamba_chunk_size : int, optional
-        Granularity at which the model can emit mid-prefill states (default
-        ``block_size_tokens``); must divide ``block_size_tokens``.
+        Granularity of mid-prefill states; divides ``block_size_tokens`` (the default).
     enable_prefix_caching : bool
     eviction_policy : {"lru", "ref_zero"}
     max_step_tokens : int, optional
@@ -93,6 +95,7 @@ class DynamicInferenceContext:
     stats : PrefixCacheStats
         Totals over every request ever added.
     """
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, *, kv_layer_configs, num_blocks, block_size_tokens, max_requests,
                  max_blocks_per_request, num_mamba_layers=0, conv_states_shape=(1,),
@@ -116,23 +119,23 @@ class DynamicInferenceContext:
         self.max_step_tokens = as_int("max_step_tokens", self.max_requests
                                     * self.max_sequence_length if max_step_tokens is None
                                     else max_step_tokens, 1)
-        conv_shape, ssm_shape = state_shapes(conv_states_shape, ssm_states_shape)
-        L, R, configs = self.num_mamba_layers, self.max_requests, list(kv_layer_configs)
-        conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
-        ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
-        local = num_local_blocks is not None and any(
-            getattr(lc, "sliding_window", None) is not None for lc in configs)
-        pool = self.kv_pool = PagedKVPool(
-            configs, num_blocks, self.block_size_tokens, kv_dtype, device=self.device,
-            num_local_blocks=num_local_blocks, extra_nbytes=context_states_nbytes(
-                self, slots if enable_prefix_caching else 0, conv_shape, ssm_shape, conv_dt,
-                ssm_dt, local_tables=local))   # checked together
         self.kv_block_allocator = KVBlockAllocator(
             num_blocks, enable_prefix_caching=enable_prefix_caching,
             eviction_policy=eviction_policy)
-        self.window_blocks = WindowBlocks.for_pool(pool, self.max_requests,
-                                                   self.max_blocks_per_request,
-                                                   self.kv_block_allocator)
+        caching = self.kv_block_allocator.enable_prefix_caching
+        conv_shape, ssm_shape = state_shapes(conv_states_shape, ssm_states_shape)
+        L, R = self.num_mamba_layers, self.max_requests
+        configs = kv_layer_list("kv_layer_configs", kv_layer_configs)
+        conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
+        ssm_dt = storage_dtype(resolve_dtype(ssm_states_dtype, "ssm_states_dtype"), xp)
+        local = num_local_blocks is not None and any(lc.sliding_window for lc in configs)
+        pool = self.kv_pool = PagedKVPool(
+            configs, num_blocks, self.block_size_tokens, resolve_dtype(kv_dtype, "kv_dtype"),
+            device=self.device, num_local_blocks=num_local_blocks, extra_nbytes=(
+                context_states_nbytes(self, slots if caching else 0, conv_shape, ssm_shape,
+                                      conv_dt, ssm_dt, local_tables=local)))   # checked together
+        blocks = self.window_blocks = WindowBlocks.for_pool(pool, R, self.max_blocks_per_request,
+                                                            self.kv_block_allocator)
         self._live = LiveMambaStates(self.device, L, R, conv_shape, ssm_shape, conv_dt, ssm_dt)
         self._requests = RequestTable(R, self.max_blocks_per_request, self.block_size_tokens,
                                       hashing=self.kv_block_allocator.enable_prefix_caching)
@@ -140,10 +143,9 @@ class DynamicInferenceContext:
                                        self.max_step_tokens, self.window_blocks)
         self.mamba_slot_allocator = MambaSlotAllocator(
             self, slots, L, conv_shape, ssm_shape, conv_states_dtype, ssm_states_dtype) \
-            if L and slots and enable_prefix_caching else None
+            if L and slots and caching else None
         self._scheduler = StepScheduler(self._requests, self.kv_block_allocator,
-                                        self.mamba_slot_allocator, self._live, L,
-                                        self.window_blocks)
+                                        self.mamba_slot_allocator, self._live, L, blocks)
         self.stats = PrefixCacheStats()
         settle(self.device)   # the step tables and live states are ready for any stream
 
@@ -192,9 +194,8 @@ class DynamicInferenceContext:
         return int(self.request_to_mamba_state_idx[self._requests.row(request_id)])
 
     def snapshot_targets(self) -> list[tuple[object, int, int]]:
-        """``(request_id, offset, scratch_index)`` of the boundary states the model must write
-        this step: the state after ``offset`` computed tokens (from the plan's ``start``) goes
-        to ``mamba_slot_allocator.intermediate_*_out[:, scratch_index]``."""
+        """``(request_id, offset, scratch_index)``: the state after ``offset`` computed tokens
+        (from the plan's ``start``) goes to ``intermediate_*_out[:, scratch_index]``."""
         if self.mamba_slot_allocator is None:
             return []
         id_of = self._requests.id_of
@@ -300,7 +301,7 @@ class DynamicInferenceContext:
         Parameters
         ----------
         request_ids : sequence
-            Requests with a scheduled step; their tokens are concatenated in this order.
+            Distinct requests with a scheduled step, tokens concatenated in this order.
         k, v : arrays [total_tokens, H_i, D_i], or lists of them (one per layer)
             As in :meth:`PagedKVPool.write_kv` (a latent layer's ``v`` is None); rows of
             positions in shared blocks are skipped.
@@ -310,7 +311,7 @@ class DynamicInferenceContext:
         Raises ``ValueError`` / ``TypeError``: unknown request, no scheduled step, too many
         tokens, else as the pool's.
         """
-        rows = self._requests.rows(request_ids, distinct=False)
+        rows = self._requests.rows(request_ids)
         self._kv_writer.write(self._requests, rows, k, v, layer=layer, k_scale=k_scale,
                              v_scale=v_scale, stream=stream)
 
@@ -318,8 +319,8 @@ class DynamicInferenceContext:
         """Finish the step: mark scheduled tokens computed, register the hashes of blocks they
         completed (local blocks too, then release those that left the window), keep the step's
         Mamba boundary states, and advance the LRU clock. Call after the forward pass (KV
-        written, states final); flat in the sequence lengths (hashes are computed as blocks
-        complete).
+        written, live and scratch states final); the cost is flat in the sequence lengths
+        (hashes were computed as blocks completed).
 
         Returns
         -------
@@ -365,9 +366,9 @@ class DynamicInferenceContext:
     def release_requests(self, request_ids) -> None:
         """Release requests: drop their block references (registered blocks stay cached under
         LRU), free their rows and live Mamba slots, and forget any scheduled step. Raises
-        ``ValueError`` (nothing changes) when an id is not active."""
+        ``ValueError`` (nothing changes) when an id is not active or repeats."""
         requests = self._requests
-        rows = list(dict.fromkeys(requests.row(r) for r in id_list("request_ids", request_ids)))
+        rows = requests.rows(request_ids).tolist()
         if not rows:
             return
         self.kv_block_allocator.release_memory_blocks(
@@ -396,5 +397,4 @@ class DynamicInferenceContext:
         problems = broken_context_invariants(self._requests, self.kv_block_allocator,
                                              self.window_blocks, self.mamba_slot_allocator)
         if problems:
-            raise RuntimeError("DynamicInferenceContext invariants broken: "
-                               + "; ".join(problems))
+            raise RuntimeError("DynamicInferenceContext invariants broken: " + "; ".join(problems))

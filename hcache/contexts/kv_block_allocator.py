@@ -23,6 +23,7 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int, block_id_array, check_int, hash_array
+from .._copying import refuse_copy
 from .block_forest import BlockForest
 
 __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
@@ -73,6 +74,7 @@ class KVBlockAllocator:
     may already be handed out again); an observer that raises is logged and does not stop the
     others.
     """
+    __copy__ = refuse_copy   # deepcopy and pickle copy the host state (hcache/_copying.py)
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True,
                  eviction_policy: str = "lru"):

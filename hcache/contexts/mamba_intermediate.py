@@ -21,12 +21,10 @@ MAX_INTERMEDIATE_OFFSETS_PER_REQUEST``; checked by :meth:`IntermediateStates.bro
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
-from .._checks import as_int, index_array
-from ..device import launch_scope, to_host, upload_ints, zeros
+from .._checks import as_int, host_ints, index_array
+from ..device import launch_scope, stream_handle, to_host, upload_ints, zeros
 from ..stream_order import StreamOrder
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
@@ -42,6 +40,38 @@ def _prompt_length(req) -> int:
         return len(req.prompt_tokens)
     raise TypeError(f"req: expected an object with prompt_length or prompt_tokens, "
                     f"got {type(req).__name__}")
+
+
+def _checked_batch(rows, chunk_starts, seq_lens, boundaries, eos_columns, table_shape):
+    """The arguments of :meth:`IntermediateStates.plan_batch` as int64 arrays, checked
+    against a block table of ``table_shape``: distinct rows in range, one start, length and
+    EOS column (in ``[-1, width)``) per row, starts and lengths >= 0, boundaries ``[n, m]``."""
+    rows = index_array("rows", rows, table_shape[0])
+    n = len(rows)
+    if len(np.unique(rows)) != n:
+        raise ValueError(f"rows: expected distinct rows, got {rows.tolist()}")
+    out = [rows]
+    for name, values, lo, hi in (("chunk_starts", chunk_starts, 0, None),
+                                 ("seq_lens", seq_lens, 0, None),
+                                 ("eos_columns", eos_columns, -1, table_shape[1] - 1)):
+        arr = host_ints(name, values, n)
+        bad = np.flatnonzero((arr < lo) | (arr > hi if hi is not None else False))
+        if len(bad):
+            raise ValueError(f"{name}[{bad[0]}]: expected a value in [{lo}, "
+                             f"{'inf' if hi is None else hi}], got {arr[bad[0]]}")
+        out.append(arr)
+    if boundaries is not None:
+        try:
+            arr = np.asarray(boundaries)
+        except ValueError:
+            raise TypeError("boundaries: expected an int array [n, m], got a ragged "
+                            "sequence") from None
+        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"boundaries: expected integers, got dtype {arr.dtype}")
+        if arr.ndim != 2 or arr.shape[0] != n:
+            raise ValueError(f"boundaries: expected shape [{n}, m], got {arr.shape}")
+        boundaries = arr.astype(np.int64)
+    return out[0], out[1], out[2], boundaries, out[3]
 
 
 class IntermediateStates:
@@ -147,11 +177,13 @@ class IntermediateStates:
             raise ValueError(f"skip_tokens: expected fewer than {chunk} tokens, got {skip}")
         table = to_host(block_table)[row]
         first_block = -(-finished // bs)
-        if list(table[first_block:first_block + matched]) != list(matched_block_ids)[:matched]:
+        matched_ids = host_ints("matched_block_ids", matched_block_ids)
+        extra = host_ints("extra_boundaries", extra_boundaries)
+        if list(table[first_block:first_block + matched]) != matched_ids[:matched].tolist():
             raise ValueError("matched_block_ids: expected the block table's matched blocks")
         chunk_start, seq_len = finished + skip, chunk - skip
         boundaries = [(first_block + matched) * bs, (prompt_len // bs) * bs, (required - 1) * bs]
-        boundaries += [operator.index(p) for p in extra_boundaries]
+        boundaries += extra.tolist()
         kept = [p - chunk_start for p in boundaries
                 if 0 < p - chunk_start < seq_len and (p - chunk_start) % align == 0]
         offsets = sorted(list(dict.fromkeys(kept))[:_K])
@@ -200,6 +232,8 @@ class IntermediateStates:
             A kept boundary or EOS entry has no block. Nothing changes.
         """
         block_table = to_host(block_table)
+        rows, chunk_starts, seq_lens, boundaries, eos_columns = _checked_batch(
+            rows, chunk_starts, seq_lens, boundaries, eos_columns, block_table.shape)
         if boundaries is None:
             counts = None
         else:
@@ -258,8 +292,12 @@ class IntermediateStates:
             The rows run past ``max_requests``.
         """
         start = as_int("prefill_start", prefill_start)
+        if start > self.max_requests:
+            raise IndexError(f"prefill_start: expected a row in [0, {self.max_requests}], "
+                             f"got {start}")
         count = self.max_requests - start if prefill_count is None \
             else as_int("prefill_count", prefill_count)
+        stream_handle(stream)
         if start + count > self.max_requests:
             raise IndexError(f"prefill_count: expected rows within [0, {self.max_requests}), "
                              f"got [{start}, {start + count})")

@@ -28,12 +28,13 @@ from operator import attrgetter
 import numpy as np
 
 from .._checks import as_int, check_index, host_ints, index_array
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..device import Device, array_device, array_module_of, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .mamba_hash_map import MambaHashMap
 from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, IntermediateStates
 from .mamba_slot_pool import MambaSlotCapacityError, MambaSlotPool
-from .mamba_state_copies import MambaStateCopies, check_live_states, state_shapes
+from .mamba_state_copies import MambaStateCopies, check_live_states, context_parts, state_shapes
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotCapacityError", "MambaSlotAllocator"]
 
@@ -74,6 +75,8 @@ class MambaSlotAllocator:
         An argument or a live state array does not fit the description above.
     """
 
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
+
     def __init__(self, context, max_slots, num_mamba_layers, conv_states_shape,
                  ssm_states_shape, conv_states_dtype, ssm_states_dtype):
         self.context = context
@@ -81,9 +84,8 @@ class MambaSlotAllocator:
         self.num_mamba_layers = as_int("num_mamba_layers", num_mamba_layers, 1)
         self.conv_states_shape, self.ssm_states_shape = state_shapes(conv_states_shape,
                                                                      ssm_states_shape)
-        kv = context.kv_block_allocator
+        kv, live_conv, live_ssm = context_parts(context)
         self.num_blocks = int(len(kv.block_ref_counts))
-        live_conv, live_ssm = context.mamba_conv_states, context.mamba_ssm_states
         live = live_conv if self.conv_states_shape is not None else live_ssm
         xp = array_module_of(live)
         conv_dt = storage_dtype(resolve_dtype(conv_states_dtype, "conv_states_dtype"), xp)
@@ -163,36 +165,27 @@ class MambaSlotAllocator:
 
     def can_allocate_slots(self, block_ids) -> bool:
         """Whether :meth:`allocate_slots_batch` would succeed for ``block_ids``."""
-        ids = index_array("block_ids", block_ids, self.num_blocks)
+        ids = index_array("block_ids", block_ids, self.num_blocks, distinct=True)
         new, available = self._pool.demand(ids, self._kv.block_ref_counts)
         return len(new) <= available
 
     # --- slots ----------------------------------------------------------------------------------
 
     def allocate_slots_batch(self, block_ids) -> list[int]:
-        """Give every block of ``block_ids`` a cache slot, evicting LRU slots if necessary.
-
-        Blocks that already own a slot keep it; a repeated id gets one slot for all occurrences.
-        Atomic: either every block gets a slot or nothing changes.
-
-        Parameters
-        ----------
-        block_ids : sequence of int
-            KV block ids in ``[0, num_blocks)``.
-
-        Returns
-        -------
-        list of int
-            The slot of each entry of ``block_ids``.
+        """Give every block of ``block_ids`` (distinct KV block ids in ``[0, num_blocks)``) a
+        cache slot, evicting LRU slots if necessary; returns the slot of each. Blocks that
+        already own a slot keep it. Atomic: every block gets a slot or nothing changes.
 
         Raises
         ------
         IndexError
             A block id is out of range.
+        ValueError
+            A block id repeats.
         MambaSlotCapacityError
             Free plus evictable slots (other than those of ``block_ids``) are too few.
         """
-        ids = index_array("block_ids", block_ids, self.num_blocks)
+        ids = index_array("block_ids", block_ids, self.num_blocks, distinct=True)
         slots, victims = self._pool.allocate(ids, self._kv.block_ref_counts, self._timestamps())
         self._hashes.drop_blocks(victims, self._kv.block_hashes)
         return slots.tolist()
@@ -215,8 +208,8 @@ class MambaSlotAllocator:
         return getattr(self._kv, "block_timestamps", None)
 
     def invalidate_block(self, block_id) -> None:
-        """Free the slot of ``block_id`` (if any) and drop its hash from the Mamba map; raises
-        ``IndexError`` when ``block_id`` is out of range."""
+        """Free the slot of ``block_id`` (if any), drop its Mamba hash; ``IndexError`` if out of
+        range."""
         self._invalidate_blocks_batch([check_index("block_id", block_id, self.num_blocks)])
 
     def _invalidate_blocks_batch(self, block_ids_list) -> None:
@@ -230,9 +223,11 @@ class MambaSlotAllocator:
     def on_kv_blocks_deregistered(self, block_ids_list, hashes_to_delete) -> None:
         """Observer of the KV allocator: deregistered blocks ``block_ids_list`` (whose ids may
         be reused at once) lose their slots and Mamba hashes, and any Mamba-map entry under one
-        of their former hashes ``hashes_to_delete`` is dropped too."""
-        self._invalidate_blocks_batch(block_ids_list)
-        self._hashes.drop_hashes(hashes_to_delete)
+        of their former hashes ``hashes_to_delete`` is dropped too (both checked first)."""
+        ids = index_array("block_ids_list", block_ids_list, self.num_blocks)
+        hashes = host_ints("hashes_to_delete", hashes_to_delete)
+        self._invalidate_blocks_batch(ids)
+        self._hashes.drop_hashes(hashes.tolist())
 
     def register_block_hashes_batch(self, block_ids, hashes) -> None:
         """Make the states of ``block_ids`` reachable under their KV ``hashes`` (entries with
@@ -281,7 +276,9 @@ class MambaSlotAllocator:
         Returns False (and copies nothing) when the block owns no slot. Raises ``IndexError``
         (row or block out of range) or ``ValueError`` (the request has no live slot).
         """
-        return bool(self.restore_to_live_batch([request_idx], [block_id], stream=stream)[0])
+        row = check_index("request_idx", request_idx, self.max_requests)
+        bid = check_index("block_id", block_id, self.num_blocks)
+        return bool(self.restore_to_live_batch([row], [bid], stream=stream)[0])
 
     def restore_to_live_batch(self, request_indices, block_ids, *, stream=None) -> list[bool]:
         """Batched :meth:`restore_to_live`: one launch for every request that has a state.
@@ -373,8 +370,7 @@ class MambaSlotAllocator:
         return int(len(idx))
 
     def _copy_intermediate_to_cache(self, src_offsets, slots, *, stream=None) -> None:
-        """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]`` for conv and SSM of
-        every layer, one launch. Slots must be distinct."""
+        """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]``, every layer, one launch."""
         self._copies.scratch_to_cache(src_offsets, slots, stream=stream)
 
     def _clear_intermediate_state(self, rows=None) -> None:

@@ -29,7 +29,18 @@ from ..device import (
 from ..ops.tables import SlotSet
 from ..stream_order import StreamOrder
 
-__all__ = ["MambaStateCopies", "check_live_states", "state_shapes"]
+__all__ = ["MambaStateCopies", "check_live_states", "context_parts", "state_shapes"]
+
+
+def context_parts(context):
+    """``(kv_block_allocator, mamba_conv_states, mamba_ssm_states)`` of a context; raises
+    ``TypeError`` naming ``context`` when it lacks one of them."""
+    names = ("kv_block_allocator", "mamba_conv_states", "mamba_ssm_states")
+    missing = [n for n in names if not hasattr(context, n)]
+    if missing:
+        raise TypeError(f"context: expected an object with {', '.join(names)}, "
+                        f"got {type(context).__name__} without {missing[0]}")
+    return tuple(getattr(context, n) for n in names)
 
 
 def state_shapes(conv_states_shape, ssm_states_shape) -> tuple:

@@ -19,9 +19,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .._checks import as_int, block_id_array
+from .._checks import as_int, block_id_array, int32_array
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..arrays import as_array, on_device
-from ..config.caches import KVCacheConfig, KVLayerConfig
+from ..config.caches import KVCacheConfig
+from ..config.layers import kv_layer_list
 from ..config.sizing import largest_fitting, paged_pool_nbytes
 from ..device import launch_scope, resolve_device, settle, upload_ints, zeros
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
@@ -29,7 +31,7 @@ from ..kv_scales import check_scale, source_dtype
 from ..memory import check_fits
 from ..ops.tables import KVGroup, SlotSet
 from ..stream_order import StreamOrder
-from .paged_kv_rows import attention_index, check_rows
+from .paged_kv_rows import attention_index, check_rows, check_tables
 
 __all__ = ["PagedKVPool"]
 
@@ -39,15 +41,7 @@ def _layer_configs(layer_configs) -> tuple:
     as a tuple. Raises ``TypeError``."""
     if isinstance(layer_configs, KVCacheConfig):
         layer_configs = layer_configs.layer_configs
-    if isinstance(layer_configs, (str, bytes)) or not hasattr(layer_configs, "__iter__"):
-        raise TypeError(f"layer_configs: expected a sequence of KVLayerConfig, "
-                        f"got {type(layer_configs).__name__}")
-    configs = tuple(layer_configs)
-    for i, lc in enumerate(configs):
-        if not isinstance(lc, KVLayerConfig):
-            raise TypeError(f"layer_configs[{i}]: expected KVLayerConfig, "
-                            f"got {type(lc).__name__}")
-    return configs
+    return kv_layer_list("layer_configs", layer_configs)
 
 
 class PagedKVPool:
@@ -89,6 +83,8 @@ class PagedKVPool:
         The pool does not fit in the memory available on the device (:meth:`nbytes_for`);
         nothing is allocated.
     """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, layer_configs, num_blocks: int, block_size: int, dtype="float16", *,
                  device=None, num_local_blocks=None, extra_nbytes: int = 0):
@@ -292,7 +288,7 @@ class PagedKVPool:
         after their producers: call it in the write's launch scope. Raises as :meth:`write_kv`."""
         if layer is not None:
             layer = attention_index(self.num_layers, layer, "layer")
-        rows = check_rows(self.layer_configs, self.device, k, v, layer)
+        rows = check_rows(self.layer_configs, self.device, k, v, layer, self.dtype)
         if rows is None:
             return None  # no attention layer: nothing to write
         index, ks, vs, first = rows
@@ -310,11 +306,10 @@ class PagedKVPool:
                      **rows) -> None:
         """Launch a write checked by :meth:`check_write`; ``rows``: the index arguments of
         :meth:`write_kv` (checked by the op before its first launch)."""
-        if block_table is None:
-            raise TypeError("block_table: expected an int32 [batch, max_blocks] array, got None")
-        if self.has_local_space and local_block_table is None:
-            raise TypeError("local_block_table: expected an int32 [batch, max_blocks] array "
-                            "(the pool has a local block space), got None")
+        if checked is not None and not (type(checked) is tuple and len(checked) == 5):
+            raise TypeError(f"checked: expected the result of check_write, "
+                            f"got {type(checked).__name__}")
+        check_tables(block_table, local_block_table, self.has_local_space, self.xp)
         if checked is None:
             return
         attention_index, ks, vs, src, scales = checked
@@ -348,14 +343,18 @@ class PagedKVPool:
             they are (no synchronisation): -1 is skipped, other out-of-range pairs are skipped
             and counted in ``status``.
         status : int32 [1], optional
+        local : bool
 
         Raises
         ------
         IndexError
             A host id is out of range.
         TypeError, ValueError
-            Wrong types or lengths, repeated destinations, or a block both read and written.
+            Wrong types or lengths, repeated destinations, a block both read and written, or
+            ``local`` not a bool (or set on a pool without a local space).
         """
+        if not isinstance(local, (bool, np.bool_)):
+            raise TypeError(f"local: expected a bool, got {type(local).__name__}")
         if local and not self.has_local_space:
             raise ValueError("local: expected a pool with a local block space, got none")
         space = self.num_local_blocks if local else self.num_blocks
@@ -377,6 +376,7 @@ class PagedKVPool:
             if both.any():
                 raise ValueError(f"dst_ids: expected no block that is also a source, got "
                                  f"{int(dst[both][0])}")
+        int32_array("status", status, self.xp, min_len=1)   # before the ids are staged
         slots = self._local_slots if local else self._slots
         with launch_scope(self.device, stream, self.order):
             if slots is None:

@@ -1,5 +1,6 @@
 """The K/V rows of a paged write (docs/design.md §6): the checks :class:`PagedKVPool.write_kv`
-makes on the arrays of one layer or of every layer before anything is staged.
+makes on the arrays of one layer or of every layer, and on its block tables, before anything is
+staged.
 
 Rows are ``[num_tokens, H_i, D_i]`` per attention layer, C-contiguous, of one dtype (the first
 ``k``'s) and one token count; a latent layer (one component) takes its rows in ``k`` and None in
@@ -10,9 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import int32_array
 from ..arrays import as_array
+from ..kv_scales import source_dtype
 
-__all__ = ["attention_index", "check_rows"]
+__all__ = ["attention_index", "check_rows", "check_tables"]
 
 
 def attention_index(num_layers: int, value, name: str = "i") -> int:
@@ -32,7 +35,7 @@ def attention_index(num_layers: int, value, name: str = "i") -> int:
     return int(value)
 
 
-def check_rows(configs, device, k, v, layer):
+def check_rows(configs, device, k, v, layer, dtype):
     """The rows of a write, checked.
 
     Parameters
@@ -43,6 +46,9 @@ def check_rows(configs, device, k, v, layer):
     k, v : array ``[num_tokens, H, D]`` (with ``layer``) or lists of one per layer
     layer : int or None
         A checked attention index, or None for every layer.
+    dtype : numpy dtype
+        The pool's dtype: the first ``k``'s dtype is judged against it (a plain or a quantizing
+        write) before any ``v`` is read, so a message names ``k`` first.
 
     Returns
     -------
@@ -58,6 +64,7 @@ def check_rows(configs, device, k, v, layer):
     if layer is not None:
         k, v = as_array("k", k, device), _coerce(configs, device, "v", v, layer)
         num_tokens = _check_rows(configs, "k", k, layer, None, k)
+        source_dtype("k", k.dtype, dtype, device.xp)
         _check_v(configs, "v", v, layer, num_tokens, k)
         return layer, k, v, k
     n = len(configs)
@@ -67,6 +74,7 @@ def check_rows(configs, device, k, v, layer):
     if not n:
         return None
     num_tokens = _check_rows(configs, "k[0]", ks[0], 0, None, ks[0])
+    source_dtype("k[0]", ks[0].dtype, dtype, device.xp)
     for a in range(n):
         _check_rows(configs, f"k[{a}]", ks[a], a, num_tokens, ks[0])
         _check_v(configs, f"v[{a}]", vs[a], a, num_tokens, ks[0])
@@ -116,3 +124,28 @@ def _check_rows(configs, name, rows, a, num_tokens, first) -> int:
     if not rows.flags.c_contiguous:
         raise ValueError(f"{name}: expected a C-contiguous array")
     return n
+
+
+def check_tables(block_table, local_block_table, has_local_space: bool, xp) -> None:
+    """The block tables of a write: int32 ``[batch, max_blocks]`` arrays of ``xp``, the local
+    one required with a local block space and of the same batch, so that a write launched
+    group by group (one table per block space) cannot fail on a table after a first launch.
+
+    Raises
+    ------
+    TypeError
+        A table is None where due, or not an ``xp`` array.
+    ValueError
+        A wrong dtype, rank or layout, or tables of different batches.
+    """
+    if block_table is None:
+        raise TypeError("block_table: expected an int32 [batch, max_blocks] array, got None")
+    if has_local_space and local_block_table is None:
+        raise TypeError("local_block_table: expected an int32 [batch, max_blocks] array "
+                        "(the pool has a local block space), got None")
+    int32_array("block_table", block_table, xp, ndim=2)
+    if local_block_table is not None:
+        int32_array("local_block_table", local_block_table, xp, ndim=2)
+        if local_block_table.shape[0] != block_table.shape[0]:
+            raise ValueError(f"local_block_table: expected {block_table.shape[0]} rows (as "
+                             f"block_table), got {local_block_table.shape[0]}")

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import host_view
+from .._checks import host_array, is_array
 from .block_hashing import DIGEST_BYTES, chain_block_hashes, compute_block_hashes
 from .step_plans import PrefixCacheStats
 
 __all__ = ["RequestTable", "token_array", "batch_tokens"]
 
-_BOOLS = frozenset((bool, np.bool_))
 
 
 def token_array(name: str, tokens) -> np.ndarray:
@@ -41,13 +40,7 @@ def token_array(name: str, tokens) -> np.ndarray:
     ValueError
         Not 1-D.
     """
-    if isinstance(tokens, (list, tuple)) and not _BOOLS.isdisjoint(map(type, tokens)):
-        # np.asarray([1, True]) is an int array: a bool entry would pass as 0 or 1.
-        raise TypeError(f"{name}: expected a 1-D sequence of ints, got a bool entry")
-    try:
-        arr = np.asarray(host_view(name, tokens))
-    except (OverflowError, ValueError) as exc:     # a ragged or out-of-range sequence
-        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {exc}") from None
+    arr = host_array(name, tokens)   # refuses bool entries, ragged and beyond-int64 lists
     if arr.size == 0 and arr.ndim == 1:
         return np.zeros(0, np.int64)
     if arr.ndim == 0 or arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
@@ -62,7 +55,7 @@ def token_array(name: str, tokens) -> np.ndarray:
 
 def id_list(name: str, request_ids) -> list:
     """``request_ids`` as a list (an array of any library as Python scalars)."""
-    ids = host_view(name, request_ids)
+    ids = host_array(name, request_ids) if is_array(request_ids) else request_ids
     return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
 
@@ -80,7 +73,7 @@ def batch_tokens(name: str, tokens, n: int):
     ValueError
         Not ``n`` entries, a bad shape, or a request with no token.
     """
-    tokens = host_view(name, tokens)
+    tokens = host_array(name, tokens) if is_array(tokens) else tokens
     if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
         if tokens.shape[0] != n or tokens.shape[1] == 0:
             raise ValueError(f"{name}: expected shape [{n}, >= 1], got {tokens.shape}")
@@ -227,7 +220,8 @@ class RequestTable:
         if type(request_ids) is list and distinct and request_ids == self._last_ids \
                 and self._last_version == self._version:
             return self._last_rows.copy()   # the previous batch again, no admission between
-        request_ids = host_view(name, request_ids)   # ids in an array of any library
+        if is_array(request_ids):   # ids in an array of any library
+            request_ids = host_array(name, request_ids)
         if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__len__"):
             raise TypeError(f"{name}: expected a sequence of request ids, "
                             f"got {type(request_ids).__name__}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import token_counts
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..arrays import as_array
 from ..device import stream_handle
 from ..kv_scales import check_scale, source_dtype
@@ -39,6 +40,8 @@ class ContinuousBatchingKVCacheCollection:
         Device array: committed tokens of each row at fetch time (where ``write`` puts the
         row's first new token). Same lifetime as ``lookup_table``.
     """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     __slots__ = ("_manager", "_store", "seq_ids", "lookup_table", "cache_lengths", "_blocks",
                  "_lengths")
@@ -198,6 +201,7 @@ class ContinuousBatchingKVCacheCollection:
                 counts = np.asarray(listed, dtype=np.int64)
             key = as_array(names[0], key, store.device, stream)
             self._check_rows(names[0], key, heads, size, ragged)
+            src = source_dtype(names[0], key.dtype, store.dtype, group.xp)  # k before v
             if group.components == 1:   # MLA: the latent rows are the keys; no V plane
                 if value is not None:
                     raise ValueError(f"{names[1]}: expected None (an MLA cache stores keys "
@@ -216,7 +220,6 @@ class ContinuousBatchingKVCacheCollection:
                 if key.dtype != value.dtype:
                     raise ValueError(f"{names[1]}: expected dtype {key.dtype} (as "
                                      f"{names[0]}), got {value.dtype}")
-            src = source_dtype(names[0], key.dtype, store.dtype, group.xp)
             scales = [check_scale(n, s, src is not None, store.device, store.num_layers, heads,
                                   stream)
                       for n, s in (("k_scale", k_scale), ("v_scale", v_scale))]

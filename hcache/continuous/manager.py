@@ -39,6 +39,7 @@ import threading
 import numpy as np
 
 from .._checks import as_int, exact_int, token_counts
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..device import launch_scope, resolve_device, stream_handle
 from ..dtypes import dtype_name
 from ..memory import check_fits
@@ -83,6 +84,8 @@ class ContinuousBatchingKVCacheManager:
         The blocks do not fit in the memory available on the device
         (:meth:`KVCacheStaticParams.nbytes`); nothing is allocated.
     """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
                  device=None, sliding_window=None):

@@ -97,7 +97,7 @@ def _check_write(group, k, v, layers, seq_offsets, uniform_tokens, batch, cache_
                                  f"got {type(vs[j]).__name__}")
         else:
             _check_rows("v", j, vs[j], group, li, num_tokens, xp, dtypes)
-    uniform_tokens = check_int("uniform_tokens", uniform_tokens)
+    uniform_tokens = check_int("uniform_tokens", uniform_tokens, 0)
     int32_array("seq_offsets", seq_offsets, xp)
     if batch is None:
         batch = (int(seq_offsets.shape[0]) - 1 if seq_offsets is not None

@@ -24,6 +24,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_int, host_ints
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..arrays import as_array, on_device
 from ..device import launch_scope, settle, to_host, upload_ints
 from ..stream_order import StreamOrder
@@ -50,6 +51,8 @@ class BatchAPI:
     Allocates on the current device and stream: a manager calls it inside its construction's
     :func:`~hcache.device.launch_scope`.
     """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, device, max_batch_size: int, max_sequence_length: int, *,
                  kv_groups=(), slot_tensors=()):
@@ -139,7 +142,7 @@ class BatchAPI:
         TypeError, ValueError
             ``n`` is not an int in ``[0, max_batch]``.
         """
-        self._active = check_int("active_batch_size", n, 0, self._max_batch)
+        self._active = check_int("n", n, 0, self._max_batch)
         self._headroom_stale = True
 
     def reset_for_new_sequences(self, reuse_kv_cache_lengths, stream=None) -> None:

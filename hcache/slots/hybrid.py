@@ -141,10 +141,11 @@ class HybridCacheManager(BatchAPI):
 
     def get_layer_type(self, i) -> LayerType:
         """Kind of decoder layer ``i``. Raises ``IndexError``."""
-        return self._config.layer_types[check_index("layer", i, self.num_layers)]
+        return self._config.layer_types[check_index("i", i, self.num_layers)]
 
-    def _route(self, layer, table, kind: str) -> int:
-        """``table[layer]``, the sub-manager index of decoder layer ``layer``.
+    def _route(self, layer, table, kind: str, name: str) -> int:
+        """``table[layer]``, the sub-manager index of decoder layer ``layer`` (the caller's
+        argument ``name``).
 
         Raises
         ------
@@ -153,27 +154,27 @@ class HybridCacheManager(BatchAPI):
         ValueError
             The layer has no cache of this ``kind``.
         """
-        layer = check_index("layer", layer, self.num_layers)
+        layer = check_index(name, layer, self.num_layers)
         index = table[layer]
         if index is None:
-            raise ValueError(f"layer {layer}: expected {kind} layer, "
-                             f"got {self._config.layer_types[layer].name}")
+            raise ValueError(f"{name}: expected {kind} layer, got layer {layer} "
+                             f"({self._config.layer_types[layer].name})")
         return index
 
-    def _attention_index(self, layer) -> int:
-        return self._route(layer, self._attention_index_of, "an attention")
+    def _attention_index(self, layer, name: str = "i") -> int:
+        return self._route(layer, self._attention_index_of, "an attention", name)
 
     def _kv_write_index(self, layer) -> int:
         """The attention index that ``write_kv(layer)`` writes: an attention layer that owns
         its cache (a shared layer's cache is its owner's to write)."""
-        index = self._attention_index(layer)
+        index = self._attention_index(layer, "layer")
         if self._owner_layer[index] != layer:
-            raise ValueError(f"layer {layer}: expected a layer that owns its KV cache, got a "
-                             f"layer sharing layer {self._owner_layer[index]}'s (write that one)")
+            raise ValueError(f"layer: expected a layer that owns its KV cache, got layer {layer}"
+                             f", which shares layer {self._owner_layer[index]}'s (write that one)")
         return index
 
     def _mamba_index(self, layer) -> int:
-        return self._route(layer, self._mamba_index_of, "a Mamba")
+        return self._route(layer, self._mamba_index_of, "a Mamba", "i")
 
     def get_combined_kv_cache(self, i):
         """KV cache read by decoder layer ``i`` (its owner's for a shared layer), a view
@@ -196,7 +197,7 @@ class HybridCacheManager(BatchAPI):
         which has no V."""
         index = self._attention_index(i)
         if self._kv.get_layer_config(index).components != 2:
-            raise ValueError(f"layer {int(i)}: expected a layer with separate K and V, got a "
+            raise ValueError(f"i: expected a layer with separate K and V, got layer {int(i)}, a "
                              f"latent (MLA) layer (one component; use get_combined_kv_cache)")
         return self._kv.get_separate_kv_cache(index)
 
@@ -220,7 +221,7 @@ class HybridCacheManager(BatchAPI):
         a conv-only one: LFM2's short convolutions)."""
         mamba_index = self._mamba_index(i)   # raises before the sub-manager is touched
         if not self._mamba.config.has_recurrent_state:
-            raise ValueError(f"layer {i}: expected a layer with a recurrent state, got a "
+            raise ValueError(f"i: expected a layer with a recurrent state, got layer {i}, a "
                              f"conv-only MAMBA layer (short convolution)")
         return self._mamba.get_recurrent_state(mamba_index)
 
@@ -230,7 +231,7 @@ class HybridCacheManager(BatchAPI):
         conv state: MiniMax's lightning attention)."""
         mamba_index = self._mamba_index(i)
         if not self._mamba.config.has_conv_state:
-            raise ValueError(f"layer {i}: expected a layer with a conv state, got a MAMBA "
+            raise ValueError(f"i: expected a layer with a conv state, got layer {i}, a MAMBA "
                              f"layer with a recurrent state only (lightning attention)")
         return self._mamba.get_conv_state(mamba_index)
 
@@ -319,7 +320,7 @@ class HybridCacheManager(BatchAPI):
         """Slot ``b``'s recurrent state per Mamba layer (**new** ``[1, ...]`` arrays; empty
         without Mamba layers or recurrent states). Raises ``IndexError`` for a bad slot."""
         if self._mamba is None:
-            check_index("slot", b, self._config.max_batch_size)
+            check_index("b", b, self._config.max_batch_size)
             return []
         return self._mamba.capture_recurrent_states(b, stream)
 
@@ -327,7 +328,7 @@ class HybridCacheManager(BatchAPI):
         """Slot ``b``'s conv state per Mamba layer (**new** ``[1, ...]`` arrays; empty without
         Mamba layers or conv states). Raises ``IndexError`` for a bad slot."""
         if self._mamba is None:
-            check_index("slot", b, self._config.max_batch_size)
+            check_index("b", b, self._config.max_batch_size)
             return []
         return self._mamba.capture_conv_states(b, stream)
 
@@ -335,7 +336,7 @@ class HybridCacheManager(BatchAPI):
         """Write saved recurrent and conv states into slot ``b`` of every Mamba layer (one
         launch; validates everything first). See :meth:`MambaCacheManager.restore_states`."""
         if self._mamba is None:
-            check_index("slot", b, self._config.max_batch_size)
+            check_index("b", b, self._config.max_batch_size)
             for name, t in (("recurrent", recurrent), ("conv", conv)):
                 if isinstance(t, (str, bytes)) or not hasattr(t, "__len__"):
                     raise TypeError(f"{name}: expected a sequence of arrays, "

@@ -13,12 +13,15 @@ restore), whose ``layer_indices`` give the attention index of each ``group_posit
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import ops
 from .._checks import check_index, check_int
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..arrays import as_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
 from ..device import launch_scope, resolve_device, settle, zeros
-from ..dtypes import storage_dtype
+from ..dtypes import is_fp8, storage_dtype
 from ..memory import check_fits
 from ..ops.kv_capture import prefix_length
 from ..ops.tables import KVGroup, group_layers_by_head_dim
@@ -46,6 +49,8 @@ class KVCacheManager:
         The caches do not fit in the memory available on the device
         (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, config, stream=None, *, device=None):
         if not isinstance(config, KVCacheConfig):
@@ -105,7 +110,7 @@ class KVCacheManager:
         layer, ``c_kv`` then ``k_pe`` in each row. ``L_i``: the ``max_sequence_length``, or the
         window ``W`` of a ring layer, whose valid entries are ``min(length, W)`` in rotated
         order, see :meth:`ring_start`. Raises ``IndexError``."""
-        return self._caches[check_index("layer", i, self.num_layers)]
+        return self._caches[check_index("i", i, self.num_layers)]
 
     def get_separate_kv_cache(self, i):
         """Layer ``i``'s K and V caches: strided views ``[max_batch, H_i, L_i, D_i]`` of the
@@ -120,14 +125,14 @@ class KVCacheManager:
         """
         cache = self.get_combined_kv_cache(i)
         if cache.shape[1] != 2:
-            raise ValueError(f"layer {int(i)}: expected a layer with separate K and V, got a "
+            raise ValueError(f"i: expected a layer with separate K and V, got layer {int(i)}, a "
                              f"latent (MLA) layer (one component; use get_combined_kv_cache)")
         return cache[:, 0], cache[:, 1]
 
     def get_ring_window(self, i) -> int:
         """Layer ``i``'s ring window ``W`` (its cache holds the last ``W`` tokens, position
         ``p`` at entry ``p mod W``), or 0 for an unbounded cache. Raises ``IndexError``."""
-        return self._config.layer_ring_windows[check_index("layer", i, self.num_layers)]
+        return self._config.layer_ring_windows[check_index("i", i, self.num_layers)]
 
     def ring_start(self, i, lengths, stream=None):
         """The entry of the oldest valid token of layer ``i`` for sequences of ``lengths``
@@ -160,7 +165,7 @@ class KVCacheManager:
 
     def get_layer_config(self, i) -> KVLayerConfig:
         """Layer ``i``'s :class:`KVLayerConfig`. Raises ``IndexError``."""
-        return self._config.layer_configs[check_index("layer", i, self.num_layers)]
+        return self._config.layer_configs[check_index("i", i, self.num_layers)]
 
     def memory_report(self) -> dict:
         """Device bytes: ``kv_cache`` (all layers), ``layer_infos`` (group descriptors),
@@ -260,8 +265,13 @@ class KVCacheManager:
             ``sequence_length`` not an int in ``[0, max_sequence_length]``; ``with_scales``
             for a cache that is not FP8.
         """
-        b = check_index("slot", b, self._config.max_batch_size)
+        b = check_index("b", b, self._config.max_batch_size)
         n = check_int("sequence_length", sequence_length, 0, self._config.max_sequence_length)
+        if not isinstance(with_scales, (bool, np.bool_)):
+            raise TypeError(f"with_scales: expected a bool, got {type(with_scales).__name__}")
+        if with_scales and not is_fp8(self._config.dtype):
+            raise ValueError(f"with_scales: expected False for a {self._config.dtype} cache "
+                             "(scale tables are FP8's), got True")
         tables = self._writer.scales() if with_scales else None
         xp = self._device.xp
         with launch_scope(self._device, stream):
@@ -306,7 +316,7 @@ class KVCacheManager:
             ``scales`` that are not a pair of valid scale tables (or a cache that is not FP8);
             everything is checked before anything is written.
         """
-        b = check_index("slot", b, self._config.max_batch_size)
+        b = check_index("b", b, self._config.max_batch_size)
         saved, n = self._check_saved(saved, sequence_length, stream)
         if scales is not None:
             if not isinstance(scales, (tuple, list)) or len(scales) != 2:

@@ -168,10 +168,11 @@ class KVWriter:
                 raise ValueError(f"k: expected at most {self._max_batch} sequences (slots), "
                                  f"got {batch}")
         if ragged:
-            counts = np.asarray(token_counts(seq_lengths, batch, "seq_lengths"), np.int64)
-            if int(counts.sum()) != lead[0]:
-                raise ValueError(f"k: expected {int(counts.sum())} tokens (the sum of "
+            listed = token_counts(seq_lengths, batch, "seq_lengths")
+            if sum(listed) != lead[0]:    # Python ints: no int64 overflow
+                raise ValueError(f"k: expected {sum(listed)} tokens (the sum of "
                                  f"seq_lengths), got {lead[0]}")
+            counts = np.asarray(listed, np.int64)
         elif lead[0] != batch:
             raise ValueError(f"k: expected {batch} sequences (the active batch), got {lead[0]}")
         total = lead[0] if ragged else lead[0] * lead[1]
@@ -236,8 +237,8 @@ class KVWriter:
                          f"attention layer), got {got}")
 
     def _coerce(self, kind, name, a, index, stream):
-        if a is None or (kind == "v" and self._latent(index)):
-            return a
+        if kind == "v" and (a is None or self._latent(index)):
+            return a   # judged by _check_rows: None exactly for a latent layer
         return as_array(name, a, self._device, stream)
 
     def _lead(self, a, ragged) -> tuple:
@@ -264,6 +265,8 @@ class KVWriter:
                 if kind == "v" and a is None:
                     raise ValueError(f"{name}: expected V rows (attention layer {index} has a "
                                      f"V plane), got None")
+                if kind == "k" and j == 0:
+                    src = self._source_dtype(name, dtype)   # k's own dtype named before v's
                 want = lead + (int(cache.shape[2]), int(cache.shape[4]))
                 if tuple(a.shape) != want:
                     raise ValueError(f"{name}: expected shape {list(want)}, "
@@ -272,12 +275,16 @@ class KVWriter:
                     raise ValueError(f"{name}: expected dtype {dtype} (as k), got {a.dtype}")
                 if not a.flags.c_contiguous:
                     raise ValueError(f"{name}: expected a C-contiguous array")
+        return src
+
+    def _source_dtype(self, name, dtype):
+        """The float dtype of a quantizing write of rows of ``dtype``, or None (plain)."""
         if dtype in (self._storage, self.dtype):
             return None
         if self._fp8 and dtype in self._float_dtypes:
             return self._float_dtypes[dtype]
         also = ", float32, float16 or bfloat16 (quantized)" if self._fp8 else ""
-        raise ValueError(f"k: expected dtype {self.dtype}{also}, got {dtype}")
+        raise ValueError(f"{name}: expected dtype {self.dtype}{also}, got {dtype}")
 
     def _check_room(self, state, counts) -> None:
         """Each active slot whose length the host knows (``state``'s host mirror) has room for

@@ -82,7 +82,7 @@ class LinearKVCache(BatchAPI):
     def get_combined_kv_cache_for_decoder_layer(self, i):
         """Layer ``i``'s cache, a C-contiguous view ``[max_batch, 2, H, S, D]``.
         Raises ``IndexError`` for a bad layer."""
-        return self._layers[check_index("layer", i, len(self._layers))]
+        return self._layers[check_index("i", i, len(self._layers))]
 
     def get_separate_kv_cache_for_decoder_layer(self, i):
         """Layer ``i``'s K and V caches, strided views ``[max_batch, H, S, D]`` of the combined
@@ -94,14 +94,14 @@ class LinearKVCache(BatchAPI):
         """The SSM state of Mamba layer ``i`` (a Mamba index), a view ``[max_batch, heads,
         head_dim, state_size]``. Raises ``IndexError`` for a bad layer (any ``i`` without Mamba
         layers)."""
-        check_index("layer", i, self._config.num_mamba_layers)
+        check_index("i", i, self._config.num_mamba_layers)
         return self._mamba.get_recurrent_state(i)
 
     def get_conv_state_for_layer(self, i):
         """The conv state of Mamba layer ``i`` (a Mamba index), a view ``[max_batch, conv_dim,
         conv_kernel]``. Raises ``IndexError`` for a bad layer (any ``i`` without Mamba
         layers)."""
-        check_index("layer", i, self._config.num_mamba_layers)
+        check_index("i", i, self._config.num_mamba_layers)
         return self._mamba.get_conv_state(i)
 
     def memory_report(self) -> dict:
@@ -150,19 +150,19 @@ class LinearKVCache(BatchAPI):
     def capture_ssm_states(self, b, stream=None) -> list:
         """Slot ``b``'s SSM state per Mamba layer: **new** ``[1, heads, head_dim,
         state_size]`` arrays (empty without Mamba layers). Raises ``IndexError``."""
-        check_index("slot", b, self._config.max_batch_size)
+        check_index("b", b, self._config.max_batch_size)
         return self._mamba.capture_recurrent_states(b, stream) if self._mamba is not None else []
 
     def capture_conv_states(self, b, stream=None) -> list:
         """Slot ``b``'s conv state per Mamba layer: **new** ``[1, conv_dim, conv_kernel]``
         arrays (empty without Mamba layers). Raises ``IndexError``."""
-        check_index("slot", b, self._config.max_batch_size)
+        check_index("b", b, self._config.max_batch_size)
         return self._mamba.capture_conv_states(b, stream) if self._mamba is not None else []
 
     def restore_mamba_states(self, ssm, conv, b, stream=None) -> None:
         """Write saved SSM and conv states into slot ``b`` (one launch; validates everything
         first). See :meth:`MambaCacheManager.restore_states`."""
-        check_index("slot", b, self._config.max_batch_size)
+        check_index("b", b, self._config.max_batch_size)
         if self._mamba is None:
             for name, t in (("ssm", ssm), ("conv", conv)):
                 if isinstance(t, (str, bytes)) or not hasattr(t, "__len__"):
@@ -171,4 +171,4 @@ class LinearKVCache(BatchAPI):
                 if len(t):
                     raise ValueError(f"{name}: expected 0 tensors, got {len(t)}")
             return
-        self._mamba.restore_states(ssm, conv, b, stream)
+        self._mamba._restore(ssm, conv, b, stream, "ssm")

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..arrays import as_array
 from ..config.caches import MambaCacheConfig
 from ..device import launch_scope, resolve_device, settle, zeros
@@ -43,6 +44,8 @@ class MambaCacheManager:
         The caches do not fit in the memory available on the device
         (``config.nbytes``, :func:`hcache.memory.check_fits`); nothing is allocated.
     """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, config, stream=None, *, device=None):
         if not isinstance(config, MambaCacheConfig):
@@ -107,9 +110,9 @@ class MambaCacheManager:
         ValueError
             The layers have no recurrent state (short-convolution layers).
         """
-        i = check_index("layer", i, self.num_layers)
+        i = check_index("i", i, self.num_layers)
         if self._recurrent is None:
-            raise ValueError(f"layer {i}: expected a layer with a recurrent state, got a "
+            raise ValueError(f"i: expected a layer with a recurrent state, got layer {i}, a "
                              f"conv-only layer (short convolution)")
         return self._recurrent_views[i]
 
@@ -124,10 +127,10 @@ class MambaCacheManager:
         ValueError
             The layers have no conv state (lightning-attention layers).
         """
-        i = check_index("layer", i, self.num_layers)
+        i = check_index("i", i, self.num_layers)
         if self._conv is None:
-            raise ValueError(f"layer {i}: expected a layer with a conv state, got a layer "
-                             f"with a recurrent state only (lightning attention)")
+            raise ValueError(f"i: expected a layer with a conv state, got layer {i}, with a "
+                             f"recurrent state only (lightning attention)")
         return self._conv_views[i]
 
     @property
@@ -163,7 +166,7 @@ class MambaCacheManager:
 
     def clear_slot(self, b, stream=None) -> None:
         """Zero slot ``b`` of every layer (in place). Raises ``IndexError`` for a bad slot."""
-        b = check_index("slot", b, self._config.max_batch_size)
+        b = check_index("b", b, self._config.max_batch_size)
         with launch_scope(self._device, stream):
             for buffer in self._buffers():
                 buffer[:, b] = 0
@@ -191,12 +194,12 @@ class MambaCacheManager:
         return self._capture("conv", self._conv_views, b, stream)
 
     def _capture(self, kind, views, b, stream) -> list:
-        b = check_index("slot", b, self._config.max_batch_size)
+        b = check_index("b", b, self._config.max_batch_size)
         buffer = self._recurrent if kind == "recurrent" else self._conv
-        if buffer is None:
-            return []
         n = self.num_layers
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream):   # the stream is checked even with no state
+            if buffer is None:
+                return []
             out = self._device.xp.empty((n, 1) + buffer.shape[2:], dtype=buffer.dtype)
             if n:
                 slots = self._capture_sets[kind]
@@ -224,12 +227,16 @@ class MambaCacheManager:
             A wrong count, array module, shape, dtype or layout in any tensor; every tensor is
             checked before anything is written.
         """
-        b = check_index("slot", b, self._config.max_batch_size)
-        saved = (self._check_saved("recurrent", recurrent, self._recurrent_views, stream)
+        self._restore(recurrent, conv, b, stream, "recurrent")
+
+    def _restore(self, recurrent, conv, b, stream, recurrent_name) -> None:
+        """:meth:`restore_states`, the recurrent states named as the caller passed them."""
+        b = check_index("b", b, self._config.max_batch_size)
+        saved = (self._check_saved(recurrent_name, recurrent, self._recurrent_views, stream)
                  + self._check_saved("conv", conv, self._conv_views, stream))
-        if not saved:
-            return
-        with launch_scope(self._device, stream):
+        with launch_scope(self._device, stream):   # the stream is checked even with no state
+            if not saved:
+                return
             self._restore_set.rebind(list(zip(saved, self.state_tensors, strict=True)),
                                     stream=stream)
             self._slot_idx.fill(b)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import as_array, host_array, on_device
+from .._checks import host_array, is_array
+from ..arrays import as_array, on_device
 
 __all__ = ["check_positions"]
 
@@ -61,8 +62,17 @@ def check_positions(positions, lead, batch, counts, max_len, windows, device, st
             raise ValueError(f"positions: expected a C-contiguous int32 array of shape "
                              f"{list(lead)}, got {positions.dtype} {list(positions.shape)}")
         return positions.reshape(-1)
-    pos = np.asarray(positions if isinstance(positions, (list, tuple))
-                     else host_array("positions", positions))
+    if is_array(positions):   # an array of any library, without a copy
+        pos = host_array("positions", positions)
+    else:
+        try:
+            pos = np.asarray(positions)
+        except (ValueError, TypeError, OverflowError):   # ragged
+            raise TypeError(f"positions: expected integers shaped {list(lead)}, got a "
+                            "ragged sequence") from None
+        if isinstance(positions, (list, tuple)) and pos.dtype.kind in "iu" and any(
+                isinstance(v, bool) for v in np.asarray(positions, dtype=object).ravel()):
+            raise TypeError("positions: expected integers, got a bool entry")
     if pos.dtype == np.bool_ or not np.issubdtype(pos.dtype, np.integer):
         raise TypeError(f"positions: expected integers, got dtype {pos.dtype}")
     if tuple(pos.shape) != lead:
