@@ -48,15 +48,17 @@ def _checked_batch(rows, chunk_starts, seq_lens, boundaries, eos_columns, table_
     EOS column (in ``[-1, width)``) per row, starts and lengths >= 0, boundaries ``[n, m]``."""
     rows = index_array("rows", rows, table_shape[0])
     n = len(rows)
-    if len(np.unique(rows)) != n:
+    seen = np.zeros(table_shape[0], bool)   # a mark per row: cheaper than sorting for unique
+    seen[rows] = True
+    if np.count_nonzero(seen) != n:
         raise ValueError(f"rows: expected distinct rows, got {rows.tolist()}")
     out = [rows]
     for name, values, lo, hi in (("chunk_starts", chunk_starts, 0, None),
                                  ("seq_lens", seq_lens, 0, None),
                                  ("eos_columns", eos_columns, -1, table_shape[1] - 1)):
         arr = host_ints(name, values, n)
-        bad = np.flatnonzero((arr < lo) | (arr > hi if hi is not None else False))
-        if len(bad):
+        if n and (arr.min() < lo or (hi is not None and arr.max() > hi)):
+            bad = np.flatnonzero((arr < lo) | (arr > hi if hi is not None else False))
             raise ValueError(f"{name}[{bad[0]}]: expected a value in [{lo}, "
                              f"{'inf' if hi is None else hi}], got {arr[bad[0]]}")
         out.append(arr)
