@@ -236,6 +236,10 @@ def test_unknown_model_types_raise_naming_the_model_type(model_type):
     # A wrapper's unknown type does not hide a known text model (LLaVA around Llama).
     wrapped = build({"model_type": model_type, "text_config": {**cfg, "model_type": "llama"}})
     assert wrapped.num_layers == 4
+    # Nor does a known wrapper hide an unknown text model: the text model's type decides.
+    with pytest.raises(ValueError, match=f"got '{model_type}'"):
+        build({"model_type": "gemma3", "text_config": {**cfg, "sliding_window": 8,
+                                                       "sliding_window_pattern": 2}})
 
 
 @pytest.mark.parametrize(("cfg", "field"), [

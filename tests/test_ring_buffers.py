@@ -389,6 +389,12 @@ def test_sliding_layers_follow_the_family_not_the_stated_model_type():
     typed = {**qwen, "layer_types": ["full_attention", "sliding_attention"]}
     hc = HybridCacheConfig.from_hf_config(typed, max_batch_size=1, max_sequence_length=64)
     assert hc.kv.layer_ring_windows == (0, 32)
+    # Without use_sliding_window a Qwen model attends over everything (its config class
+    # defaults the key to False): a window in the file makes no ring.
+    quiet = {k: v for k, v in qwen.items() if k != "use_sliding_window"}
+    for cfg in (quiet, {**quiet, "max_window_layers": 1}):
+        hc = HybridCacheConfig.from_hf_config(cfg, max_batch_size=1, max_sequence_length=64)
+        assert hc.kv.layer_ring_windows == (0, 0)
 
 # --- random operation sequences: rings against unbounded caches ---------------------------------
 

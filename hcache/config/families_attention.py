@@ -115,7 +115,10 @@ def _gemma4(c: _Cfg) -> _Layout:
 
 def _plain(c: _Cfg, family: str) -> _Layout:
     heads, head_dim = _kv_heads(c), _head_dim(c, "head_dim")
-    window = c.get("sliding_window") if c.raw.get("use_sliding_window") is not False else None
+    use = c.raw.get("use_sliding_window")
+    if use is None:   # the class default: Qwen2/3 configs slide only when they say so
+        use = family not in _WINDOW_FROM_LAYER or c.raw.get("layer_types") is not None
+    window = c.get("sliding_window") if use is not False else None
     names = _names(c, ("layer_types",), ("full_attention", "sliding_attention",
                                          "chunked_attention", "attention"))
     if names is None:

@@ -47,13 +47,16 @@ def _family_key(name) -> str | None:
 def _select(config: Mapping) -> tuple[str, dict]:
     """The family and the text model's fields (a nested ``text_config`` if there is one).
 
-    A stated ``model_type`` (the text model's, then the top level's) decides: an unknown one is
-    refused even when ``architectures`` names a known class. ``architectures``, then the
-    family-specific fields, are read only for a config that states no ``model_type``.
+    A stated ``model_type`` (the text model's if it states one, else the top level's) decides:
+    an unknown one is refused even when ``architectures`` names a known class or the wrapper
+    around it is known. ``architectures``, then the family-specific fields, are read only for a
+    config that states no ``model_type``.
     """
     text = config.get("text_config")
     fields = dict(text) if isinstance(text, Mapping) else dict(config)
-    stated = [n for n in (fields.get("model_type"), config.get("model_type")) if n is not None]
+    # The text model's own type, when it states one, is the only one that decides: a known
+    # wrapper around an unknown text model is still an unknown layout.
+    stated = [n for n in (fields.get("model_type"), config.get("model_type")) if n is not None][:1]
     if not stated:
         archs = config.get("architectures")
         for name in archs if isinstance(archs, (list, tuple)) else [archs]:
