@@ -9,6 +9,7 @@ its checks before its first mutation changes nothing when one fails.
 
 from __future__ import annotations
 
+import math
 import operator
 from itertools import repeat
 
@@ -198,10 +199,14 @@ def hash_array(name: str, values, length: int) -> np.ndarray:
 
 
 def int_shape(name: str, shape) -> tuple[int, ...]:
-    """A shape of positive ints as a tuple."""
+    """A shape of positive ints as a tuple, of at most ``2**63 - 1`` elements (an array's
+    size is an int64)."""
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise TypeError(f"{name}: expected a tuple of ints, got {type(shape).__name__}")
-    return tuple(as_int(f"{name}[{i}]", s, 1) for i, s in enumerate(shape))
+    out = tuple(as_int(f"{name}[{i}]", s, 1) for i, s in enumerate(shape))
+    if math.prod(out) > _INT64_MAX:
+        raise ValueError(f"{name}: expected at most {_INT64_MAX} elements, got shape {out}")
+    return out
 
 
 def int32_array(name: str, a, xp, *, min_len: int = 0, ndim: int = 1) -> None:

@@ -8,6 +8,7 @@ the work; on ``cuda[:N]`` arrays are CuPy arrays and the kernels of ``kernels/``
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import weakref
@@ -283,6 +284,7 @@ def _staging(rt, index: int) -> StagingRing:
 
 
 ALIGNMENT = 64   # bytes: the first byte of every cache buffer (DLPack importers copy less)
+_MAX_NBYTES = 2**63 - 1 - ALIGNMENT   # an int64 byte count, the alignment slack included
 
 
 def zeros(device: Device, shape, dtype):
@@ -294,7 +296,8 @@ def zeros(device: Device, shape, dtype):
     64-byte aligned buffer that it imports). On ``cuda`` the runtime allocates on the current
     device (256-byte aligned) and queues the zero fill on the current stream: call it inside
     the construction's launch scope, which ends with :func:`settle`. ``TypeError`` for a bad
-    ``device``, ``shape`` or ``dtype``.
+    ``device``, ``shape`` or ``dtype``; ``ValueError`` for a shape of more bytes than an
+    int64 counts.
     """
     device = resolve_device(device)
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or any(
@@ -306,9 +309,12 @@ def zeros(device: Device, shape, dtype):
     except TypeError:
         raise TypeError(f"dtype: expected a dtype, got {dtype!r:.60}") from None
     shape = tuple(int(n) for n in shape)
+    nbytes = math.prod(shape) * dtype.itemsize     # exact: an int64 product could wrap to 0
+    if nbytes > _MAX_NBYTES:
+        raise ValueError(f"shape: expected at most {_MAX_NBYTES} bytes of {dtype}, "
+                         f"got {shape!r:.60} ({nbytes} bytes)")
     if device.is_cuda:
         return _runtime().zeros(shape, dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.zeros(nbytes + ALIGNMENT, dtype=np.uint8)   # calloc: untouched pages stay free
     start = -raw.ctypes.data % ALIGNMENT
     return raw[start:start + nbytes].view(dtype).reshape(shape)

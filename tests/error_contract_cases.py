@@ -161,7 +161,7 @@ fn("arrays.as_array", {"name": "x", "value": np.zeros((2, 3), np.float16), "devi
 fn("arrays.host_array", {"name": "x", "value": np.zeros(3, np.int32)}, name=_LABEL,
    value=AnyArray())
 fn("device.zeros", {"device": CPU, "shape": (2, 3), "dtype": "bfloat16"},
-   device=Choice(none_ok=True), shape=Ints(fixed_length=False), dtype=Choice())
+   device=Choice(none_ok=True), shape=Ints(0, 2**63 - 1, fixed_length=False), dtype=Choice())
 fn("dtypes.dlpack_view", {"array": np.zeros(2, hcache.dtypes.resolve_dtype("bfloat16"))},
    array=AnyArray())
 fn("memory.available_bytes", {"device": CPU}, device=Choice(none_ok=True))
@@ -496,7 +496,8 @@ def _held(a):
 CASES[(ALLOC, "__init__")] = Case(
     lambda: (None, None),
     lambda _: {"num_blocks": 4, "enable_prefix_caching": True, "eviction_policy": "lru"},
-    {"num_blocks": Int(1), "enable_prefix_caching": Bool(), "eviction_policy": Choice()})
+    {"num_blocks": Int(1, 2**31 - 1), "enable_prefix_caching": Bool(),
+     "eviction_policy": Choice()})
 case(ALLOC, "add_blocks_deregistered_observer", make_alloc, lambda _: {"fn": print},
      fn=Callable())
 case(ALLOC, "advance_clock", make_alloc, lambda _: {"steps": 1}, steps=Int(0, 2**63 - 1 - 3))
@@ -544,10 +545,11 @@ def make_ctx(pending=True):
 
 CASES[(CTX, "__init__")] = Case(
     lambda: (None, None), lambda _: dict(_CTX_ARGS),
-    {"kv_layer_configs": Instance(), "num_blocks": Int(1), "block_size_tokens": Int(1),
-     "max_requests": Int(1), "max_blocks_per_request": Int(1), "num_mamba_layers": Int(0),
-     "conv_states_shape": Ints(1, fixed_length=False, none_ok=True),
-     "ssm_states_shape": Ints(1, fixed_length=False, none_ok=True),
+    {"kv_layer_configs": Instance(), "num_blocks": Int(1, 2**31 - 1),
+     "block_size_tokens": Int(1), "max_requests": Int(1), "max_blocks_per_request": Int(1),
+     "num_mamba_layers": Int(0),
+     "conv_states_shape": Ints(1, 2**63 - 1, fixed_length=False, none_ok=True),
+     "ssm_states_shape": Ints(1, 2**63 - 1, fixed_length=False, none_ok=True),
      "kv_dtype": Choice(), "conv_states_dtype": Choice(), "ssm_states_dtype": Choice(),
      "mamba_cache_slots": Int(0), "mamba_chunk_size": Int(1, 2, none_ok=True),
      "enable_prefix_caching": Bool(), "eviction_policy": Choice(),
@@ -983,7 +985,7 @@ variant("PagedKVPool", "__init__", "local", lambda: (None, None),
         lambda _: {"layer_configs": list(_LOCAL_LAYERS), "num_blocks": 2, "block_size": 2,
                    "dtype": "float16", "device": CPU, "extra_nbytes": 64,
                    "num_local_blocks": 3},
-        **dict(CASES[("PagedKVPool", "__init__")].kinds, num_local_blocks=Int(1)))
+        **dict(CASES[("PagedKVPool", "__init__")].kinds, num_local_blocks=Int(1, none_ok=True)))
 for _meth in ("write", "write_kv"):
     variant("PagedKVPool", _meth, "local", make_pool_local,
             lambda _: {"k": [rows((4, 2, 4)), rows((4, 1, 8), seed=2)],

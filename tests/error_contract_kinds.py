@@ -1,11 +1,15 @@
 """Invalid values by kind of argument, and a snapshot of everything an object can reach.
 
-A kind describes what a parameter accepts; its ``bad(valid)`` strategy draws values that the
-kind refuses whatever the object's state (a wrong type, an int out of the kind's range, an entry
-out of range, a repeated entry where entries must differ, a wrong shape or dtype), built from
-the valid value of the call being perturbed. ``snapshot`` is the oracle of "nothing changed":
-every array's bytes, shape and dtype, every container and every attribute of every object
-reachable from the root (cycles followed once), so a new attribute cannot be forgotten.
+A kind describes what a parameter accepts; ``bad_values(valid)`` is a fixed list of values that
+the kind refuses whatever the object's state (a wrong type, an int out of the kind's range incl.
+2**63 and 2**64, a bool, an entry out of range, a nested or ragged entry, a repeated entry where
+entries must differ, a wrong shape or dtype, each refused array also behind ``__dlpack__`` only
+and ``__array__`` only), built from the valid value of the call being perturbed: every one of
+them is tried by the sweep. ``bad(valid)`` is the fuzzer's strategy: that list plus values drawn
+at random where the space is large (any out-of-range int, a bad entry at any position).
+``snapshot`` is the oracle of "nothing changed": every array's bytes, shape and dtype, every
+container and every attribute of every object reachable from the root
+(cycles followed once), so a new attribute cannot be forgotten.
 """
 
 from __future__ import annotations
@@ -74,12 +78,14 @@ class Kind:
         self.also = names
         return self
 
-    def bad(self, valid):
+    def bad_values(self, valid):
         raise NotImplementedError
 
+    def bad(self, valid):
+        return st.sampled_from(self.bad_values(valid))
+
     def _junk(self, *extra):
-        values = list(JUNK) + list(extra) + ([] if self.none_ok else [None])
-        return st.sampled_from(values)
+        return list(JUNK) + list(extra) + ([] if self.none_ok else [None])
 
 
 class Int(Kind):
@@ -88,19 +94,26 @@ class Int(Kind):
     def __init__(self, lo=0, hi=None, *, none_ok=False):
         self.lo, self.hi, self.none_ok = lo, hi, none_ok
 
-    def out_of_range(self):
+    def out_of_range_values(self):
+        """The bounds' neighbours and the special ints outside ``[lo, hi]``."""
         hi = self.hi
-        specials = [v for v in SPECIAL_INTS if v < self.lo or (hi is not None and v > hi)]
-        parts = [st.integers(max_value=self.lo - 1)]
-        if hi is not None:
-            parts.append(st.integers(min_value=hi + 1))
-        if specials:
-            parts.append(st.sampled_from(specials))
+        values = [self.lo - 1] + ([] if hi is None else [hi + 1])
+        return values + [v for v in SPECIAL_INTS if v not in values
+                         and (v < self.lo or (hi is not None and v > hi))]
+
+    def out_of_range(self):
+        parts = [st.sampled_from(self.out_of_range_values()),
+                 st.integers(max_value=self.lo - 1)]
+        if self.hi is not None:
+            parts.append(st.integers(min_value=self.hi + 1))
         return st.one_of(parts)
 
+    def bad_values(self, valid):
+        return (self._junk(True, False, [1], np.float64(1.0), np.array([1]))
+                + self.out_of_range_values())
+
     def bad(self, valid):
-        return st.one_of(self._junk(True, False, [1], np.float64(1.0), np.array([1])),
-                         self.out_of_range())
+        return st.one_of(st.sampled_from(self.bad_values(valid)), self.out_of_range())
 
 
 class Index(Int):
@@ -122,25 +135,36 @@ class Ints(Kind):
         self.fixed_length, self.unique = fixed_length, unique
         self.none_ok, self.nonempty = none_ok, nonempty
 
-    def bad(self, valid):
+    def _bad_entries(self):
+        junk = [1.5, True, None, "1", object()] + ([] if self.nested_ok else [[0]])
+        return junk + self.entry.out_of_range_values()
+
+    def bad_values(self, valid):
         base = [int(x) for x in np.asarray(valid).ravel()]
-        options = [self._junk(7), st.just(np.float64(2.0))]
+        values = self._junk(7) + [np.float64(2.0)]
         if base:
-            junk = [1.5, True, None, "1", object()] + ([] if self.nested_ok else [[0]])
-            entry = st.one_of(st.sampled_from(junk), self.entry.out_of_range())
-            options.append(st.tuples(st.integers(0, len(base) - 1), entry).map(
-                lambda je: base[:je[0]] + [je[1]] + base[je[0] + 1:]))
+            ends = sorted({0, len(base) - 1})     # each bad entry first and last
+            values += [base[:j] + [e] + base[j + 1:] for e in self._bad_entries() for j in ends]
             arrays = [np.array(base, dtype=np.float64), np.array(base, dtype=np.bool_)]
             if not self.nested_ok:
                 arrays.append(np.array(base, dtype=np.int64).reshape(-1, 1))
-                options.append(st.just([[x] for x in base]))
-            options.append(st.sampled_from(foreign(arrays)))
+                values.append([[x] for x in base])
+            values += foreign(arrays)
             if self.fixed_length:
-                options.append(st.just(base + [base[0]]))
+                values.append(base + [base[0]])
             if self.unique and len(base) >= 2:
-                options.append(st.just([base[0]] + base[:-1]))
+                values.append([base[0]] + base[:-1])
         if self.nonempty or (base and self.fixed_length):
-            options.append(st.just([]))
+            values.append([])
+        return values
+
+    def bad(self, valid):
+        base = [int(x) for x in np.asarray(valid).ravel()]
+        options = [st.sampled_from(self.bad_values(valid))]
+        if base:
+            entry = st.one_of(st.sampled_from(self._bad_entries()), self.entry.out_of_range())
+            options.append(st.tuples(st.integers(0, len(base) - 1), entry).map(
+                lambda je: base[:je[0]] + [je[1]] + base[je[0] + 1:]))
         return st.one_of(options)
 
 
@@ -154,7 +178,7 @@ class Array(Kind):
         self.bad_dtypes, self.none_ok, self.squeezable = bad_dtypes, none_ok, squeezable
         self.free_last = free_last
 
-    def bad(self, valid):
+    def bad_values(self, valid):
         a = np.asarray(valid)
         options = [np.zeros(()), a.reshape(-1)[:-1] if a.size else np.zeros(1)]
         if not self.squeezable:
@@ -164,7 +188,7 @@ class Array(Kind):
         if a.ndim >= 2 and not self.squeezable:
             options.append(a[0])
         options += [a.astype(dt) for dt in self.bad_dtypes if np.dtype(dt) != a.dtype]
-        return st.one_of(self._junk(), st.sampled_from(foreign(options)))
+        return self._junk() + foreign(options)
 
 
 class Arrays(Kind):
@@ -174,13 +198,18 @@ class Arrays(Kind):
         self.item = Array(bad_dtypes=bad_dtypes, squeezable=squeezable)
         self.none_ok = none_ok
 
+    def bad_values(self, valid):
+        base = list(valid)
+        values = self._junk(7) + [base[:-1], base + base[:1]]
+        j = len(base) - 1                          # each refused array as the last entry
+        return values + [base[:j] + [v] + base[j + 1:] for v in self.item.bad_values(base[j])]
+
     def bad(self, valid):
         base = list(valid)
-        options = [self._junk(7), st.just(base[:-1]), st.just(base + base[:1])]
-        options.append(st.tuples(st.integers(0, len(base) - 1), st.data()).map(
+        return st.one_of(st.sampled_from(self.bad_values(valid)),
+                         st.tuples(st.integers(0, len(base) - 1), st.data()).map(
             lambda jd: base[:jd[0]] + [jd[1].draw(self.item.bad(base[jd[0]]))]
             + base[jd[0] + 1:]))
-        return st.one_of(options)
 
 
 class Scale(Kind):
@@ -189,11 +218,10 @@ class Scale(Kind):
 
     none_ok = True
 
-    def bad(self, valid):
-        return st.sampled_from(["3", object(), [1.0], -1.0, 0.0, float("nan"), float("inf"),
-                                True, DeviceMemory(), *foreign([
-                                    np.ones(7, np.float32), np.ones(2, np.float64),
-                                    np.ones((2, 1, 1), np.float32)])])
+    def bad_values(self, valid):
+        return ["3", object(), [1.0], -1.0, 0.0, float("nan"), float("inf"), True,
+                DeviceMemory(), *foreign([np.ones(7, np.float32), np.ones(2, np.float64),
+                                          np.ones((2, 1, 1), np.float32)])]
 
 
 class OnlyNone(Kind):
@@ -201,8 +229,8 @@ class OnlyNone(Kind):
 
     none_ok = True
 
-    def bad(self, valid):
-        return st.sampled_from([0.5, 1.0, "x", object(), np.ones(2, np.float32), True])
+    def bad_values(self, valid):
+        return [0.5, 1.0, "x", object(), np.ones(2, np.float32), True]
 
 
 class Absent(Kind):
@@ -214,11 +242,11 @@ class Absent(Kind):
         self.like, self.empty = like, empty
         self.none_ok = not empty
 
-    def bad(self, valid):
+    def bad_values(self, valid):
         values = [[self.like], 1.0, "x", object()]
         if not self.empty:
             values += [self.like, np.zeros(1, np.float16)]
-        return st.one_of(st.sampled_from(values), self._junk())
+        return values + self._junk()
 
 
 class DeviceMemory:
@@ -232,7 +260,7 @@ class AnyArray(Kind):
     """An array of any shape and dtype (NumPy or any library with an array protocol): junk,
     a list, a tuple, and device memory where host memory is due."""
 
-    def bad(self, valid):
+    def bad_values(self, valid):
         return self._junk([1, 2], (1,), DeviceMemory())
 
 
@@ -243,7 +271,7 @@ class Junk(Kind):
     def __init__(self, *, none_ok=True):
         self.none_ok = none_ok
 
-    def bad(self, valid):
+    def bad_values(self, valid):
         return self._junk([0, 1], np.zeros(3, np.float32))
 
 
@@ -253,10 +281,10 @@ class Lengths(Kind):
     def __init__(self, *, none_ok=False):
         self.none_ok = none_ok
 
-    def bad(self, valid):
-        return st.one_of(self._junk(True, [1.5], [True], ["1"], DeviceMemory(),
-                                    *foreign([np.ones(2, np.float32), np.ones(2, np.bool_)])),
-                         st.sampled_from([-1, -(2**40), [2, -1], np.array([-3, 1], np.int32)]))
+    def bad_values(self, valid):
+        return self._junk(True, [1.5], [True], ["1"], DeviceMemory(),
+                          *foreign([np.ones(2, np.float32), np.ones(2, np.bool_)]),
+                          -1, -(2**40), [2, -1], np.array([-3, 1], np.int32))
 
 
 class Seconds(Kind):
@@ -264,8 +292,8 @@ class Seconds(Kind):
 
     none_ok = True
 
-    def bad(self, valid):
-        return st.sampled_from(["1", True, -1.0, -1, object(), [1], float("nan")])
+    def bad_values(self, valid):
+        return ["1", True, -1.0, -1, object(), [1], float("nan")]
 
 
 class Stream(Kind):
@@ -274,15 +302,16 @@ class Stream(Kind):
 
     none_ok = True
 
-    def bad(self, valid):
-        return st.sampled_from(["s", 1.5, -1, 2**64, True, object(), [0]])
+    def bad_values(self, valid):
+        return ["s", 1.5, -1, -(2**63) - 1, 2**64, 10**30, True, False, object(), [0],
+                np.float64(0.0)]
 
 
 class Bool(Kind):
     def __init__(self, *, none_ok=False):
         self.none_ok = none_ok
 
-    def bad(self, valid):
+    def bad_values(self, valid):
         return self._junk(1, 0, "yes", [True])
 
 
@@ -292,7 +321,7 @@ class Choice(Kind):
     def __init__(self, *, none_ok=False):
         self.none_ok = none_ok
 
-    def bad(self, valid):
+    def bad_values(self, valid):
         return self._junk(1, "bogus", "")
 
 
@@ -302,8 +331,8 @@ class Key(Kind):
     def __init__(self, unknown=("nope", 12345)):
         self.unknown = unknown
 
-    def bad(self, valid):
-        return st.sampled_from([[1], {"a": 1}, {1}, *self.unknown])
+    def bad_values(self, valid):
+        return [[1], {"a": 1}, {1}, *self.unknown]
 
 
 class Keys(Kind):
@@ -312,14 +341,14 @@ class Keys(Kind):
     def __init__(self, *, unique=True, unknown="nope", nonempty=False):
         self.unique, self.unknown, self.nonempty = unique, unknown, nonempty
 
-    def bad(self, valid):
+    def bad_values(self, valid):
         base = list(valid)
         options = [None, 7, 1.5, object(), [[1]], [{}], base + [self.unknown]]
         if self.unique and base:
             options.append(base + base[:1])
         if self.nonempty:
             options.append([])
-        return st.sampled_from(options)
+        return options
 
 
 class Instance(Kind):
@@ -328,12 +357,12 @@ class Instance(Kind):
     def __init__(self, *, none_ok=False):
         self.none_ok = none_ok
 
-    def bad(self, valid):
+    def bad_values(self, valid):
         return self._junk(1, [1], type(valid))
 
 
 class Callable(Kind):
-    def bad(self, valid):
+    def bad_values(self, valid):
         return self._junk(1, [1])
 
 

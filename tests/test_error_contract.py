@@ -15,21 +15,26 @@ and after (derived caches and scratch excepted, listed in ``error_contract_kinds
 Skipped: exception constructors, two classes that users receive rather than build, and the
 methods without parameters (listed by introspection, nothing to perturb). A parameter the
 fuzzer leaves alone is a ``Fixed`` kind with its reason in the case. The ``ci`` profile runs 20
-examples per method (about 15 s on one core, no GPU needed). Foreign arrays are accepted without
-a copy, so every array kind also draws its refused arrays behind ``__dlpack__`` only and
-``__array__`` only, and ``test_a_foreign_array_of_a_wrong_dtype_is_refused`` passes both for
-every array parameter.
+examples per method (about 15 s on one core, no GPU needed), which leave some (case, argument)
+pairs unperturbed, so a deterministic sweep
+(``test_sweep_every_bad_value_is_refused_and_changes_nothing``) tries every value of each
+kind's ``bad_values`` on every pair (693 pairs, ~12,700 calls, about 16 s), and
+``test_the_sweep_covers_every_fuzzable_pair`` checks that none is left out. Foreign arrays are
+accepted without a copy, so every array kind also draws its refused arrays behind
+``__dlpack__`` only and ``__array__`` only, and
+``test_a_foreign_array_of_a_wrong_dtype_is_refused`` passes both for every array parameter.
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+from types import SimpleNamespace
 
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from error_contract_cases import CASES, VARIANTS
+from error_contract_cases import CASES, CTX, VARIANTS
 from error_contract_kinds import (
     Array,
     ArrayOnly,
@@ -190,6 +195,41 @@ def test_bad_argument_is_refused_and_changes_nothing(key, data):
     check_refused(key, name, value)
 
 
+# --- the sweep: every refused value of every kind, for every fuzzable pair ----------------
+
+# (case, parameter) for every parameter the fuzzer perturbs: the ci profile's examples draw
+# only some of them, the sweep tries each one with every value of its kind's ``bad_values``.
+PAIRS = sorted((k, n) for k in FUZZED for n, kind in ALL[k].kinds.items()
+               if not isinstance(kind, Fixed))
+
+
+def test_the_sweep_covers_every_fuzzable_pair():
+    """No (case, parameter) the fuzzer may draw is left out of the sweep, and every swept pair
+    has refused values to try."""
+    fuzzable = {(k, n) for k, c in ALL.items() for n, kind in c.kinds.items()
+                if not isinstance(kind, Fixed)}
+    assert set(PAIRS) == fuzzable and len(PAIRS) == len(fuzzable)
+    for key, name in PAIRS:
+        case = ALL[key]
+        _, target = case.make()
+        assert case.kinds[name].bad_values(case.args(target)[name]), (key, name)
+
+
+@pytest.mark.parametrize("key, name", PAIRS, ids=[f"{'-'.join(k)}-{n}" for k, n in PAIRS])
+def test_sweep_every_bad_value_is_refused_and_changes_nothing(key, name):
+    """Every value of ``bad_values`` for this argument: refused with a contract exception
+    naming it, nothing changed (all failures of the pair listed at once)."""
+    case = ALL[key]
+    _, target = case.make()
+    failures = []
+    for value in case.kinds[name].bad_values(case.args(target)[name]):
+        try:
+            check_refused(key, name, value)
+        except (AssertionError, pytest.fail.Exception) as e:
+            failures.append(f"{name}={value!r}: {str(e).splitlines()[0]}")
+    assert not failures, "\n".join(failures)
+
+
 # --- regression tests: each defect the fuzzer found (issue 12) ------------------------------
 
 REGRESSIONS = [
@@ -273,6 +313,15 @@ REGRESSIONS = [
     (("ContinuousBatchingKVCacheManager", "release"), "stream", "s"),
     (("arrays.as_array", ""), "stream", -1),
     (("arrays.as_array", ""), "device", "gpu"),
+    # found by the sweep: an int64 product of a shape wrapped (to 0 bytes: allocated as
+    # nothing, then a reshape error), an entry beyond int64 escaped as OverflowError, and a
+    # block count beyond the int32 block ids reached np.empty
+    (("device.zeros", ""), "shape", [2**62, 4]),
+    (("device.zeros", ""), "shape", [2, 2**64]),
+    ((CTX, "__init__"), "ssm_states_shape", (2**62, 4)),
+    ((CTX, "__init__"), "conv_states_shape", (2**32, 2**31)),
+    (("KVBlockAllocator", "__init__"), "num_blocks", 2**63),
+    ((CTX, "__init__"), "num_blocks", 2**63),
 ]
 
 
@@ -318,6 +367,18 @@ def test_a_foreign_array_of_a_wrong_dtype_is_refused(key, name, wrong, wrap):
                               enumerate(REGRESSIONS)])
 def test_regression(key, name, value):
     check_refused(key, name, value)
+
+
+def test_sizing_counts_state_bytes_exactly():
+    """Layout sizes are exact Python ints: a state shape whose int64 product wraps (to 0)
+    must count its true bytes, so the capacity check refuses it (oracle: the product by
+    hand)."""
+    from hcache.config.sizing import context_states_nbytes
+
+    ctx = SimpleNamespace(num_mamba_layers=1, max_requests=1, max_blocks_per_request=1,
+                          max_step_tokens=1)
+    n = context_states_nbytes(ctx, 0, None, (2**62, 4), None, "float32")
+    assert n == 2**64 * 4 + (1 * (1 + 1) + 1 + 1) * 4
 
 
 def test_release_with_a_bad_stream_releases_nothing():

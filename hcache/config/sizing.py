@@ -10,7 +10,7 @@ objects by their fields (this module imports no config class: the configs import
 
 from __future__ import annotations
 
-import numpy as np
+import math
 
 from ..dtypes import is_fp8, resolve_dtype
 from ..ops.tables import KV_LAYER_INFO_WORDS, compaction_plan_size
@@ -51,8 +51,8 @@ def _batch_state_bytes(max_batch: int, slot_tensors: int) -> int:
 
 def _mamba_states_bytes(c) -> int:
     """Both states of every layer and slot; an absent state (its shape fields all 0) is 0."""
-    per_slot = (int(np.prod(c.recurrent_state_shape)) * _itemsize(c.ssm_dtype)
-                + int(np.prod(c.conv_state_shape)) * _itemsize(c.conv_dtype))
+    per_slot = (math.prod(c.recurrent_state_shape) * _itemsize(c.ssm_dtype)
+                + math.prod(c.conv_state_shape) * _itemsize(c.conv_dtype))
     return c.num_layers * c.max_batch_size * per_slot
 
 
@@ -111,8 +111,8 @@ def linear_manager_nbytes(config) -> int:
         recurrent = (c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size)
         conv = (c.conv_dim, c.conv_kernel)
         kinds = _state_kinds(recurrent, conv)
-        per_slot = (int(np.prod(recurrent)) * _itemsize(c.ssm_dtype)
-                    + int(np.prod(conv)) * _itemsize(c.conv_dtype))
+        per_slot = (math.prod(recurrent) * _itemsize(c.ssm_dtype)
+                    + math.prod(conv) * _itemsize(c.conv_dtype))
         mamba = c.num_mamba_layers * c.max_batch_size * per_slot \
             + _mamba_copies_bytes(c.num_mamba_layers, kinds)
         state_tensors = kinds * c.num_mamba_layers
@@ -154,7 +154,7 @@ def context_states_nbytes(context, mamba_cache_slots: int, conv_shape, ssm_shape
     ``max_blocks_per_request`` and ``max_step_tokens``; ``local_tables``: the step also stages
     the block tables of the local block space (a pool with ``num_local_blocks``)."""
     rows = context.max_requests
-    per_state = sum(int(np.prod(shape)) * _itemsize(dt) for shape, dt in
+    per_state = sum(math.prod(shape) * _itemsize(dt) for shape, dt in
                     ((conv_shape, conv_dtype), (ssm_shape, ssm_dtype)) if shape is not None)
     states = rows + (mamba_cache_slots + snapshots_per_request * rows
                      if mamba_cache_slots else 0)

@@ -39,7 +39,7 @@ class KVBlockAllocator:
     Parameters
     ----------
     num_blocks : int
-        Pool size (>= 1).
+        Pool size, in [1, 2**31 - 1] (block ids are int32).
     enable_prefix_caching : bool
         When False, hashes are never recorded and a block whose ref count drops to 0 is freed.
     eviction_policy : {"lru", "ref_zero"}
@@ -78,7 +78,7 @@ class KVBlockAllocator:
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True,
                  eviction_policy: str = "lru"):
-        n = as_int("num_blocks", num_blocks, 1)
+        n = check_int("num_blocks", num_blocks, 1)   # block ids are int32
         if not isinstance(enable_prefix_caching, (bool, np.bool_)):
             raise TypeError(f"enable_prefix_caching: expected a bool, "
                             f"got {type(enable_prefix_caching).__name__}")
