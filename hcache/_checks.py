@@ -23,6 +23,7 @@ __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host
            "exact_int", "token_counts", "token_list", "host_array", "is_array"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1   # the C ``int`` of the kernels, int32 lengths
+INT64_MAX = 2**63 - 1    # no size, count or byte budget is larger (NumPy would overflow)
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -37,10 +38,12 @@ def _exact_int(name: str, value) -> int:
 
 
 def as_int(name: str, value, minimum: int = 0) -> int:
-    """``value`` as an ``int >= minimum`` (sizes, counts, config fields)."""
+    """``value`` as an int in ``[minimum, 2**63 - 1]`` (sizes, counts, config fields)."""
     value = _exact_int(name, value)
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name}: expected an int <= 2**63 - 1, got {value}")
     return value
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from ._checks import as_int
+from ._checks import exact_int
 from .device import Device, cuda_free_bytes, resolve_device
 from .errors import CacheCapacityError
 
@@ -68,7 +68,9 @@ def check_fits(name: str, nbytes: int, device: Device) -> None:
     TypeError, ValueError
         ``nbytes`` is not an int >= 0, or ``device`` not a device.
     """
-    nbytes, device = as_int("nbytes", nbytes, 0), resolve_device(device)
+    nbytes, device = exact_int("nbytes", nbytes), resolve_device(device)
+    if nbytes < 0:   # any size above: an absurd layout is a capacity error, not a bad value
+        raise ValueError(f"nbytes: expected an int >= 0, got {nbytes}")
     avail = available_bytes(device)
     if avail is not None and nbytes > avail:
         raise CacheCapacityError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cuda
-from ._checks import as_int, host_array
+from ._checks import INT32_MAX, check_int, host_array
 from .arrays import as_array, on_device
 from .device import launch_scope, resolve_device, stream_handle
 from .stream_order import StreamOrder
@@ -59,7 +59,7 @@ def ring_start(lengths, window: int, device=None, stream=None, *, order=None):
         A negative host length, ``window`` < 0, ``device`` names no usable device, or a
         ``stream`` handle out of range.
     """
-    window = as_int("window", window, 0)
+    window = check_int("window", window, 0, INT32_MAX)   # the kernels' int32 ring window
     if device is not None:
         device = resolve_device(device)
     stream_handle(stream)

@@ -89,10 +89,11 @@ class Kind:
 
 
 class Int(Kind):
-    """An int in ``[lo, hi]`` (``hi=None``: unbounded); bools and floats are refused."""
+    """An int in ``[lo, hi]`` (``hi=None``: up to 2**63 - 1, the bound of every size and count
+    in hcache); bools and floats are refused."""
 
     def __init__(self, lo=0, hi=None, *, none_ok=False):
-        self.lo, self.hi, self.none_ok = lo, hi, none_ok
+        self.lo, self.hi, self.none_ok = lo, 2**63 - 1 if hi is None else hi, none_ok
 
     def out_of_range_values(self):
         """The bounds' neighbours and the special ints outside ``[lo, hi]``."""

@@ -69,7 +69,9 @@ def test_copy_blocks_local_must_be_a_bool(local):
     ([4, -2], 3, ValueError, "lengths: expected lengths >= 0"),
     (np.array([1.0]), 3, TypeError, "lengths: expected an int or an int array"),
     ([True], 3, TypeError, r"lengths\[0\]: expected an int"),
-    (5, -1, ValueError, "window: expected an int >= 0"),
+    (5, -1, ValueError, r"window: expected an int in \[0, 2147483647\]"),
+    (5, 2**31, ValueError, r"window: expected an int in \[0, 2147483647\]"),   # int32 ring
+    (5, 2**63, ValueError, r"window: expected an int in \[0, 2147483647\]"),
     (5, 2.0, TypeError, "window: expected an int"),
 ])
 def test_ring_start_names_a_bad_argument(lengths, window, error, match):

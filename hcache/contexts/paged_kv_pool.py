@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from .._checks import as_int, block_id_array, int32_array
+from .._checks import as_int, block_id_array, check_int, int32_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..arrays import as_array, on_device
 from ..config.caches import KVCacheConfig
@@ -269,8 +269,8 @@ class PagedKVPool:
                     ("block_table", block_table), ("seq_offsets", seq_offsets),
                     ("cache_lengths", cache_lengths), ("positions", positions),
                     ("local_block_table", local_block_table)))
-        if checked is not None and seq_offsets is None and batch is None \
-                and type(uniform_tokens) is int and uniform_tokens > 0:
+        if checked is not None and seq_offsets is None and batch is None and \
+                type(uniform_tokens) is int and check_int("uniform_tokens", uniform_tokens, 0):
             rows = (checked[1][0] if layer is None else checked[1]).shape[0]
             if rows % uniform_tokens:   # the rows past the last whole one would be dropped
                 raise ValueError(f"k: expected a multiple of uniform_tokens ({uniform_tokens}) "
