@@ -20,10 +20,10 @@ from .arrays import on_device
 
 __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host_ints",
            "index_array", "block_id_array", "hash_array", "int_shape", "int32_array",
-           "exact_int", "token_counts", "token_list", "host_array", "is_array"]
+           "exact_int", "token_counts", "token_list", "host_array", "is_array",
+           "scalar_scale"]
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1   # the C ``int`` of the kernels, int32 lengths
-INT64_MAX = 2**63 - 1    # no size, count or byte budget is larger (NumPy would overflow)
 _INT64_MAX = np.iinfo(np.int64).max
 
 
@@ -42,7 +42,7 @@ def as_int(name: str, value, minimum: int = 0) -> int:
     value = _exact_int(name, value)
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
-    if value > INT64_MAX:
+    if value > _INT64_MAX:   # no size, count or byte budget is larger (NumPy would overflow)
         raise ValueError(f"{name}: expected an int <= 2**63 - 1, got {value}")
     return value
 
@@ -289,3 +289,24 @@ def token_list(name: str, tokens) -> list:
     if arr.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
     return arr.astype(np.int64).tolist()
+
+
+def scalar_scale(name: str, scale) -> float | None:
+    """A scalar FP8 ``scale`` as the float32 value the kernels use, or None when ``scale`` is
+    not a scalar (a scale table, checked by the caller).
+
+    Raises
+    ------
+    TypeError
+        ``scale`` is a bool.
+    ValueError
+        A scalar that is not finite and > 0 as float32.
+    """
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a float or a float32 array, got bool")
+    if not isinstance(scale, (int, float, np.integer, np.floating)):
+        return None
+    value = float(np.float32(scale))
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected a finite scale > 0 (as float32), got {scale}")
+    return value

@@ -12,10 +12,9 @@ whose row is the writer's layer label. A write into any other cache takes no sca
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from ._checks import scalar_scale
 from .arrays import as_array
 from .dtypes import is_fp8, resolve_dtype, storage_dtype
 
@@ -70,12 +69,8 @@ def check_scale(name: str, scale, quantize: bool, device, num_layers: int, heads
         return None
     if scale is None:
         return 1.0
-    if isinstance(scale, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a float or a float32 array, got bool")
-    if isinstance(scale, (int, float, np.integer, np.floating)):
-        value = float(np.float32(scale))
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name}: expected a finite scale > 0 (as float32), got {scale}")
+    value = scalar_scale(name, scale)
+    if value is not None:
         return value
     scale = as_array(name, scale, device, stream)
     ok = scale.dtype == np.float32 and scale.ndim in (1, 2) and scale.flags.c_contiguous \

@@ -4,12 +4,10 @@ float rows quantized into an FP8 cache on the way)."""
 
 from __future__ import annotations
 
-import math
-
 import ml_dtypes
 import numpy as np
 
-from .._checks import check_int, int32_array
+from .._checks import check_int, int32_array, scalar_scale
 from ..device import array_module_of, data_pointer
 from ..dtypes import resolve_dtype
 from . import reference as ref
@@ -231,12 +229,8 @@ def _scale_args(name, scale, group, launched):
     (every layer and head), a float32 ``[rows]`` (per layer) or ``[rows, heads]`` (per head)
     array whose row ``group.layer_indices[p]`` serves group position ``p``."""
     xp = group.xp
-    if isinstance(scale, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a float or a float32 array, got bool")
-    if isinstance(scale, (int, float, np.integer, np.floating)):
-        value = float(np.float32(scale))
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name}: expected a finite scale > 0 (as float32), got {scale}")
+    value = scalar_scale(name, scale)
+    if value is not None:
         return np.uint64(0), 0, 0, value
     if type(scale) is not xp.ndarray and array_module_of(scale) is not xp:
         raise TypeError(f"{name}: expected a float or a {xp.__name__} float32 array, "
