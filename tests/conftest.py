@@ -99,3 +99,20 @@ def emu_rt(_emulated_device):
     """The emulated device's runtime of a test marked ``emulated``."""
     assert _emulated_device is not None, "emu_rt: expected a test marked emulated"
     return _emulated_device
+
+
+@pytest.fixture(params=["reference", pytest.param("emu", marks=pytest.mark.emu)])
+def backend(request):
+    """Run the test's cpu-device calls on the NumPy reference (None), or on the real ``.cu``
+    compiled for the host (yields the launcher, whose ``launches`` grow with every launch)."""
+    if request.param == "reference":
+        yield None
+        return
+    emu = pytest.importorskip("emu")
+    if not emu.have_compiler():
+        pytest.skip("no host C++ compiler")
+    from hcache import ops
+
+    launcher = emu.EmuLauncher()
+    with ops.host_backend(launcher):
+        yield launcher

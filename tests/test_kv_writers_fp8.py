@@ -14,7 +14,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hcache import ops
 from hcache.config.caches import KVLayerConfig
 from hcache.contexts import DynamicInferenceContext, PagedKVPool
 from hcache.continuous.manager import ContinuousBatchingKVCacheManager, KVCacheStaticParams
@@ -22,20 +21,6 @@ from hcache.continuous.manager import ContinuousBatchingKVCacheManager, KVCacheS
 FP8S = ["float8_e4m3fn", "float8_e5m2"]
 SRCS = ["float32", "float16", "bfloat16"]
 H, D, LAYERS, S = 2, 8, 3, 8
-
-
-@pytest.fixture(params=["reference", pytest.param("emu", marks=pytest.mark.emu)])
-def backend(request):
-    """The NumPy reference (None) or the emulated kernels (the launcher)."""
-    if request.param == "reference":
-        yield None
-        return
-    emu = pytest.importorskip("emu")
-    if not emu.have_compiler():
-        pytest.skip("no host C++ compiler")
-    launcher = emu.EmuLauncher()
-    with ops.host_backend(launcher):
-        yield launcher
 
 
 def oracle(x, scale, fp8):

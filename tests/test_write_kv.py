@@ -14,7 +14,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hcache import ops
 from hcache.config.caches import (
     HybridCacheConfig,
     KVCacheConfig,
@@ -33,21 +32,6 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 S = 8
-
-
-@pytest.fixture(params=["reference", pytest.param("emu", marks=pytest.mark.emu)])
-def backend(request):
-    """Run the test on the NumPy reference, or on the emulated kernels (yields the launcher,
-    whose ``launches`` list grows with every kernel launch)."""
-    if request.param == "reference":
-        yield None
-        return
-    emu = pytest.importorskip("emu")
-    if not emu.have_compiler():
-        pytest.skip("no host C++ compiler")
-    launcher = emu.EmuLauncher()
-    with ops.host_backend(launcher):
-        yield launcher
 
 
 def hybrid(dtype="float16", batch=3):
