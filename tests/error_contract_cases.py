@@ -857,6 +857,8 @@ for _key in (("PagedKVPool", "__init__"), ("PagedKVPool", "nbytes_for"),
              ("PagedKVPool", "num_blocks_for"), (CTX, "__init__"),
              (CTX, "__init__", "mla-no-conv")):
     _extend(_key, num_local_blocks=(None, Int(1, none_ok=True)))
+for _key in ((CTX, "__init__"), (CTX, "__init__", "mla-no-conv")):
+    _extend(_key, registration_budget=(64, Int(1, none_ok=True)))
 _extend(("PagedKVPool", "copy_blocks"), local=(False, Bool()))
 for _key in (("PagedKVPool", "write"), ("PagedKVPool", "write_kv"),
              ("PagedKVPool", "launch_write"), ("PagedKVPool", "write_kv", "mla")):
@@ -1000,7 +1002,7 @@ variant("PagedKVPool", "copy_blocks", "local", make_pool_local,
         status=Junk(), stream=Stream(), local=Bool())
 
 _CTX_LOCAL = dict(_CTX_ARGS, kv_layer_configs=[KVLayerConfig(1, 4, 2), KVLayerConfig(1, 4)],
-                  num_local_blocks=6)
+                  num_local_blocks=6, registration_budget=64)
 
 
 def make_ctx_local(pending=True):

@@ -184,9 +184,11 @@ class BlockForest:
 
     # --- eviction order -----------------------------------------------------------------
 
-    def evictable_mask(self, ref_counts: np.ndarray) -> np.ndarray:
+    def evictable_mask(self, ref_counts: np.ndarray, pinned=None) -> np.ndarray:
         """``bool [num_blocks]``: cached blocks (registered, ref count 0) with no used
-        descendant, exactly the blocks leaf peeling can reach."""
+        descendant, exactly the blocks leaf peeling can reach. ``pinned`` (int64, optional):
+        registered blocks that also count as parents of used blocks (of blocks whose
+        registration is deferred)."""
         registered = self.registered
         used = ref_counts > 0
         cached = registered & ~used
@@ -194,6 +196,8 @@ class BlockForest:
             return np.zeros(self.num_blocks, dtype=bool)
         blocked = np.zeros(self.num_blocks, dtype=bool)
         parents = self.parent_ids[registered & used]
+        if pinned is not None and len(pinned):
+            parents = np.concatenate([parents, pinned])
         # Walk up from used blocks through cached ancestors only; a request normally holds its
         # whole chain, so this loop usually stops after one round.
         while parents.size:

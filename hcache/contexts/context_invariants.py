@@ -16,7 +16,7 @@ __all__ = ["broken_context_invariants"]
 
 
 def broken_context_invariants(requests, kv_block_allocator, window_blocks=None,
-                              mamba_slot_allocator=None) -> list[str]:
+                              mamba_slot_allocator=None, registration=None) -> list[str]:
     """Every broken invariant of the collaborators and of their agreement, one message each;
     empty when all hold.
 
@@ -28,6 +28,9 @@ def broken_context_invariants(requests, kv_block_allocator, window_blocks=None,
     window_blocks : WindowBlocks or None
         The local block space, when the pool has one.
     mamba_slot_allocator : MambaSlotAllocator or None
+    registration : BlockRegistration or None
+        The registration backlog; its deferred blocks are the only ones whose Mamba states
+        await a hash.
 
     Returns
     -------
@@ -41,6 +44,11 @@ def broken_context_invariants(requests, kv_block_allocator, window_blocks=None,
         problems.append("a request holds a block without a reference")
     if window_blocks is not None:
         problems += window_blocks.broken_invariants(requests)
+    if registration is not None:
+        problems += registration.broken_invariants()
+        awaiting = getattr(getattr(mamba_slot_allocator, "_hashes", None), "awaiting", None)
+        if awaiting is not None and (awaiting & ~registration.deferred).any():
+            problems.append("a Mamba state awaits the hash of a block not in the backlog")
     for owner in (kv_block_allocator, mamba_slot_allocator):
         try:
             if owner is not None:

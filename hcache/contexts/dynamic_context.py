@@ -35,17 +35,18 @@ from ..config.sizing import context_states_nbytes
 from ..device import resolve_device, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
+from .block_registration import BlockRegistration
 from .context_invariants import broken_context_invariants
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
 from .mamba_state_copies import state_shapes
 from .paged_kv_pool import PagedKVPool
-from .prefix_match import blocks_to_register, pending_blocks_overlap
-from .requests import RequestTable, batch_tokens, id_list, token_array
+from .requests import RequestTable
 from .step_kv_writer import StepKVWriter
 from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan
 from .step_scheduler import StepScheduler
+from .token_batches import batch_tokens, id_list, token_array
 from .window_blocks import WindowBlocks
 
 __all__ = ["DynamicInferenceContext", "StepPlan", "BatchStepPlan", "PrefixCacheStats"]
@@ -79,6 +80,10 @@ class DynamicInferenceContext:
     device : None, "cpu", "cuda" or "cuda:N"
     num_local_blocks : int, optional
         Blocks of the sliding-window layers' own space (docs/design.md §6.7); default: none.
+    registration_budget : int or None
+        Completed blocks a :meth:`commit_step` hashes and registers (or 1/8 of the waiting ones
+        if more); the rest wait, in order, and whatever depends on them catches up first
+        (docs/design.md §6.8). None: all at once.
 
     Attributes
     ----------
@@ -102,7 +107,7 @@ class DynamicInferenceContext:
                  ssm_states_shape=(1,), kv_dtype="float16", conv_states_dtype="float16",
                  ssm_states_dtype="float32", mamba_cache_slots=0, mamba_chunk_size=None,
                  enable_prefix_caching=True, eviction_policy="lru", max_step_tokens=None,
-                 device=None, num_local_blocks=None):
+                 device=None, num_local_blocks=None, registration_budget=48):
         self.device = resolve_device(device)
         xp = self.xp = self.device.xp
         self.block_size_tokens = as_int("block_size_tokens", block_size_tokens, 1)
@@ -116,6 +121,8 @@ class DynamicInferenceContext:
                              f"{self.block_size_tokens}, got {self.mamba_chunk_size}")
         slots = as_int("mamba_cache_slots", mamba_cache_slots)
         self.max_sequence_length = self.max_blocks_per_request * self.block_size_tokens
+        budget = None if registration_budget is None \
+            else as_int("registration_budget", registration_budget, 1)
         self.max_step_tokens = as_int("max_step_tokens", self.max_requests
                                     * self.max_sequence_length if max_step_tokens is None
                                     else max_step_tokens, 1)
@@ -144,8 +151,11 @@ class DynamicInferenceContext:
         self.mamba_slot_allocator = MambaSlotAllocator(
             self, slots, L, conv_shape, ssm_shape, conv_states_dtype, ssm_states_dtype) \
             if L and slots and caching else None
+        self._registration = BlockRegistration(self._requests, self.kv_block_allocator, blocks,
+                                               self.mamba_slot_allocator, budget)
         self._scheduler = StepScheduler(self._requests, self.kv_block_allocator,
-                                        self.mamba_slot_allocator, self._live, L, blocks)
+                                        self.mamba_slot_allocator, self._live, L, blocks,
+                                        self._registration)
         self.stats = PrefixCacheStats()
         settle(self.device)   # the step tables and live states are ready for any stream
 
@@ -169,9 +179,7 @@ class DynamicInferenceContext:
     def num_active_requests(self) -> int:
         return len(self._requests)
 
-    @property
-    def request_ids(self) -> list:
-        return self._requests.ids
+    request_ids = property(attrgetter("_requests.ids"))
 
     def request_stats(self, request_id) -> PrefixCacheStats:
         """Counters of one live request (a copy)."""
@@ -207,9 +215,8 @@ class DynamicInferenceContext:
         not cached yet: a scheduler can defer such a request one step to hit the cache."""
         if not self.prefix_caching_enabled:
             return False
-        wanted = set(compute_block_hashes(token_array("tokens", tokens), self.block_size_tokens))
-        wanted.difference_update(self.kv_block_allocator.kv_hash_to_block_id)
-        return pending_blocks_overlap(wanted, self._requests)
+        return self._registration.computing_any(
+            compute_block_hashes(token_array("tokens", tokens), self.block_size_tokens))
 
     # --- commands -------------------------------------------------------------------------------
 
@@ -319,8 +326,8 @@ class DynamicInferenceContext:
         """Finish the step: mark scheduled tokens computed, register the hashes of blocks they
         completed (local blocks too, then release those that left the window), keep the step's
         Mamba boundary states, and advance the LRU clock. Call after the forward pass (KV
-        written, live and scratch states final); the cost is flat in the sequence lengths
-        (hashes were computed as blocks completed).
+        written, live and scratch states final). At most ``registration_budget`` blocks are
+        hashed and registered, each once; the cost is flat in the sequence lengths.
 
         Returns
         -------
@@ -334,28 +341,18 @@ class DynamicInferenceContext:
         """
         if stream is not None:
             stream_handle(stream)   # validated before anything changes
-        requests, kv = self._requests, self.kv_block_allocator
-        rows = np.flatnonzero(requests.pending_end >= 0)
-        registered = 0
-        if len(rows):
-            ends, done = requests.pending_end[rows], requests.registered[rows].copy()
-            requests.computed[rows] = ends
-            requests.pending_end[rows] = -1
-            if self.window_blocks is not None:   # register, then drop what left the window
-                self.window_blocks.commit(requests, rows, done, ends,
-                                          register=self.prefix_caching_enabled)
-            if self.prefix_caching_enabled:
-                ids, hashes, parents = blocks_to_register(requests, rows, ends,
-                                                          kv.kv_hash_to_block_id)
-                if len(ids):
-                    kv.register_kv_block_hashes(ids, hashes, parents)
-                registered = len(ids)
+        registered = self._registration.commit(*self._requests.complete_steps())
         stored = 0
         if self.mamba_slot_allocator is not None:
             stored = self.mamba_slot_allocator.commit_intermediate_states(stream=stream)
             self.stats.stored_states += stored
         self.step()
         return {"registered_blocks": registered, "stored_states": stored}
+
+    def register_completed_blocks(self) -> int:
+        """Hash and register every computed complete block still waiting (see
+        ``registration_budget``), so the hash maps are current; returns how many."""
+        return self._registration.flush()
 
     def step(self) -> int:
         """Advance the LRU clock by one step (both block spaces'); returns the new clock."""
@@ -371,6 +368,9 @@ class DynamicInferenceContext:
         rows = requests.rows(request_ids).tolist()
         if not rows:
             return
+        # Their blocks stay cached, registered first; a release that deregisters catches up all
+        # (a block duplicating one it drops stays private, as registered at once: §6.8).
+        self._registration.flush(rows if self.kv_block_allocator.caches_released_blocks else None)
         self.kv_block_allocator.release_memory_blocks(
             np.concatenate([requests.blocks(row) for row in rows]))
         if self.window_blocks is not None:
@@ -381,20 +381,19 @@ class DynamicInferenceContext:
 
     def reset(self) -> None:
         """Drop every request, cached block and cached state; zero the counters."""
-        for rid in self._requests.ids:
-            self.release_requests([rid])
+        self.release_requests(self._requests.ids)
         for owner in (self.kv_block_allocator, self.window_blocks, self.mamba_slot_allocator):
             if owner is not None:
                 owner.reset()
         self._requests.reset()
+        self._registration.reset()
         self.stats = PrefixCacheStats()
 
     def check_invariants(self) -> None:
-        """Raise ``RuntimeError`` listing every broken invariant of the request table, the KV
-        allocator, the local block space and the Mamba slot allocator, and of their agreement
-        (:func:`~hcache.contexts.context_invariants.broken_context_invariants`). For tests: it
-        rehashes every request."""
+        """Raise ``RuntimeError`` listing every broken invariant of the collaborators and of their
+        agreement (:func:`~.context_invariants.broken_context_invariants`; rehashes: for tests)."""
         problems = broken_context_invariants(self._requests, self.kv_block_allocator,
-                                             self.window_blocks, self.mamba_slot_allocator)
+                                             self.window_blocks, self.mamba_slot_allocator,
+                                             self._registration)
         if problems:
             raise RuntimeError("DynamicInferenceContext invariants broken: " + "; ".join(problems))

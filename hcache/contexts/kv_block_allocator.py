@@ -7,12 +7,10 @@ Every block is in exactly one of three states:
 * **cached**: ref count 0 and registered (``"lru"`` policy only), off the free stack until
   evicted under pressure.
 
-The free stack holds exactly the free blocks, and cached blocks exist only under ``"lru"`` with
-prefix caching on (checked, with the clock and the forest, by
-:meth:`KVBlockAllocator.check_invariants`). The registered blocks (hashes, hash map, parent
-forest) and their leaf-peeling eviction order are a
-:class:`~hcache.contexts.block_forest.BlockForest` the allocator owns. All bookkeeping lives on
-the host in NumPy arrays.
+The free stack holds exactly the free blocks; cached blocks exist only under ``"lru"`` with
+prefix caching on (checked by :meth:`KVBlockAllocator.check_invariants`). The registered blocks
+and their eviction order are a :class:`~hcache.contexts.block_forest.BlockForest` the allocator
+owns. All bookkeeping lives on the host in NumPy arrays.
 """
 
 from __future__ import annotations
@@ -63,28 +61,25 @@ class KVBlockAllocator:
         Number of registered blocks whose parent is this block.
     kv_hash_to_block_id : dict[int, int]
         Registered hash -> block id (the inverse of ``block_hashes`` on registered blocks).
+    pending_parents : callable or None
+        Set by an owner that defers registration (docs/design.md §6.8): returns the registered
+        parents (int64) of its unregistered used blocks, kept from eviction as parents are.
 
     Notes
     -----
-    Read the public arrays, do not write them; they are mutated in place by the methods.
-    Observers added with :meth:`add_blocks_deregistered_observer` are called as
-    ``fn(block_ids: list[int], hashes: set[int])`` once per deregistration batch (``block_ids``
-    in eviction order for LRU, ascending for ``"ref_zero"`` releases), after every state change
-    of the call that deregistered them has been committed (so a block evicted by an allocation
-    may already be handed out again); an observer that raises is logged and does not stop the
-    others.
+    Read the public arrays, do not write them. Observers are called as ``fn(block_ids, hashes)``
+    once per deregistration batch (ids in eviction order, ascending under ``"ref_zero"``), after
+    the call's state changes (an evicted block may be handed out again); a raise is logged.
     """
     __copy__ = refuse_copy   # deepcopy and pickle copy the host state (hcache/_copying.py)
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True,
                  eviction_policy: str = "lru"):
         n = check_int("num_blocks", num_blocks, 1)   # block ids are int32
-        if not isinstance(enable_prefix_caching, (bool, np.bool_)):
-            raise TypeError(f"enable_prefix_caching: expected a bool, "
-                            f"got {type(enable_prefix_caching).__name__}")
-        if not isinstance(eviction_policy, str):
-            raise TypeError(f"eviction_policy: expected a str, "
-                            f"got {type(eviction_policy).__name__}")
+        for name, value, kind in (("enable_prefix_caching", enable_prefix_caching, bool),
+                                  ("eviction_policy", eviction_policy, str)):
+            if not isinstance(value, (kind, np.bool_) if kind is bool else kind):
+                raise TypeError(f"{name}: expected a {kind.__name__}, got {type(value).__name__}")
         if eviction_policy.lower() not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy: expected one of {EVICTION_POLICIES}, "
                              f"got {eviction_policy!r}")
@@ -97,6 +92,7 @@ class KVBlockAllocator:
         self.block_timestamps = np.empty(n, dtype=np.int64)
         self._forest = BlockForest(n)
         self._observers: list = []
+        self.pending_parents = None
         self.reset()
 
     # --- derived values -----------------------------------------------------------------
@@ -137,10 +133,8 @@ class KVBlockAllocator:
     # --- queries ------------------------------------------------------------------------
 
     def get_evictable_block_count(self, block_ids=None) -> int:
-        """Number of cached blocks that :meth:`evict_lru_blocks` can reclaim (0 unless the
-        policy is lru), among ``block_ids`` if given (ids in ``[0, num_blocks)``, else
-        ``IndexError``). Equals the number of cached blocks unless a cached block has an in-use
-        descendant."""
+        """Cached blocks :meth:`evict_lru_blocks` can reclaim (those with no in-use descendant;
+        0 unless lru), among ``block_ids`` if given (``IndexError`` for an id out of range)."""
         mask = self._evictable_mask()
         if block_ids is not None:
             mask = mask[block_id_array("block_ids", block_ids, self._num_blocks)]
@@ -154,9 +148,8 @@ class KVBlockAllocator:
 
     def is_memory_available(self, n: int, potential_matched_count: int = 0) -> bool:
         """Whether :meth:`allocate_memory_blocks` ``(n)`` would succeed after pinning
-        ``potential_matched_count`` prefix-matched evictable blocks (which then cannot be
-        evicted to supply fresh blocks; a cached block with an in-use descendant is not
-        evictable, so pinning it costs nothing and it is not counted)."""
+        ``potential_matched_count`` prefix-matched evictable blocks (which then cannot supply
+        fresh blocks; a block with an in-use descendant is not evictable, not counted)."""
         n = as_int("n", n)
         potential_matched_count = as_int("potential_matched_count", potential_matched_count)
         if self._free_top >= n:
@@ -294,6 +287,12 @@ class KVBlockAllocator:
         if self.enable_prefix_caching:
             self._forest.link(*pending)
 
+    def _register_new_blocks(self, block_ids, hashes, parent_hashes) -> None:
+        """:meth:`register_kv_block_hashes` unchecked, for entries that pass by construction
+        (distinct used unregistered blocks, distinct new positive hashes; int64 arrays)."""
+        if self.enable_prefix_caching:
+            self._forest.link(block_ids, hashes, parent_hashes)
+
     def evict_lru_blocks(self, n: int) -> bool:
         """Deregister and free ``n`` cached blocks, peeling leaves oldest first (ties by id).
 
@@ -331,7 +330,8 @@ class KVBlockAllocator:
         are kept)."""
         if not self.caches_released_blocks:
             return np.zeros(self._num_blocks, dtype=bool)
-        return self._forest.evictable_mask(self.block_ref_counts)
+        pinned = None if self.pending_parents is None else self.pending_parents()
+        return self._forest.evictable_mask(self.block_ref_counts, pinned)
 
     def _deregister(self, ids: np.ndarray):
         """Unregister and free unique registered ``ids`` and return the observer arguments

@@ -10,7 +10,9 @@ Invariants (checked by :meth:`MambaHashMap.broken_invariants`):
 
 :class:`~hcache.contexts.MambaSlotAllocator` owns one and keeps it a subset of its slots: a block
 that loses its slot (eviction, invalidation, KV deregistration) is dropped from the map at once,
-so a recycled block id never carries a stale state.
+so a recycled block id never carries a stale state. A block ``awaiting`` its hash owns a slot
+holding the boundary state of a block whose registration the context deferred
+(:mod:`~hcache.contexts.block_registration`); it is not in the map until :meth:`settle`.
 """
 
 from __future__ import annotations
@@ -31,16 +33,20 @@ class MambaHashMap:
         The KV allocator's hash map (the same object for the allocator's lifetime).
     slot_owners : set of int
         The slot pool's blocks owning a slot (the same object for the pool's lifetime).
+    num_blocks : int
 
     Attributes
     ----------
     hash_to_block_id : dict[int, int]
         KV block hash -> block id whose state is cached under it.
+    awaiting : bool [num_blocks]
+        Blocks whose kept state waits for their registration.
     """
 
-    def __init__(self, kv_hash_to_block_id: dict, slot_owners: set):
+    def __init__(self, kv_hash_to_block_id: dict, slot_owners: set, num_blocks: int):
         self.hash_to_block_id: dict[int, int] = {}
         self._kv_map, self._owners = kv_hash_to_block_id, slot_owners
+        self.awaiting = np.zeros(num_blocks, bool)
 
     def __len__(self) -> int:
         return len(self.hash_to_block_id)
@@ -48,6 +54,28 @@ class MambaHashMap:
     def reset(self) -> None:
         """Empty the map."""
         self.hash_to_block_id.clear()
+        self.awaiting.fill(False)
+
+    def settle(self, block_ids: np.ndarray, hashes: np.ndarray, kv_block_hashes: np.ndarray,
+               block_to_slot: np.ndarray) -> np.ndarray:
+        """Put the awaiting blocks of ``block_ids`` in the map under their ``hashes`` where the
+        KV allocator registered them so and no other state is cached under the hash; returns
+        the other awaiting blocks that still own a slot (their states are unreachable)."""
+        waiting = self.awaiting[block_ids]
+        if not waiting.any():
+            return np.zeros(0, np.int64)
+        blocks, hs = block_ids[waiting], hashes[waiting]
+        self.awaiting[blocks] = False
+        owned = block_to_slot[blocks] >= 0
+        ok = owned & (kv_block_hashes[blocks] == hs)
+        listed = hs.tolist()
+        if not self.hash_to_block_id.keys().isdisjoint(listed):
+            ok &= ~np.fromiter(map(self.hash_to_block_id.__contains__, listed), bool, len(hs))
+        if ok.all():
+            self.hash_to_block_id.update(zip(listed, blocks.tolist()))
+            return blocks[:0]
+        self.hash_to_block_id.update(zip(hs[ok].tolist(), blocks[ok].tolist()))
+        return blocks[owned & ~ok]
 
     def block_hashes(self, num_blocks: int) -> np.ndarray:
         """``int64 [num_blocks]``: the hash each block is in the map under, -1 = none."""
@@ -145,4 +173,7 @@ class MambaHashMap:
                 problems.append(f"Mamba hash {h} -> block {b}, which owns no slot")
         if len(set(self.hash_to_block_id.values())) != len(self.hash_to_block_id):
             problems.append("a block is in the Mamba map under two hashes")
+        if self.awaiting.any() and set(self.hash_to_block_id.values()).intersection(
+                np.flatnonzero(self.awaiting).tolist()):
+            problems.append("a block awaiting its hash is in the Mamba map")
         return problems

@@ -273,6 +273,16 @@ class IntermediateStates:
             self.eos_block_ids[rows[has_eos]] = eos
             self.pending = True
 
+    def plan_eos(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
+        """:meth:`plan_batch` of one-token chunks that each end on a block boundary: the EOS
+        entries ``block_ids`` of distinct checked ``rows`` (int64), nothing else."""
+        if self.pending:     # rows may hold entries of an uncommitted step: replace them
+            self.offsets[rows] = 0
+            self.block_ids[rows] = -1
+            self.counts[rows] = 0
+        self.eos_block_ids[rows] = block_ids
+        self.pending = True
+
     def targets(self) -> list[tuple[int, int, int]]:
         """``(request_row, offset, scratch_index)`` of every pending boundary state, packed
         densely in ascending row order, then offset order."""

@@ -68,6 +68,8 @@ class MambaSlotAllocator:
         The Mamba hash map: KV hash -> block whose state a prefix match can reach.
     intermediate_conv_out, intermediate_ssm_out : arrays or None
         The scratch ``[num_mamba_layers, max_intermediate_count, *shape]``.
+    deferred_blocks : bool [num_blocks] or None
+        The backlog of a context that defers block registration (docs/design.md §6.8).
 
     Raises
     ------
@@ -97,13 +99,14 @@ class MambaSlotAllocator:
                                               self.ssm_states_shape, ssm_dt, rows)
         self.xp = xp
         self.device = Device("cuda", array_device(live)) if xp is not np else Device("cpu")
+        self.deferred_blocks = None
         self._intermediate = inter = IntermediateStates(
             self.device, self.num_mamba_layers, self.max_requests, self.conv_states_shape,
             self.ssm_states_shape, conv_dt, ssm_dt)
         self.max_intermediate_count = inter.max_count
         self._pool = MambaSlotPool(self.num_blocks, self.max_slots)
         # Bound to the KV allocator for its lifetime, as the observer subscribed below is.
-        self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owners)
+        self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owners, self.num_blocks)
         self._copies = MambaStateCopies(context, self._pool, self.device, inter.conv_out,
                                         inter.ssm_out, conv_dt, ssm_dt)
         kv.add_blocks_deregistered_observer(self.on_kv_blocks_deregistered)
@@ -128,13 +131,8 @@ class MambaSlotAllocator:
         """``int64 [num_blocks]``: the Mamba-map hash of each block, -1 = none (derived)."""
         return self._hashes.block_hashes(self.num_blocks)
 
-    @property
-    def free_count(self) -> int:
-        return self._pool.free_count
-
-    @free_count.setter
-    def free_count(self, value: int) -> None:
-        self._pool.free_count = value
+    free_count = property(attrgetter("_pool.free_count"),
+                          lambda self, value: setattr(self._pool, "free_count", value))
 
     @property
     def _kv(self):
@@ -191,11 +189,9 @@ class MambaSlotAllocator:
         return slots.tolist()
 
     def _evict_lru_slots_batch(self, num_needed, *, exclude=None) -> list[int]:
-        """Take the slots of the ``num_needed`` least recently used evictable blocks (KV ref
-        count 0, oldest KV timestamp first, ties by block id, never a block of ``exclude``) and
-        drop their Mamba hashes; the KV blocks stay registered. The slots are **not** returned
-        to the free stack: the caller takes ownership. Raises :class:`MambaSlotCapacityError`
-        (nothing changes) when fewer blocks are evictable."""
+        """Take (not free: the caller owns them) the slots of the ``num_needed`` LRU evictable
+        blocks (KV ref count 0, oldest KV timestamp, then lowest id, none of ``exclude``) and drop
+        their Mamba hashes. :class:`MambaSlotCapacityError` (nothing changes) if too few."""
         n = as_int("num_needed", num_needed)
         if n == 0:
             return []
@@ -231,11 +227,8 @@ class MambaSlotAllocator:
 
     def register_block_hashes_batch(self, block_ids, hashes) -> None:
         """Make the states of ``block_ids`` reachable under their KV ``hashes`` (entries with
-        ``hash <= 0`` are skipped; see :meth:`MambaHashMap.register`).
-
-        Lists of Python ints whose every pair is registrable take a lean path of dict and set
-        lookups (:meth:`MambaHashMap.register_lists`); anything else, errors included, the
-        vectorised checks.
+        ``hash <= 0`` are skipped; see :meth:`MambaHashMap.register`). Lists of registrable
+        Python ints take a lean path (:meth:`MambaHashMap.register_lists`).
 
         Raises
         ------
@@ -255,11 +248,9 @@ class MambaSlotAllocator:
 
     def store_from_tensors(self, block_id, layer_idx, ssm_state, conv_state, *,
                            stream=None) -> None:
-        """Write one Mamba layer's states into the slot of ``block_id`` (mainly for tests).
-
-        ``ssm_state`` / ``conv_state`` have the per-slot shapes and storage dtypes; an array of
-        another module is converted (an allocation). Raises ``IndexError`` (block or layer out
-        of range), ``ValueError`` (block owns no slot, or shape/dtype mismatch).
+        """Write one Mamba layer's states into the slot of ``block_id`` (mainly for tests):
+        per-slot shapes and storage dtypes (another module's array is converted). Raises
+        ``IndexError`` (block or layer out of range), ``ValueError`` (no slot, bad shape/dtype).
         """
         self._copies.write_layer(block_id, self.get_slot(block_id), layer_idx, ssm_state,
                                  conv_state, stream=stream)
@@ -271,20 +262,16 @@ class MambaSlotAllocator:
         self._copies.store_from_live(slots, request_indices, stream=stream)
 
     def restore_to_live(self, request_idx, block_id, *, stream=None) -> bool:
-        """Copy every layer's cached state of ``block_id`` into the request's live slot.
-
-        Returns False (and copies nothing) when the block owns no slot. Raises ``IndexError``
-        (row or block out of range) or ``ValueError`` (the request has no live slot).
-        """
+        """Copy every layer's cached state of ``block_id`` into the request's live slot; False
+        (nothing copied) when the block owns no slot. Raises ``IndexError`` (row or block out
+        of range) or ``ValueError`` (the request has no live slot)."""
         row = check_index("request_idx", request_idx, self.max_requests)
         bid = check_index("block_id", block_id, self.num_blocks)
         return bool(self.restore_to_live_batch([row], [bid], stream=stream)[0])
 
     def restore_to_live_batch(self, request_indices, block_ids, *, stream=None) -> list[bool]:
-        """Batched :meth:`restore_to_live`: one launch for every request that has a state.
-
-        Returns, per entry, whether it was restored. The requests' live slots must differ.
-        """
+        """Batched :meth:`restore_to_live`, one launch: per entry, whether it was restored. The
+        requests' live slots must differ."""
         return self._copies.restore_to_live(request_indices, block_ids, stream=stream)
 
     # --- intermediate states --------------------------------------------------------------------
@@ -314,10 +301,14 @@ class MambaSlotAllocator:
             block_table=ctx.request_to_kv_block_ids, block_size=int(ctx.block_size_tokens),
             chunk_size=int(ctx.mamba_chunk_size))
 
+    def _plan_eos(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
+        """Unchecked :meth:`compute_and_store_offsets_batch` of a decode step (the context's own
+        distinct rows, int64, and their blocks): keep each row's live state as its block's."""
+        self._intermediate.plan_eos(rows, block_ids)
+
     def intermediate_targets(self) -> list[tuple[int, int, int]]:
-        """``(request_row, offset, scratch_index)`` of every pending intermediate state: the
-        model writes the state after ``chunk_start + offset`` tokens of that row into
-        ``intermediate_*_out[:, scratch_index]``."""
+        """``(request_row, offset, scratch_index)`` of each pending intermediate state: the state
+        after ``chunk_start + offset`` tokens of the row goes to ``intermediate_*_out[:, idx]``."""
         return self._intermediate.targets()
 
     def get_intermediate_gpu_data(self, prefill_start=0, prefill_count=None, *, stream=None):
@@ -327,29 +318,31 @@ class MambaSlotAllocator:
         return self._intermediate.device_data(prefill_start, prefill_count, stream=stream)
 
     def _collect_commit_data(self):
-        """``(intermediate_bids, src_offsets, eos_bids, eos_ctx_indices, all_hashes)``, int64,
-        or None when nothing is pending (see :meth:`IntermediateStates.collect`)."""
+        """:meth:`IntermediateStates.collect` of the KV hashes, or None (nothing pending)."""
         return self._intermediate.collect(self._kv.block_hashes)
 
     def commit_intermediate_states(self, *, stream=None) -> int:
-        """Keep this step's boundary states (scratch and EOS) as cached states, then clear the
-        per-request tracking. Call after the forward pass and before rows are reordered.
-
-        Best effort: entries whose KV block is unregistered (unreachable), already cached under
-        its hash, or repeated are skipped; when slots run short, entries that own a slot plus as
-        many new ones as are available are kept. Returns the number of states stored.
-        Raises ``TypeError`` / ``ValueError`` for a bad ``stream`` (checked first, on cpu too).
-        """
+        """Keep this step's boundary states (scratch and EOS) as cached states and clear the
+        tracking; after the forward pass, before rows are reordered. Best effort: entries whose
+        KV block is unregistered and not in :attr:`deferred_blocks` (their states await it:
+        :meth:`_settle_deferred`), already cached under its hash, or repeated are skipped; short
+        of slots, those owning one plus as many new ones as are available are kept. Returns the
+        states stored. ``TypeError`` / ``ValueError`` for a bad ``stream`` (checked first)."""
         stream_handle(stream)
         data = self._collect_commit_data()
         if data is None:
             self._clear_intermediate_state()
             return 0
         inter, src, eos, eos_rows, hashes = data
-        bids = np.concatenate([inter, eos])
-        idx = np.flatnonzero((hashes > 0) & ~self._hashes.cached(bids, hashes))
-        if len(idx) > 1:       # a repeated block keeps its first entry
-            idx = idx[self._pool.first_occurrences(bids[idx])]
+        bids = np.concatenate([inter, eos]) if len(inter) else eos
+        deferred = self.deferred_blocks
+        waiting = np.zeros(len(bids), bool) if deferred is None else deferred[bids]
+        if not len(inter) and waiting.all():    # a decode step's new blocks: private, distinct
+            idx = np.arange(len(bids))
+        else:
+            idx = np.flatnonzero(((hashes > 0) & ~self._hashes.cached(bids, hashes)) | waiting)
+            if len(idx) > 1:       # a repeated block keeps its first entry
+                idx = idx[self._pool.first_occurrences(bids[idx])]
         refs = self._kv.block_ref_counts
         new, available = self._pool.demand(bids[idx], refs, distinct=True)
         if len(new) > available:
@@ -365,9 +358,18 @@ class MambaSlotAllocator:
             self._copies.store_live_unchecked(slots[~is_inter],
                                               eos_rows[idx[~is_inter] - len(inter)], stream)
         # Registered unchecked: the hashes are these blocks' own KV hashes, just read.
-        self.hash_to_block_id.update(zip(hashes[idx].tolist(), ids.tolist()))
+        waiting = waiting[idx]
+        self._hashes.awaiting[ids[waiting]] = True
+        self.hash_to_block_id.update(zip(hashes[idx[~waiting]].tolist(), ids[~waiting].tolist()))
         self._clear_intermediate_state()
         return int(len(idx))
+
+    def _settle_deferred(self, block_ids: np.ndarray, hashes: np.ndarray) -> None:
+        """The context registered ``block_ids`` (int64, their ``hashes``): the kept states of
+        those awaiting it become reachable under their hash, or, for a block left unregistered
+        or a hash already cached, free their slot (:meth:`MambaHashMap.settle`)."""
+        self._pool.release(self._hashes.settle(block_ids, hashes, self._kv.block_hashes,
+                                               self.block_to_slot))
 
     def _copy_intermediate_to_cache(self, src_offsets, slots, *, stream=None) -> None:
         """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]``, every layer, one launch."""
@@ -380,8 +382,7 @@ class MambaSlotAllocator:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Forget every cached state: mappings, free stack, Mamba map, tracking; zero the cache
-        and scratch (device fills, no allocation)."""
+        """Forget every cached state and all tracking; zero cache and scratch (no allocation)."""
         self._pool.reset()
         self._hashes.reset()
         self._copies.zero()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .requests import ragged_columns
+from .token_batches import ragged_columns
 
 __all__ = ["match_prefix", "restore_depth_tokens", "blocks_to_register",
            "pending_blocks_overlap"]
@@ -87,18 +87,18 @@ def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
 
     Returns
     -------
-    (int64 [m], int64 [m], int64 [m])
+    (int64 [m], int64 [m], int64 [m], int64 [k], int64 [k])
         ``block_ids``, ``hashes`` and ``parent_hashes`` (0 = none) to register, in row order
-        then block order. A hash already in the KV map, or claimed by an earlier entry of this
-        commit, is left to the block holding it (that block serves matches), so concurrent
-        duplicates stay private.
+        then block order, then every completed block and its hash (``k >= m``). A hash already
+        in the KV map, or claimed by an earlier entry of this commit, is left to the block
+        holding it (that block serves matches), so concurrent duplicates stay private.
     """
     bs = requests.block_size
     complete = ends // bs
     done = requests.registered[rows]
     grew = complete > done
     if not grew.any():
-        return (np.zeros(0, np.int64),) * 3
+        return (np.zeros(0, np.int64),) * 5
     rows, done, complete = rows[grew], done[grew], complete[grew]
     requests.registered[rows] = complete
     if (complete - done).max() == 1:      # a decode step: one block each
@@ -111,6 +111,8 @@ def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
     parents[cols == 0] = 0
     block_ids = requests.request_to_kv_block_ids[owners, cols].astype(np.int64)
     listed = hashes.tolist()
+    if kv_hash_to_block_id.keys().isdisjoint(listed) and len(set(listed)) == len(listed):
+        return block_ids, hashes, parents, block_ids, hashes     # all new (a decode step's)
     if kv_hash_to_block_id.keys().isdisjoint(listed):
         keep = np.ones(len(listed), bool)
     else:
@@ -120,7 +122,7 @@ def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
         first = np.zeros(len(listed), bool)
         first[np.unique(hashes, return_index=True)[1]] = True
         keep &= first
-    return block_ids[keep], hashes[keep], parents[keep]
+    return block_ids[keep], hashes[keep], parents[keep], block_ids, hashes
 
 
 def pending_blocks_overlap(wanted: set, requests) -> bool:

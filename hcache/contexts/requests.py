@@ -4,17 +4,19 @@ A request lives in one row of host arrays indexed by row, so a step over many re
 NumPy operations rather than a Python loop: its tokens (a preallocated
 ``[max_requests, max_sequence_length]`` table that grows without copying), its progress
 counters, its block-table row, and the chained hashes of its complete blocks, each computed
-once, when the block completes (:func:`~hcache.contexts.block_hashing.chain_block_hashes`,
-continuing from the row's last digest).
+once (:func:`~hcache.contexts.block_hashing.chain_block_hashes`, continuing from the row's last
+digest): a prompt's at admission, for the prefix match; a block completed by a step when its
+registration needs it (:meth:`RequestTable.hash_through`, see
+:mod:`~hcache.contexts.block_registration`).
 
 Invariants (checked by :meth:`RequestTable.broken_invariants`), for an active row ``r``:
 
 - ``computed <= lengths``; ``pending_end`` is -1 (then ``computed == lengths``) or
   ``lengths`` (a step is scheduled over ``[computed, lengths)``);
 - ``num_blocks == ceil(lengths / block_size)`` and ``request_to_kv_block_ids[r]`` holds that
-  many block ids, then -1; ``registered <= lengths // block_size``;
-- with hashing on, ``hashes[r, :lengths // block_size]`` are the chained hashes of the row's
-  tokens and ``digests[r]`` is the digest of its last complete block (zeros when none);
+  many block ids, then -1; ``registered <= hashed <= lengths // block_size``;
+- with hashing on, ``hashes[r, :hashed]`` are the chained hashes of the row's tokens and
+  ``digests[r]`` is the digest of block ``hashed - 1`` (zeros when none);
 - rows and live slots of no request are on the free lists, and their table entries are -1.
 """
 
@@ -25,83 +27,9 @@ import numpy as np
 from .._checks import host_array, is_array
 from .block_hashing import DIGEST_BYTES, chain_block_hashes, compute_block_hashes
 from .step_plans import PrefixCacheStats
+from .token_batches import ragged_columns
 
-__all__ = ["RequestTable", "token_array", "batch_tokens"]
-
-
-
-def token_array(name: str, tokens) -> np.ndarray:
-    """``tokens`` (a 1-D integer sequence or array) as a 1-D int64 array.
-
-    Raises
-    ------
-    TypeError
-        Not integers (floats, bools, a scalar), or a uint64 value int64 cannot hold.
-    ValueError
-        Not 1-D.
-    """
-    arr = host_array(name, tokens)   # refuses bool entries, ragged and beyond-int64 lists
-    if arr.size == 0 and arr.ndim == 1:
-        return np.zeros(0, np.int64)
-    if arr.ndim == 0 or arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
-        raise TypeError(f"{name}: expected a 1-D sequence of ints, got {arr.dtype} "
-                        f"{arr.shape}")
-    if arr.ndim != 1:
-        raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
-    if arr.dtype == np.uint64 and (arr > np.iinfo(np.int64).max).any():
-        raise TypeError(f"{name}: expected int64 token ids, got a uint64 above 2**63 - 1")
-    return arr.astype(np.int64, copy=False)
-
-
-def id_list(name: str, request_ids) -> list:
-    """``request_ids`` as a list (an array of any library as Python scalars)."""
-    ids = host_array(name, request_ids) if is_array(request_ids) else request_ids
-    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
-
-
-def batch_tokens(name: str, tokens, n: int):
-    """The new tokens of ``n`` requests, flattened: ``(flat int64 [total], counts)``.
-
-    ``tokens`` is one token per request (a 1-D integer array or a sequence of ints; ``counts``
-    is then None), ``k`` per request (a 2-D integer array ``[n, k]``) or a sequence of ``n``
-    1-D integer sequences; ``counts`` is an int64 array ``[n]`` in the last two cases.
-
-    Raises
-    ------
-    TypeError
-        Not integers.
-    ValueError
-        Not ``n`` entries, a bad shape, or a request with no token.
-    """
-    tokens = host_array(name, tokens) if is_array(tokens) else tokens
-    if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
-        if tokens.shape[0] != n or tokens.shape[1] == 0:
-            raise ValueError(f"{name}: expected shape [{n}, >= 1], got {tokens.shape}")
-        flat = token_array(name, tokens.reshape(-1))
-        return flat, np.full(n, tokens.shape[1], np.int64)
-    if isinstance(tokens, (list, tuple)) and len(tokens) \
-            and isinstance(tokens[0], (list, tuple, np.ndarray)):
-        parts = [token_array(f"{name}[{i}]", t) for i, t in enumerate(tokens)]
-        if len(parts) != n:
-            raise ValueError(f"{name}: expected {n} token sequences, got {len(parts)}")
-        counts = np.fromiter(map(len, parts), np.int64, n)
-        if not counts.all():
-            i = int(np.argmin(counts))
-            raise ValueError(f"{name}[{i}]: expected at least 1 token, got 0")
-        return np.concatenate(parts), counts
-    flat = token_array(name, tokens)
-    if len(flat) != n:
-        raise ValueError(f"{name}: expected {n} tokens (one per request), got {len(flat)}")
-    return flat, None
-
-
-def ragged_columns(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(which, column)`` of every cell of ``counts[i]`` consecutive columns from
-    ``starts[i]``, entry after entry: ``which`` indexes the entries."""
-    total = int(counts.sum())
-    which = np.repeat(np.arange(len(counts)), counts)
-    first = np.cumsum(counts) - counts
-    return which, np.arange(total) - first[which] + starts[which]
+__all__ = ["RequestTable"]
 
 
 class RequestTable:
@@ -123,14 +51,14 @@ class RequestTable:
     tokens : int64 [max_requests, max_sequence_length]
         Row -> tokens (``lengths`` of them are valid). Allocated zeroed, so on most systems its
         pages are only committed as rows grow.
-    lengths, num_blocks, computed, pending_end, kv_cached, registered : int64 [max_requests]
+    lengths, num_blocks, computed, pending_end, kv_cached, registered, hashed : int64 [R]
         Per row: tokens held, blocks held, tokens computed (KV and Mamba state final), the end
         of the scheduled step (-1 = none), positions below which the blocks are shared
-        (matched) ones, leading blocks already offered for registration.
+        (matched) ones, leading blocks already offered for registration, leading blocks hashed.
     hashes : int64 [max_requests, max_blocks_per_request]
-        Chained hashes of each row's complete blocks.
+        Chained hashes of each row's first ``hashed`` blocks.
     digests : uint8 [max_requests, 32]
-        Digest of each row's last complete block.
+        Digest of each row's last hashed block.
     """
 
     def __init__(self, max_requests: int, max_blocks_per_request: int, block_size: int, *,
@@ -143,8 +71,9 @@ class RequestTable:
         self.tokens = np.zeros((R, self.max_sequence_length), dtype="<i8")
         self.hashes = np.zeros((R, B), dtype=np.int64)
         self.digests = np.zeros((R, DIGEST_BYTES), dtype=np.uint8)
+        self._block_offsets = np.arange(block_size)
         for name in ("lengths", "num_blocks", "computed", "pending_end", "kv_cached",
-                     "registered"):
+                     "registered", "hashed"):
             setattr(self, name, np.zeros(R, dtype=np.int64))
         self._row_of: dict = {}                 # request id -> row, in admission order
         self._id_of: list = [None] * R
@@ -163,7 +92,7 @@ class RequestTable:
         self.request_to_mamba_state_idx.fill(-1)
         self.pending_end.fill(-1)
         for a in (self.lengths, self.num_blocks, self.computed, self.kv_cached,
-                  self.registered):
+                  self.registered, self.hashed):
             a.fill(0)
         self._free_rows = list(range(self.max_requests - 1, -1, -1))   # pop(): lowest row first
         self._free_live_slots = list(range(self.max_requests))         # pop(): highest first
@@ -278,6 +207,7 @@ class RequestTable:
         if self.hashing:
             self.hashes[row, :len(hashes)] = hashes
             self.digests[row] = digest
+            self.hashed[row] = len(hashes)
         self._row_of[request_id] = row
         self._id_of[row] = request_id
         self._stats[row] = stats
@@ -296,28 +226,40 @@ class RequestTable:
         self.num_blocks[rows] += counts
 
     def append(self, rows: np.ndarray, flat: np.ndarray, counts, starts: np.ndarray,
-               ends: np.ndarray, closing=None) -> None:
+               ends: np.ndarray) -> None:
         """Append tokens to distinct ``rows`` holding ``starts`` tokens, ``ends - starts``
-        each, from ``flat`` (one each when ``counts`` is None), and hash the blocks they
-        complete; ``closing`` (one token each only) says which rows complete a block (False:
-        none). The caller checked the room."""
+        each, from ``flat`` (one each when ``counts`` is None). The caller checked the room;
+        the blocks they complete are hashed later (:meth:`hash_through`)."""
         if counts is None:
             self.tokens[rows, starts] = flat
         else:
             which, cols = ragged_columns(starts, counts)
             self.tokens[rows[which], cols] = flat
         self.lengths[rows] = ends
-        if not self.hashing:
+
+    def hash_through(self, rows: np.ndarray, upto: np.ndarray) -> None:
+        """Hash the complete blocks ``[hashed, upto)`` of distinct ``rows`` (``upto`` at most
+        their complete blocks), each once, chained from the row's last digest."""
+        if not self.hashing or not len(rows):
             return
-        bs = self.block_size
-        if closing is not None:           # one token each; False: no row completes a block
-            if closing is not False:
-                self._hash_new_blocks(rows[closing], ends[closing] // bs - 1, None)
-            return
-        done, complete = starts // bs, ends // bs
-        grew = complete > done
-        if grew.any():
-            self._hash_new_blocks(rows[grew], done[grew], (complete - done)[grew])
+        first = self.hashed[rows]
+        grew = upto > first
+        if not grew.all():
+            if not grew.any():
+                return
+            rows, first, upto = rows[grew], first[grew], upto[grew]
+        counts = upto - first
+        self._hash_new_blocks(rows, first, None if counts.max() == 1 else counts)
+        self.hashed[rows] = upto
+
+    def hash_next(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Hash block ``cols[i] == hashed`` of each of distinct ``rows`` (complete, one each);
+        returns the hashes (int64)."""
+        blocks = self.tokens[rows[:, None], cols[:, None] * self.block_size + self._block_offsets]
+        hashes, self.digests[rows] = chain_block_hashes(self.digests[rows], blocks, None)
+        self.hashes[rows, cols] = hashes
+        self.hashed[rows] = cols + 1
+        return hashes
 
     def _hash_new_blocks(self, rows, first, counts) -> None:
         """Hash blocks ``[first[i], first[i] + counts[i])`` (one each when ``counts`` is
@@ -328,12 +270,20 @@ class RequestTable:
         else:
             which, cols = ragged_columns(first, counts)
             owners = rows[which]
-        starts = owners * self.max_sequence_length + cols * bs
-        blocks = self.tokens.reshape(-1).take(starts[:, None] + np.arange(bs))
+        blocks = self.tokens[owners[:, None], cols[:, None] * bs + self._block_offsets]
         chains = None if counts is None or len(cols) == len(rows) else counts
         hashes, digests = chain_block_hashes(self.digests[rows], blocks, chains)
         self.hashes[owners, cols] = hashes
         self.digests[rows] = digests if chains is None else digests[np.cumsum(counts) - 1]
+
+    def complete_steps(self):
+        """Mark every scheduled step computed; returns its ``rows`` (ascending) and their
+        computed tokens before and after, int64 arrays."""
+        rows = np.flatnonzero(self.pending_end >= 0)
+        ends, before = self.pending_end[rows], self.computed[rows].copy()
+        self.computed[rows] = ends
+        self.pending_end[rows] = -1
+        return rows, before, ends
 
     def schedule(self, rows, ends) -> None:
         """Schedule ``[computed, ends)`` of ``rows``, ``ends`` being their lengths."""
@@ -351,7 +301,7 @@ class RequestTable:
         self.request_to_mamba_state_idx[rows] = -1
         self.pending_end[rows] = -1
         for a in (self.lengths, self.num_blocks, self.computed, self.kv_cached,
-                  self.registered):
+                  self.registered, self.hashed):
             a[rows] = 0
 
     # --- checks ---------------------------------------------------------------------------------
@@ -376,14 +326,16 @@ class RequestTable:
                                 f"{self.pending_end[row]}, length {n}")
             if nb != -(-n // bs) or (table[:nb] < 0).any() or (table[nb:] != -1).any():
                 problems.append(f"row {row}: {nb} blocks for {n} tokens, table {table}")
-            if not self.registered[row] <= n // bs:
-                problems.append(f"row {row}: {self.registered[row]} blocks registered")
-            if self.hashing and n >= bs:
+            h = int(self.hashed[row])
+            if not self.registered[row] <= (h if self.hashing else n // bs) <= n // bs:
+                problems.append(f"row {row}: {self.registered[row]} blocks registered, {h} "
+                                f"hashed, {n // bs} complete")
+            if self.hashing and h:
                 _, digests = chain_block_hashes(np.zeros((1, DIGEST_BYTES), np.uint8),
-                                                self.tokens[row, :n // bs * bs].reshape(-1, bs),
-                                                np.array([n // bs]))
-                if self.hashes[row, :n // bs].tolist() \
-                        != compute_block_hashes(self.tokens[row, :n], bs) \
+                                                self.tokens[row, :h * bs].reshape(-1, bs),
+                                                np.array([h]))
+                if self.hashes[row, :h].tolist() \
+                        != compute_block_hashes(self.tokens[row, :h * bs], bs) \
                         or (self.digests[row] != digests[-1]).any():
                     problems.append(f"row {row}: block hashes disagree with its tokens")
         free = [r for r in range(self.max_requests) if r not in set(active)]

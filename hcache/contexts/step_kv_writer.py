@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import launch_scope, stream_handle, upload_ints
-from .requests import ragged_columns
+from .token_batches import ragged_columns
 
 __all__ = ["StepKVWriter"]
 

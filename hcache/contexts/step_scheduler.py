@@ -33,11 +33,14 @@ class StepScheduler:
     num_mamba_layers : int
     window : WindowBlocks, optional
         The local block space of the sliding-window layers (docs/design.md §6.7).
+    registration : BlockRegistration, optional
+        The registration backlog, caught up before a prefix match (docs/design.md §6.8).
     """
 
     def __init__(self, requests, kv_block_allocator, mamba_slot_allocator, live_states,
-                 num_mamba_layers: int, window=None):
+                 num_mamba_layers: int, window=None, registration=None):
         self.requests, self.kv, self.window = requests, kv_block_allocator, window
+        self.registration = registration
         self.mamba, self.live, self.num_mamba_layers = (mamba_slot_allocator, live_states,
                                                         num_mamba_layers)
         self.block_size = requests.block_size
@@ -63,6 +66,8 @@ class StepScheduler:
         hashes, digests = chain_block_hashes(np.zeros((1, DIGEST_BYTES), np.uint8),
                                              tokens[:full * bs].reshape(full, bs),
                                              np.array([full]))
+        if self.registration is not None:
+            self.registration.flush_for_prompt(hashes.tolist())
         matched, depths = match_prefix(hashes.tolist(), kv.kv_hash_to_block_id,
                                        None if mamba is None else mamba.hash_to_block_id)
         def skip_of(m):
@@ -175,7 +180,7 @@ class StepScheduler:
             closing = ends % bs == 0      # the token closes a block
             if not closing.any():
                 closing = False           # (no row does)
-        requests.append(rows, flat, counts, starts, ends, closing)
+        requests.append(rows, flat, counts, starts, ends)
         requests.schedule(rows, ends)
         if self.mamba is not None:
             self._plan_snapshots(rows, starts, ends, counts, closing)
@@ -196,7 +201,12 @@ class StepScheduler:
         bs = self.block_size
         if closing is False:
             return      # one token each, none on a boundary: no snapshot (rows are clear)
-        eos = ends % bs == 0 if closing is None else closing
+        if closing is not None:     # one token each: the closing rows' EOS entries only
+            rows = rows[closing]
+            self.mamba._plan_eos(rows, self.requests.request_to_kv_block_ids[
+                rows, ends[closing] // bs - 1].astype(np.int64))
+            return
+        eos = ends % bs == 0
         single = counts is None or counts.max() == 1
         if single and not eos.any():
             return

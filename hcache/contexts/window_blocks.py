@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import CacheCapacityError
 from .kv_block_allocator import KVBlockAllocator
-from .requests import ragged_columns
+from .token_batches import ragged_columns
 
 __all__ = ["WindowBlocks"]
 
