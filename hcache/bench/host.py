@@ -124,11 +124,16 @@ def _continuous_step(ctx, rounds: int) -> dict:
 def _context(ctx, batch: int, prompt: int):
     kv = [KVLayerConfig(1, 8)]
     blocks = batch * (prompt // BLOCK + 4) + 16
-    return DynamicInferenceContext(
+    context = DynamicInferenceContext(
         kv_layer_configs=kv, num_blocks=blocks, block_size_tokens=BLOCK,
         max_requests=batch, max_blocks_per_request=prompt // BLOCK + 8, num_mamba_layers=4,
         ssm_states_shape=(2, 4, 4), conv_states_shape=(16, 4), mamba_cache_slots=5 * batch,
         device=ctx.device)
+    # On cpu the caches come from calloc: a page is committed when first written. A serving
+    # process wrote every state slot long before its steady state, so write them all once here
+    # (reset zero-fills them) rather than time page faults inside the first boundary steps.
+    context.reset()
+    return context
 
 
 def _admitted(ctx, batch: int, prompt: int, admit: int | None = None):
