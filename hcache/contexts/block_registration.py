@@ -137,11 +137,15 @@ class BlockRegistration:
         self._commits += 1
         # Only entries of two steps ago and older: the step that completes blocks keeps their
         # Mamba states, the next one opens the rows' next blocks; neither registers them too.
-        registered = self._drain(None if self.budget is None else
-                                 max(self.budget, -(-self.queued // DRAIN_FRACTION)),
-                                 self._commits - DRAIN_AGE)
+        registered = 0 if not self.queued else self._drain(
+            None if self.budget is None else max(self.budget, -(-self.queued // DRAIN_FRACTION)),
+            self._commits - DRAIN_AGE)
         upto = ends // bs
-        first = np.maximum(before // bs, requests.registered[rows])
+        grew = upto > before // bs
+        if not grew.any():
+            return registered
+        rows, upto = rows[grew], upto[grew]
+        first = np.maximum(before[grew] // bs, requests.registered[rows])   # matched run ahead
         grew = upto > first
         if grew.any():
             rows, first, upto = rows[grew], first[grew], upto[grew]
