@@ -165,11 +165,13 @@ class BlockRegistration:
         table, counts = self.requests.request_to_kv_block_ids, upto - first
         if counts.max() == 1:
             self.deferred[table[rows, first]] = True
+            self._queue.append((rows, upto, None, self._commits))     # None: one block each
+            self.queued += len(rows)
         else:
             which, cols = ragged_columns(first, counts)
             self.deferred[table[rows[which], cols]] = True
-        self._queue.append((rows, upto, counts, self._commits))
-        self.queued += int(counts.sum())
+            self._queue.append((rows, upto, counts, self._commits))
+            self.queued += int(counts.sum())
 
     def flush(self, rows=None) -> int:
         """Register the backlog through the last entry holding one of ``rows`` (default:
@@ -186,7 +188,8 @@ class BlockRegistration:
                 last = i
         if last < 0:
             return 0
-        return self._drain(sum(int(e[2].sum()) for e in list(self._queue)[:last + 1]))
+        return self._drain(sum(len(rows) if counts is None else int(counts.sum())
+                               for rows, _, counts, _ in list(self._queue)[:last + 1]))
 
     def flush_for_prompt(self, prompt_hashes: list) -> int:
         """:meth:`flush` the rows that could hold a backlog block of a prompt whose complete
@@ -249,29 +252,32 @@ class BlockRegistration:
             rows, upto, counts, commit = self._queue[0]
             if last_commit is not None and commit > last_commit:
                 break
-            total = int(counts.sum())
+            total = len(rows) if counts is None else int(counts.sum())
             if limit is not None and taken + total > limit:
-                k = max(1, int(np.searchsorted(np.cumsum(counts), limit - taken, "right")))
+                k = limit - taken if counts is None else \
+                    max(1, int(np.searchsorted(np.cumsum(counts), limit - taken, "right")))
                 if k < len(rows):
-                    self._queue[0] = (rows[k:], upto[k:], counts[k:], commit)
-                    rows, upto, counts = rows[:k], upto[:k], counts[:k]
-                    total = int(counts.sum())
+                    rest = None if counts is None else counts[k:]
+                    self._queue[0] = (rows[k:], upto[k:], rest, commit)
+                    rows, upto = rows[:k], upto[:k]
+                    counts = None if counts is None else counts[:k]
+                    total = k if counts is None else int(counts.sum())
                 else:
                     self._queue.popleft()
             else:
                 self._queue.popleft()
             taken += total
             self.queued -= total
-            registered += self._register(rows, upto, counts, commit)
+            registered += self._register(rows, upto, counts is None, commit)
         if not self.queued:
             self._dropped.clear()
         return registered
 
-    def _register(self, rows: np.ndarray, upto: np.ndarray, counts=None, commit=None) -> int:
-        """Hash and register blocks ``[registered, upto)`` of distinct ``rows`` (``counts``:
-        how many each, when known), completed at commit ``commit`` (None: the current one)."""
+    def _register(self, rows: np.ndarray, upto: np.ndarray, single=False, commit=None) -> int:
+        """Hash and register blocks ``[registered, upto)`` of distinct ``rows`` (``single``: one
+        each), completed at commit ``commit`` (None: the current one)."""
         requests, kv = self.requests, self.kv
-        if counts is not None and counts.max() == 1 and not self._dropped:
+        if single and not self._dropped:
             cols = upto - 1
             if (requests.hashed[rows] == cols).all():     # a decode step's: one new block each
                 hashes = requests.hash_next(rows, cols)
@@ -314,6 +320,7 @@ class BlockRegistration:
         reach = requests.registered.copy()
         total = 0
         for rows, upto, counts, _ in self._queue:
+            counts = np.ones(len(rows), np.int64) if counts is None else counts
             if (upto <= reach[rows]).any() or (counts != upto - reach[rows]).any():
                 return ["a registration entry does not extend its rows' backlog"]
             which, cols = ragged_columns(reach[rows], counts)

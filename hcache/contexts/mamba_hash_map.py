@@ -62,9 +62,12 @@ class MambaHashMap:
         KV allocator registered them so and no other state is cached under the hash; returns
         the other awaiting blocks that still own a slot (their states are unreachable)."""
         waiting = self.awaiting[block_ids]
-        if not waiting.any():
+        if waiting.all():
+            blocks, hs = block_ids, hashes
+        elif not waiting.any():
             return np.zeros(0, np.int64)
-        blocks, hs = block_ids[waiting], hashes[waiting]
+        else:
+            blocks, hs = block_ids[waiting], hashes[waiting]
         self.awaiting[blocks] = False
         owned = block_to_slot[blocks] >= 0
         ok = owned & (kv_block_hashes[blocks] == hs)
