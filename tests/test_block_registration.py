@@ -428,6 +428,7 @@ class EagerVersusLaggingRegistration(RuleBasedStateMachine):
         assert set(ma.hash_to_block_id) == set(mb.hash_to_block_id)
         assert not mb._hashes.awaiting.any()
         assert mb.num_used_slots == ma.num_used_slots == ma.num_cached_states
+        assert self.a.stats.stored_states == self.b.stats.stored_states   # counted once reachable
         if self.drops:
             return
         # Nothing dropped: every computed complete block is registered or duplicates a

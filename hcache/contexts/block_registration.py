@@ -35,8 +35,10 @@ registers at once. Two things differ: between steps the registration state lags 
 step, one by a prompt and one by a decode, the prompt's serves later matches (at once, the
 lower row's would).
 The boundary state of a backlog block is kept at its step, before its hash is known, and becomes
-reachable when the block is registered (``MambaSlotAllocator._settle_deferred``); under slot
-pressure such a state can take a slot that a duplicate of a cached state would not.
+reachable (and counts in ``stored_states``) when the block is registered
+(``MambaSlotAllocator._settle_deferred``); when slots run short, the backlog is hashed first
+(:meth:`private_blocks`) so that a duplicate, which registering at once would not store, takes
+none.
 
 Invariants (checked by :meth:`BlockRegistration.broken_invariants`): the queue holds exactly the
 backlog, the computed complete blocks of each row beyond its ``registered`` count, in
@@ -89,6 +91,9 @@ class BlockRegistration:
     window_blocks : WindowBlocks or None
         The local block space; with one, every commit registers everything.
     mamba_slot_allocator : MambaSlotAllocator or None
+    stats_owner : object, optional
+        Whose ``stats`` (a ``PrefixCacheStats``) count a backlog block's Mamba state in
+        ``stored_states`` when it becomes reachable (the context).
     budget : int or None
         Blocks a :meth:`commit` registers: at most ``max(budget, ceil(queued / 8))`` (at least
         one row's); None: all.
@@ -102,13 +107,14 @@ class BlockRegistration:
     """
 
     def __init__(self, requests, kv_block_allocator, window_blocks, mamba_slot_allocator,
-                 budget):
+                 budget, stats_owner=None):
         self.requests, self.kv, self.window = requests, kv_block_allocator, window_blocks
-        self.mamba = mamba_slot_allocator
+        self.mamba, self._owner = mamba_slot_allocator, stats_owner
         self.budget = None if window_blocks is not None else budget
         self.deferred = np.zeros(kv_block_allocator.num_blocks, bool)
         if mamba_slot_allocator is not None:    # its states of these blocks await a hash
             mamba_slot_allocator.deferred_blocks = self.deferred
+            mamba_slot_allocator.private_deferred = self.private_blocks
         kv_block_allocator.pending_parents = PendingParents(self)
         self._queue: deque = deque()     # (rows, upto, counts, commit number)
         self.queued = self._commits = 0
@@ -149,6 +155,8 @@ class BlockRegistration:
         grew = upto > first
         if grew.any():
             rows, first, upto = rows[grew], first[grew], upto[grew]
+            if self.budget is None:         # everything now, rows ascending
+                return registered + self._register(rows, upto)
             # A prompt's blocks (hashed at admission: no SHA-256 to spread) of a row without
             # a backlog are registered at once.
             now = (requests.hashed[rows] >= upto) & (requests.registered[rows] == first)
@@ -156,8 +164,6 @@ class BlockRegistration:
                 registered += self._register(rows[now], upto[now])
             if not now.all():
                 self._enqueue(rows[~now], first[~now], upto[~now])
-                if self.budget is None:
-                    registered += self._drain(None)
         return registered
 
     def _enqueue(self, rows: np.ndarray, first: np.ndarray, upto: np.ndarray) -> None:
@@ -208,23 +214,49 @@ class BlockRegistration:
         return self.flush(rows[continues]) if continues.any() else 0
 
     def pending_parents(self) -> np.ndarray:
-        """The registered blocks that the backlog's blocks will link to (int64): for each
-        backlog block, the block registered under its predecessor's hash (the row's own, or one
-        it duplicates). Eviction keeps them, and their cached ancestors, as it keeps the parents
-        of used registered blocks; the predecessors are hashed for it (each once, as always)."""
-        if not self.queued:
-            return np.zeros(0, np.int64)
-        requests = self.requests
-        done, upto = requests.registered, requests.computed // requests.block_size
-        rows = np.flatnonzero((done < upto) & (upto > 1))
-        first, upto = np.maximum(done[rows] - 1, 0), upto[rows] - 1
-        requests.hash_through(rows, upto)
-        keep = upto > first
-        which, cols = ragged_columns(first[keep], upto[keep] - first[keep])
+        """The registered blocks that the backlog's blocks will link to (int64): the block
+        registered under the predecessor hash of each backlog block that will register. Eviction
+        keeps them, and their cached ancestors, as it keeps the parents of used registered
+        blocks (the backlog is hashed for it, each block once, as always)."""
+        owners, cols, _, hashes, private = self._backlog()
+        keep = ~private & (cols > 0)
+        parents = self.requests.hashes[owners[keep], cols[keep] - 1].tolist()
         get = self.kv.kv_hash_to_block_id.get
-        hashes = requests.hashes[rows[keep][which], cols].tolist()
-        out = np.fromiter(map(get, hashes, repeat(-1)), np.int64, len(hashes))
+        out = np.fromiter(map(get, parents, repeat(-1)), np.int64, len(parents))
         return out[out >= 0]
+
+    def private_blocks(self) -> np.ndarray:
+        """The backlog blocks (int64) that will stay private when registered: registering at
+        once, they were duplicates (see :meth:`_backlog`), so they keep no Mamba state."""
+        _, _, blocks, _, private = self._backlog()
+        return blocks[private]
+
+    def _backlog(self):
+        """``(rows, columns, blocks, hashes, private)`` of every backlog block in registration
+        order, hashed now; ``private``: a duplicate of a registered block, of an earlier backlog
+        block, or of a block dropped since it completed."""
+        requests, parts = self.requests, []
+        for rows, upto, counts, commit in self._queue:
+            requests.hash_through(rows, upto)
+            if counts is None:
+                owners, cols = rows, upto - 1
+            else:
+                which, cols = ragged_columns(upto - counts, counts)
+                owners = rows[which]
+            parts.append((owners, cols, np.full(len(cols), commit)))
+        if not parts:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty, empty, np.zeros(0, bool)
+        owners, cols, commits = (np.concatenate(x) for x in zip(*parts))
+        hashes = requests.hashes[owners, cols]
+        listed = hashes.tolist()
+        registered, seen, dropped = self.kv.kv_hash_to_block_id, {}, self._dropped
+        private = np.fromiter((h in registered or seen.setdefault(h, i) != i
+                               or dropped.get(h, -1) >= c
+                               for i, (h, c) in enumerate(zip(listed, commits.tolist()))),
+                              bool, len(listed))
+        blocks = requests.request_to_kv_block_ids[owners, cols].astype(np.int64)
+        return owners, cols, blocks, hashes, private
 
     def _on_deregistered(self, block_ids, hashes) -> None:
         """Observer of the KV allocator: remember when the hashes left the map, while blocks
@@ -308,7 +340,9 @@ class BlockRegistration:
         Mamba states awaiting them; returns ``registered``."""
         self.deferred[drained] = False
         if self.mamba is not None:
-            self.mamba._settle_deferred(drained, hashes)
+            reachable = self.mamba._settle_deferred(drained, hashes)
+            if reachable and self._owner is not None:
+                self._owner.stats.stored_states += reachable
         return registered
 
     def broken_invariants(self) -> list[str]:

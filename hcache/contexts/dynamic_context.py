@@ -152,7 +152,7 @@ class DynamicInferenceContext:
             self, slots, L, conv_shape, ssm_shape, conv_states_dtype, ssm_states_dtype) \
             if L and slots and caching else None
         self._registration = BlockRegistration(self._requests, self.kv_block_allocator, blocks,
-                                               self.mamba_slot_allocator, budget)
+                                               self.mamba_slot_allocator, budget, self)
         self._scheduler = StepScheduler(self._requests, self.kv_block_allocator,
                                         self.mamba_slot_allocator, self._live, L, blocks,
                                         self._registration)
@@ -323,16 +323,16 @@ class DynamicInferenceContext:
                              v_scale=v_scale, stream=stream)
 
     def commit_step(self, *, stream=None) -> dict:
-        """Finish the step: mark scheduled tokens computed, register the hashes of blocks they
-        completed (local blocks too, then release those that left the window), keep the step's
-        Mamba boundary states, and advance the LRU clock. Call after the forward pass (KV
-        written, live and scratch states final). At most ``registration_budget`` blocks are
-        hashed and registered, each once; the cost is flat in the sequence lengths.
+        """Finish the step: mark scheduled tokens computed, queue the blocks they completed and
+        register at most ``registration_budget`` waiting ones (local blocks: all, then release
+        those that left the window), keep the step's Mamba boundary states, advance the LRU
+        clock. Call after the forward pass (KV written, live and scratch states final); the
+        cost is flat in the sequence lengths.
 
         Returns
         -------
         dict
-            ``registered_blocks`` and ``stored_states`` of this step.
+            ``registered_blocks`` and ``stored_states`` (made reachable) of this step.
 
         Raises
         ------
@@ -341,13 +341,13 @@ class DynamicInferenceContext:
         """
         if stream is not None:
             stream_handle(stream)   # validated before anything changes
+        before = self.stats.stored_states   # a backlog block's state counts once reachable
         registered = self._registration.commit(*self._requests.complete_steps())
-        stored = 0
         if self.mamba_slot_allocator is not None:
-            stored = self.mamba_slot_allocator.commit_intermediate_states(stream=stream)
-            self.stats.stored_states += stored
+            self.stats.stored_states += self.mamba_slot_allocator.commit_intermediate_states(
+                stream=stream)
         self.step()
-        return {"registered_blocks": registered, "stored_states": stored}
+        return {"registered_blocks": registered, "stored_states": self.stats.stored_states - before}
 
     def register_completed_blocks(self) -> int:
         """Hash and register every computed complete block still waiting (see

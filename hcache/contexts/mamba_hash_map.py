@@ -57,15 +57,16 @@ class MambaHashMap:
         self.awaiting.fill(False)
 
     def settle(self, block_ids: np.ndarray, hashes: np.ndarray, kv_block_hashes: np.ndarray,
-               block_to_slot: np.ndarray) -> np.ndarray:
+               block_to_slot: np.ndarray) -> tuple[np.ndarray, int]:
         """Put the awaiting blocks of ``block_ids`` in the map under their ``hashes`` where the
         KV allocator registered them so and no other state is cached under the hash; returns
-        the other awaiting blocks that still own a slot (their states are unreachable)."""
+        the other awaiting blocks that still own a slot (their states are unreachable) and how
+        many entered the map."""
         waiting = self.awaiting[block_ids]
         if waiting.all():
             blocks, hs = block_ids, hashes
         elif not waiting.any():
-            return np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), 0
         else:
             blocks, hs = block_ids[waiting], hashes[waiting]
         self.awaiting[blocks] = False
@@ -76,9 +77,9 @@ class MambaHashMap:
             ok &= ~np.fromiter(map(self.hash_to_block_id.__contains__, listed), bool, len(hs))
         if ok.all():
             self.hash_to_block_id.update(zip(listed, blocks.tolist()))
-            return blocks[:0]
+            return blocks[:0], len(blocks)
         self.hash_to_block_id.update(zip(hs[ok].tolist(), blocks[ok].tolist()))
-        return blocks[owned & ~ok]
+        return blocks[owned & ~ok], int(np.count_nonzero(ok))
 
     def block_hashes(self, num_blocks: int) -> np.ndarray:
         """``int64 [num_blocks]``: the hash each block is in the map under, -1 = none."""

@@ -68,8 +68,8 @@ class MambaSlotAllocator:
         The Mamba hash map: KV hash -> block whose state a prefix match can reach.
     intermediate_conv_out, intermediate_ssm_out : arrays or None
         The scratch ``[num_mamba_layers, max_intermediate_count, *shape]``.
-    deferred_blocks : bool [num_blocks] or None
-        The backlog of a context that defers block registration (docs/design.md §6.8).
+    deferred_blocks, private_deferred : bool [num_blocks] and callable, or None
+        A deferring context's backlog and its blocks to stay private (docs/design.md §6.8).
 
     Raises
     ------
@@ -99,7 +99,7 @@ class MambaSlotAllocator:
                                               self.ssm_states_shape, ssm_dt, rows)
         self.xp = xp
         self.device = Device("cuda", array_device(live)) if xp is not np else Device("cpu")
-        self.deferred_blocks = None
+        self.deferred_blocks = self.private_deferred = None
         self._intermediate = inter = IntermediateStates(
             self.device, self.num_mamba_layers, self.max_requests, self.conv_states_shape,
             self.ssm_states_shape, conv_dt, ssm_dt)
@@ -270,8 +270,7 @@ class MambaSlotAllocator:
         return bool(self.restore_to_live_batch([row], [bid], stream=stream)[0])
 
     def restore_to_live_batch(self, request_indices, block_ids, *, stream=None) -> list[bool]:
-        """Batched :meth:`restore_to_live`, one launch: per entry, whether it was restored. The
-        requests' live slots must differ."""
+        """Batched :meth:`restore_to_live` (distinct live slots, one launch); per entry, done?"""
         return self._copies.restore_to_live(request_indices, block_ids, stream=stream)
 
     # --- intermediate states --------------------------------------------------------------------
@@ -327,7 +326,7 @@ class MambaSlotAllocator:
         KV block is unregistered and not in :attr:`deferred_blocks` (their states await it:
         :meth:`_settle_deferred`), already cached under its hash, or repeated are skipped; short
         of slots, those owning one plus as many new ones as are available are kept. Returns the
-        states stored. ``TypeError`` / ``ValueError`` for a bad ``stream`` (checked first)."""
+        states made reachable. ``TypeError`` / ``ValueError`` for a bad ``stream``."""
         stream_handle(stream)
         data = self._collect_commit_data()
         if data is None:
@@ -345,6 +344,9 @@ class MambaSlotAllocator:
                 idx = idx[self._pool.first_occurrences(bids[idx])]
         refs = self._kv.block_ref_counts
         new, available = self._pool.demand(bids[idx], refs, distinct=True)
+        if len(new) > self.free_count and waiting[idx].any():    # as registering at once would
+            idx = idx[~np.isin(bids[idx], self.private_deferred())]
+            new, available = self._pool.demand(bids[idx], refs, distinct=True)
         if len(new) > available:
             allowed = new[:available]
             idx = idx[(self.block_to_slot[bids[idx]] >= 0) | np.isin(bids[idx], allowed)]
@@ -362,14 +364,15 @@ class MambaSlotAllocator:
         self._hashes.awaiting[ids[waiting]] = True
         self.hash_to_block_id.update(zip(hashes[idx[~waiting]].tolist(), ids[~waiting].tolist()))
         self._clear_intermediate_state()
-        return int(len(idx))
+        return int(len(idx) - np.count_nonzero(waiting))
 
-    def _settle_deferred(self, block_ids: np.ndarray, hashes: np.ndarray) -> None:
-        """The context registered ``block_ids`` (int64, their ``hashes``): the kept states of
-        those awaiting it become reachable under their hash, or, for a block left unregistered
-        or a hash already cached, free their slot (:meth:`MambaHashMap.settle`)."""
-        self._pool.release(self._hashes.settle(block_ids, hashes, self._kv.block_hashes,
-                                               self.block_to_slot))
+    def _settle_deferred(self, block_ids: np.ndarray, hashes: np.ndarray) -> int:
+        """The context registered ``block_ids`` (int64, ``hashes``): awaiting states become
+        reachable (returns how many) or free their slot (:meth:`MambaHashMap.settle`)."""
+        unreachable, reachable = self._hashes.settle(block_ids, hashes, self._kv.block_hashes,
+                                                     self.block_to_slot)
+        self._pool.release(unreachable)
+        return reachable
 
     def _copy_intermediate_to_cache(self, src_offsets, slots, *, stream=None) -> None:
         """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]``, every layer, one launch."""
