@@ -58,17 +58,19 @@ def lock_step(budget, rows=4, steps=9, bs=2):
 
 def test_lock_step_decode_registers_per_the_policy():
     # 4 rows, block size 2, budget 1. Commit 1 registers the 4 prompt blocks at once. Decode
-    # commits 3, 5, 7, 9 complete one block per row (4 queued each). A commit drains entries
-    # of two commits ago or older, max(1, ceil(queued / 8)) blocks, whole rows:
-    #   c3: queue empty before -> 0 (4 queued);  c4: c3's entry too young -> 0
-    #   c5: 1 of 4 -> 1 (3 + 4 = 7);  c6: ceil(7/8) = 1 -> 1 (6);  c7: 1 -> 1 (5 + 4 = 9)
-    #   c8: ceil(9/8) = 2 -> 2 (7);   c9: 1 -> 1 (6 + 4 = 10);    c10: ceil(10/8) = 2 -> 2 (8)
+    # commits 3, 5, 7, 9 complete one block per row (entries E3, E5, ... of 4). A commit works
+    # on entries of two commits ago or older, L = max(1, ceil(queued / 8)) blocks: it registers
+    # the hashed rows at the front, or, if the front row is not hashed, hashes L rows:
+    #   c3: nothing queued -> 0 (E3: q 4);  c4: E3 too young -> 0
+    #   c5: L 1, hash E3.r0 -> 0 (E5: q 8); c6: L 1, register r0 -> 1 (q 7)
+    #   c7: L 1, hash r1 -> 0 (E7: q 11);   c8: L 2, register r1 (r2 unhashed) -> 1 (q 10)
+    #   c9: L 2, hash r2, r3 -> 0 (E9: 14); c10: L 2, register r2, r3 -> 2 (q 12)
     ctx, ids, got = lock_step(1)
-    assert got == [4, 0, 0, 0, 1, 1, 1, 2, 1, 2]
-    assert ctx._registration.queued == 8
+    assert got == [4, 0, 0, 0, 0, 1, 0, 1, 0, 2]
+    assert ctx._registration.queued == 12
     eager, _, got_eager = lock_step(None)
     assert got_eager == [4, 0, 4, 0, 4, 0, 4, 0, 4, 0]
-    assert ctx.register_completed_blocks() == 8 and ctx._registration.queued == 0
+    assert ctx.register_completed_blocks() == 12 and ctx._registration.queued == 0
     assert ctx.register_completed_blocks() == 0
     check_all(ctx)
     # Once registered, the hashes are those of the whole sequences (and of the eager context).
@@ -91,7 +93,9 @@ def test_the_kv_map_lacks_backlog_blocks_then_gains_them_in_queue_order():
     ctx.extend_requests(ids, np.array([7, 7, 7, 7]))
     assert ctx.commit_step()["registered_blocks"] == 0          # commit 4: too young
     ctx.extend_requests(ids, np.array([8, 8, 8, 8]))
-    assert ctx.commit_step()["registered_blocks"] == 1          # commit 5: the front row
+    assert ctx.commit_step()["registered_blocks"] == 0          # commit 5: hashes the front row
+    ctx.extend_requests(ids, np.array([9, 9, 9, 9]))
+    assert ctx.commit_step()["registered_blocks"] == 1          # commit 6: registers it
     state = [registered_hashes(ctx, r)[1] is not None for r in ids]
     assert state == [True, False, False, False]
     # r0's block 2, completed at this commit, is queued behind the other rows' blocks 1.
@@ -101,11 +105,12 @@ def test_the_kv_map_lacks_backlog_blocks_then_gains_them_in_queue_order():
 
 
 def test_a_backlog_fed_faster_than_the_budget_stays_bounded():
-    # 16 rows of block size 1 complete 16 blocks a commit; budget 1. A commit drains
-    # min(ceil(q / 8), q - 16) of the q queued before it (the last commit's 16 are too young)
-    # and adds 16: q' = q - ceil(q / 8) + 16 is nondecreasing in q with fixed point 128, so
-    # q <= 128 = 8 * 16 forever (and the backlog does fill up towards it).
-    rows, steps = 16, 120
+    # 16 rows of block size 1 complete 16 blocks a commit; budget 1. A commit either hashes
+    # or registers ceil(q / 8) of the q queued before it, so in steady state they alternate:
+    # over two commits q' = q - ceil(q / 8) + 32, nondecreasing in q with fixed point 256 =
+    # 16 * 16; between the two, one commit's 16 more: q <= 17 * 16 forever (and the backlog
+    # does fill up towards it).
+    rows, steps = 16, 200
     ctx = make_ctx(rows * (steps + 2), bs=1, mamba=1, slots=8, rows=rows,
                    max_blocks=steps + 2, registration_budget=1)
     ids = list(range(rows))
@@ -117,8 +122,8 @@ def test_a_backlog_fed_faster_than_the_budget_stays_bounded():
         ctx.extend_requests(ids, np.full(rows, s % 5))
         total += ctx.commit_step()["registered_blocks"]
         peak = max(peak, ctx._registration.queued)
-        assert ctx._registration.queued <= 8 * rows
-    assert 8 * rows - 16 <= peak <= 8 * rows
+        assert ctx._registration.queued <= 17 * rows
+    assert 15 * rows <= peak <= 17 * rows
     # Every row's first token differs, so every completed block is distinct: each one is
     # registered or still queued.
     assert total + ctx._registration.queued == rows * steps
@@ -129,9 +134,9 @@ def test_a_backlog_fed_faster_than_the_budget_stays_bounded():
 
 
 def decoded(budget, *, slots=16):
-    """X: prompt [1, 2, 3, 4] (block size 2), then decode 5, 6, 7, 8 one commit each: blocks
-    2 and 3 complete at commits 3 and 5; under budget 1, commit 5 registers block 2 (queued
-    two commits before) and queues block 3."""
+    """X: prompt [1, 2, 3, 4] (block size 2), then decode 5, 6, 7, 8 one commit each, then an
+    empty commit: blocks 2 and 3 complete at commits 3 and 5; under budget 1, commit 5 hashes
+    block 2 (queued two commits before) and queues block 3, commit 6 registers block 2."""
     ctx = make_ctx(32, bs=2, mamba=1, slots=slots, rows=4, max_blocks=8,
                    registration_budget=budget)
     ctx.add_request("X", [1, 2, 3, 4])
@@ -139,6 +144,7 @@ def decoded(budget, *, slots=16):
     for t in (5, 6, 7, 8):
         ctx.extend_requests(["X"], np.array([t]))
         ctx.commit_step()
+    ctx.commit_step()
     return ctx
 
 

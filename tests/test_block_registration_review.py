@@ -117,9 +117,9 @@ def test_stored_states_count_reachable_states_as_registering_at_once():
 def test_releasing_a_row_drains_through_its_last_entry_only():
     # bs 2, budget 1. r0, r1 admit 2-token prompts (registered at commit 1). r0 alone decodes
     # 5, 6: its block 1 completes at commit 3 (entry E1 = [r0]); r1 alone decodes 7, 8: its
-    # block 1 completes at commit 5 (E2 = [r1]); commit 4 drains nothing (E1 too young),
-    # commit 5 drains E1 first. Then r0 decodes 9, 10 (commit 7 completes block 2: E3 = [r0];
-    # commit 7 drains E2). So after commit 7 the queue is [E3]; E2 is registered.
+    # block 1 completes at commit 5 (E2 = [r1]); commit 4 does nothing (E1 too young), commit
+    # 5 hashes E1, commit 6 registers it. r0 decodes 9, 10: commit 7 completes its block 2
+    # (E3 = [r0]) and hashes E2. So after commit 7 the queue is [E2 (hashed), E3].
     ctx = make_ctx(32, bs=2, rows=2, max_blocks=8, registration_budget=1)
     ctx.add_request("r0", [1, 2])
     ctx.add_request("r1", [3, 4])
@@ -128,11 +128,11 @@ def test_releasing_a_row_drains_through_its_last_entry_only():
         for t in toks:
             ctx.extend_request(rid, [t])
             got.append(ctx.commit_step()["registered_blocks"])
-    assert got == [2, 0, 0, 0, 1, 0, 1]
+    assert got == [2, 0, 0, 0, 0, 1, 0]
     reg = ctx._registration
-    assert reg.queued == 1
-    assert [e[0].tolist() for e in reg._queue] == [[0]]
-    # Releasing r1 (no entry left) drains nothing; releasing r0 drains E3.
+    assert reg.queued == 2
+    assert [e[0].tolist() for e in reg._queue] == [[1], [0]]
+    # Releasing r1 drains through E2 only; releasing r0 drains E3.
     ctx.release_requests(["r1"])
     assert reg.queued == 1 and registered_hashes(ctx, "r0")[2] is None
     ctx.release_requests(["r0"])
@@ -145,10 +145,8 @@ def test_releasing_a_row_drains_through_its_last_entry_only():
 
 def test_a_split_front_entry_and_a_flush_of_one_of_its_rows():
     # 4 rows in lock step (bs 2, 2-token prompts): commit 3 queues E3 = rows 0..3 (block 1),
-    # commit 5 registers its row 0 (1 block: max(1, ceil(4 / 8))) and queues E5 = rows 0..3
+    # commit 5 hashes its row 0 (1 block: max(1, ceil(4 / 8))) and queues E5 = rows 0..3
     # (block 2). Releasing row 3 flushes through the last entry holding it, E5: everything.
-    # Releasing row 1 (present in both entries) first does the same; shares_pending_blocks
-    # then finds nothing to do.
     ctx = make_ctx(64, bs=2, rows=4, max_blocks=8, registration_budget=1)
     ids = ["a", "b", "c", "d"]
     for i, rid in enumerate(ids):
@@ -158,8 +156,8 @@ def test_a_split_front_entry_and_a_flush_of_one_of_its_rows():
         ctx.extend_requests(ids, np.array([10 * s + i for i in range(4)]))
         ctx.commit_step()
     reg = ctx._registration
-    assert [e[0].tolist() for e in reg._queue] == [[1, 2, 3], [0, 1, 2, 3]]
-    assert reg.queued == 7
+    assert [e[0].tolist() for e in reg._queue] == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert reg.queued == 8
     ctx.release_requests(["d"])
     assert reg.queued == 0 and not reg.deferred.any()
     for rid in ids[:3]:

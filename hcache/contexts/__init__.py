@@ -14,8 +14,9 @@ One concept per module; each owner composes its collaborators:
   ``mamba_state_copies.MambaStateCopies`` (cache arrays and every copy into or out of them);
 - ``dynamic_context`` (:class:`DynamicInferenceContext`) owns a ``requests.RequestTable`` (per-row
   tokens, counters and block hashes), a ``block_registration.BlockRegistration`` (when completed
-  blocks are hashed and registered), a ``step_scheduler.StepScheduler`` (admissions and batched
-  extensions, applying the policy of ``prefix_match``, functions of explicit inputs), a
+  blocks are hashed and registered; ``backlog_duplicates`` finds which will stay private), a
+  ``step_scheduler.StepScheduler`` (admissions and batched extensions, applying the policy of
+  ``prefix_match``, functions of explicit inputs), a
   ``live_states.LiveMambaStates`` and a ``step_kv_writer.StepKVWriter``; it answers with the
   plans of ``step_plans`` (:class:`StepPlan`, :class:`BatchStepPlan`) and checks its arguments
   with ``token_batches``.

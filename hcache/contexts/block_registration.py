@@ -1,44 +1,23 @@
-"""When the blocks a step completes are hashed and registered (docs/design.md §6.8).
+"""When the blocks a step completes are hashed and registered (docs/design.md §6.8 says why
+and how; this is the contract).
 
-Registering a block costs its SHA-256 and its hash-map and forest updates, 1 to 2 µs on the
-host. In a decode batch that moves in lock step every request completes a block in the same
-step; registering them all in that step made it many times slower than the others (batch
-256, block size 16: 0.9 ms every 16th step). So :class:`BlockRegistration` keeps a backlog, a
-first-in first-out queue of ``(rows, upto)`` entries (register each row through block column
-``upto``). A :meth:`commit` registers ``max(budget, ceil(backlog / 8))`` blocks from its front
-(whole entries, then the leading rows of the next one), only of entries queued two commits
-ago or earlier: the step that completes blocks keeps their Mamba states and the next one
-opens the rows' next blocks, so neither also registers them; and a backlog fed faster than
-the budget still converges. Blocks are hashed when registered, each once, chained from the
-row's last digest. A prompt's blocks, hashed at admission for the prefix match, cost no
-SHA-256: they are registered at their step when their row has no backlog.
-
-Every outcome that depends on registration is the outcome of registering at once:
-
-- :meth:`flush_for_prompt`, before a prefix match, drains the queue through the last entry of
-  a row the prompt could match a backlog block of (a block's hash fixes its whole prefix, so
-  only a row whose registered prefix the prompt continues can hold one of its blocks);
-- :meth:`flush` drains through the last entry of the rows a release drops (their blocks stay
-  cached), or all of it (a release that deregisters, :meth:`computing_any`, the context's
-  ``register_completed_blocks``);
-- eviction keeps the registered blocks the backlog's blocks will link to, and their cached
-  ancestors, as it keeps the parents of used registered blocks (:meth:`pending_parents`, read by
-  the KV allocator; it hashes the backlog, but registers nothing);
-- a block whose hash was deregistered after it completed was a duplicate of a registered block
-  then, and stays private, as it would have (the KV allocator's deregistration observer);
-- a context with a local (sliding-window) block space registers everything at every commit,
-  since its commit releases the local blocks that leave the window.
-
-``tests/test_block_registration.py`` runs a context with the smallest budget against one that
-registers at once. Two things differ: between steps the registration state lags (hash maps,
-``block_hashes``, forest links), and when two blocks of equal content complete at the same
-step, one by a prompt and one by a decode, the prompt's serves later matches (at once, the
-lower row's would).
-The boundary state of a backlog block is kept at its step, before its hash is known, and becomes
-reachable (and counts in ``stored_states``) when the block is registered
-(``MambaSlotAllocator._settle_deferred``); when slots run short, the backlog is hashed first
-(:meth:`private_blocks`) so that a duplicate, which registering at once would not store, takes
-none.
+:class:`BlockRegistration` keeps a backlog, a first-in first-out queue of ``(rows, upto)``
+entries (register each row through block column ``upto``). A :meth:`commit` works on entries
+queued two commits ago or earlier, on ``max(budget, ceil(backlog / 8))`` blocks: it registers
+the hashed blocks at the front (whole entries, then leading rows) or, if the front is not
+hashed, hashes that many (each once, chained from the row's last digest); SHA-256 being most of
+the cost, a step does one or the other. A prompt's blocks (hashed at admission) register at
+their step. Every outcome that depends on registration is the outcome of
+registering at once: :meth:`flush_for_prompt` catches up the rows a prompt could match a block
+of; :meth:`flush` those a release drops (all, if it deregisters); eviction keeps the registered
+blocks the backlog will link to (:meth:`pending_parents`); a block whose hash was deregistered
+after it completed stays private, as it would have; a context with a local (sliding-window)
+block space registers everything at every commit. The boundary state of a backlog block is kept
+at its step and becomes reachable (and counts in ``stored_states``) when the block registers;
+when slots run short, the backlog is hashed (:meth:`private_blocks`) so that a duplicate, which
+registering at once would not store, takes none. Only the registration state (hash maps,
+``block_hashes``, forest links) lags between steps (``tests/test_block_registration.py`` runs
+the smallest budget against ``budget=None``). Within a step, prompts' blocks register first.
 
 Invariants (checked by :meth:`BlockRegistration.broken_invariants`): the queue holds exactly the
 backlog, the computed complete blocks of each row beyond its ``registered`` count, in
@@ -52,6 +31,7 @@ from itertools import repeat
 
 import numpy as np
 
+from .backlog_duplicates import backlog_blocks, entangled_rows
 from .prefix_match import blocks_to_register, pending_blocks_overlap
 from .token_batches import ragged_columns
 
@@ -62,6 +42,8 @@ __all__ = ["BlockRegistration", "PendingParents"]
 # ago or earlier.
 DRAIN_FRACTION = 8
 DRAIN_AGE = 2
+# Beyond this many rows that could hold duplicates, all of the backlog is hashed to find them.
+ENTANGLED_ROWS = 16
 
 
 class PendingParents:
@@ -95,8 +77,8 @@ class BlockRegistration:
         Whose ``stats`` (a ``PrefixCacheStats``) count a backlog block's Mamba state in
         ``stored_states`` when it becomes reachable (the context).
     budget : int or None
-        Blocks a :meth:`commit` registers: at most ``max(budget, ceil(queued / 8))`` (at least
-        one row's); None: all.
+        Blocks a :meth:`commit` hashes or registers: ``max(budget, ceil(queued / 8))`` (at
+        least one row's); None: all, at once.
 
     Attributes
     ----------
@@ -143,7 +125,7 @@ class BlockRegistration:
         self._commits += 1
         # Only entries of two steps ago and older: the step that completes blocks keeps their
         # Mamba states, the next one opens the rows' next blocks; neither registers them too.
-        registered = 0 if not self.queued else self._drain(
+        registered = 0 if not self.queued else self._advance(
             None if self.budget is None else max(self.budget, -(-self.queued // DRAIN_FRACTION)),
             self._commits - DRAIN_AGE)
         upto = ends // bs
@@ -155,8 +137,6 @@ class BlockRegistration:
         grew = upto > first
         if grew.any():
             rows, first, upto = rows[grew], first[grew], upto[grew]
-            if self.budget is None:         # everything now, rows ascending
-                return registered + self._register(rows, upto)
             # A prompt's blocks (hashed at admission: no SHA-256 to spread) of a row without
             # a backlog are registered at once.
             now = (requests.hashed[rows] >= upto) & (requests.registered[rows] == first)
@@ -164,6 +144,8 @@ class BlockRegistration:
                 registered += self._register(rows[now], upto[now])
             if not now.all():
                 self._enqueue(rows[~now], first[~now], upto[~now])
+                if self.budget is None:
+                    registered += self._drain(None)
         return registered
 
     def _enqueue(self, rows: np.ndarray, first: np.ndarray, upto: np.ndarray) -> None:
@@ -217,7 +199,7 @@ class BlockRegistration:
         """The registered blocks that the backlog's blocks will link to (int64): the block
         registered under the predecessor hash of each backlog block that will register. Eviction
         keeps them, and their cached ancestors, as it keeps the parents of used registered
-        blocks (the backlog is hashed for it, each block once, as always)."""
+        blocks (what it needs of the backlog is hashed for it, each block once, as always)."""
         owners, cols, _, hashes, private = self._backlog()
         keep = ~private & (cols > 0)
         parents = self.requests.hashes[owners[keep], cols[keep] - 1].tolist()
@@ -232,31 +214,10 @@ class BlockRegistration:
         return blocks[private]
 
     def _backlog(self):
-        """``(rows, columns, blocks, hashes, private)`` of every backlog block in registration
-        order, hashed now; ``private``: a duplicate of a registered block, of an earlier backlog
-        block, or of a block dropped since it completed."""
-        requests, parts = self.requests, []
-        for rows, upto, counts, commit in self._queue:
-            requests.hash_through(rows, upto)
-            if counts is None:
-                owners, cols = rows, upto - 1
-            else:
-                which, cols = ragged_columns(upto - counts, counts)
-                owners = rows[which]
-            parts.append((owners, cols, np.full(len(cols), commit)))
-        if not parts:
-            empty = np.zeros(0, np.int64)
-            return empty, empty, empty, empty, np.zeros(0, bool)
-        owners, cols, commits = (np.concatenate(x) for x in zip(*parts))
-        hashes = requests.hashes[owners, cols]
-        listed = hashes.tolist()
-        registered, seen, dropped = self.kv.kv_hash_to_block_id, {}, self._dropped
-        private = np.fromiter((h in registered or seen.setdefault(h, i) != i
-                               or dropped.get(h, -1) >= c
-                               for i, (h, c) in enumerate(zip(listed, commits.tolist()))),
-                              bool, len(listed))
-        blocks = requests.request_to_kv_block_ids[owners, cols].astype(np.int64)
-        return owners, cols, blocks, hashes, private
+        """:func:`~.backlog_duplicates.backlog_blocks` of this backlog."""
+        entangled = entangled_rows(self.requests, self.kv, bool(self._dropped), ENTANGLED_ROWS)
+        return backlog_blocks(self._queue, self.requests, self.kv.kv_hash_to_block_id,
+                              self._dropped, entangled)
 
     def _on_deregistered(self, block_ids, hashes) -> None:
         """Observer of the KV allocator: remember when the hashes left the map, while blocks
@@ -274,10 +235,10 @@ class BlockRegistration:
         return pending_blocks_overlap(set(hashes).difference(self.kv.kv_hash_to_block_id),
                                       requests)
 
-    def _drain(self, limit, last_commit=None) -> int:
+    def _drain(self, limit, last_commit=None, hashed_only=False) -> int:
         """Register queued entries from the front, at most ``limit`` blocks (None: all) but at
         least the first row's, and only those queued by commit ``last_commit`` or earlier
-        (None: any)."""
+        (None: any); ``hashed_only``: stop at the first row not hashed yet."""
         taken = 0
         registered = 0
         while self._queue and (limit is None or taken < limit):
@@ -285,9 +246,15 @@ class BlockRegistration:
             if last_commit is not None and commit > last_commit:
                 break
             total = len(rows) if counts is None else int(counts.sum())
-            if limit is not None and taken + total > limit:
-                k = limit - taken if counts is None else \
-                    max(1, int(np.searchsorted(np.cumsum(counts), limit - taken, "right")))
+            ready = len(rows)
+            if hashed_only:
+                done = self.requests.hashed[rows] >= upto
+                ready = len(rows) if done.all() else int(np.argmin(done))
+                if not ready:
+                    break
+            if ready < len(rows) or (limit is not None and taken + total > limit):
+                k = ready if limit is None else min(ready, limit - taken if counts is None else
+                    max(1, int(np.searchsorted(np.cumsum(counts), limit - taken, "right"))))
                 if k < len(rows):
                     rest = None if counts is None else counts[k:]
                     self._queue[0] = (rows[k:], upto[k:], rest, commit)
@@ -305,14 +272,42 @@ class BlockRegistration:
             self._dropped.clear()
         return registered
 
+    def _advance(self, limit, last_commit) -> int:
+        """One commit's share of the backlog queued by commit ``last_commit`` or earlier:
+        register up to ``limit`` hashed blocks from its front, or, if its front is not hashed,
+        hash up to ``limit`` blocks (whole entries, then leading rows). SHA-256 is most of the
+        cost, so a step does one or the other. Returns the number registered."""
+        queued = self.queued
+        registered = self._drain(limit, last_commit, hashed_only=True)
+        if self.queued < queued or not self._queue or self._front_hashed():
+            return registered      # registered, or nothing to do (the front is too young)
+        requests, hashed = self.requests, 0
+        for rows, upto, _, commit in self._queue:
+            if commit > last_commit or (limit is not None and hashed >= limit):
+                break
+            todo = upto - np.minimum(requests.hashed[rows], upto)
+            if not todo.any():
+                continue
+            if limit is not None and hashed + int(todo.sum()) > limit:
+                k = max(1, int(np.searchsorted(np.cumsum(todo), limit - hashed, "right")))
+                rows, upto, todo = rows[:k], upto[:k], todo[:k]
+            requests.hash_through(rows, upto)
+            hashed += int(todo.sum())
+        return 0
+
+    def _front_hashed(self) -> bool:
+        rows, upto, _, _ = self._queue[0]
+        return bool(self.requests.hashed[rows[0]] >= upto[0])
+
     def _register(self, rows: np.ndarray, upto: np.ndarray, single=False, commit=None) -> int:
         """Hash and register blocks ``[registered, upto)`` of distinct ``rows`` (``single``: one
         each), completed at commit ``commit`` (None: the current one)."""
         requests, kv = self.requests, self.kv
-        if single and not self._dropped:
-            cols = upto - 1
-            if (requests.hashed[rows] == cols).all():     # a decode step's: one new block each
-                hashes = requests.hash_next(rows, cols)
+        if single and not self._dropped:     # a decode step's: one new block each
+            cols, done = upto - 1, requests.hashed[rows]
+            hashes = requests.hash_next(rows, cols) if (done == cols).all() else \
+                requests.hashes[rows, cols] if (done >= upto).all() else None
+            if hashes is not None:
                 parents = np.where(cols > 0, requests.hashes[rows, cols - 1], 0)
                 ids = requests.request_to_kv_block_ids[rows, cols].astype(np.int64)
                 listed = hashes.tolist()

@@ -81,7 +81,7 @@ class DynamicInferenceContext:
     num_local_blocks : int, optional
         Blocks of the sliding-window layers' own space (docs/design.md §6.7); default: none.
     registration_budget : int or None
-        Completed blocks a :meth:`commit_step` hashes and registers (or 1/8 of the waiting ones
+        Completed blocks a :meth:`commit_step` hashes, or registers (or 1/8 of the waiting ones
         if more); the rest wait, in order, and whatever depends on them catches up first
         (docs/design.md §6.8). None: all at once.
 
@@ -107,7 +107,7 @@ class DynamicInferenceContext:
                  ssm_states_shape=(1,), kv_dtype="float16", conv_states_dtype="float16",
                  ssm_states_dtype="float32", mamba_cache_slots=0, mamba_chunk_size=None,
                  enable_prefix_caching=True, eviction_policy="lru", max_step_tokens=None,
-                 device=None, num_local_blocks=None, registration_budget=48):
+                 device=None, num_local_blocks=None, registration_budget=128):
         self.device = resolve_device(device)
         xp = self.xp = self.device.xp
         self.block_size_tokens = as_int("block_size_tokens", block_size_tokens, 1)

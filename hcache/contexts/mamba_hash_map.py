@@ -81,6 +81,13 @@ class MambaHashMap:
         self.hash_to_block_id.update(zip(hs[ok].tolist(), blocks[ok].tolist()))
         return blocks[owned & ~ok], int(np.count_nonzero(ok))
 
+    def forget_awaiting(self, block_ids: np.ndarray) -> np.ndarray:
+        """Unmark the awaiting blocks of ``block_ids`` and return them: their states will never
+        be reachable (their blocks stay private)."""
+        mine = block_ids[self.awaiting[block_ids]]
+        self.awaiting[mine] = False
+        return mine
+
     def block_hashes(self, num_blocks: int) -> np.ndarray:
         """``int64 [num_blocks]``: the hash each block is in the map under, -1 = none."""
         out = np.full(num_blocks, -1, dtype=np.int64)

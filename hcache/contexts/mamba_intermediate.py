@@ -285,7 +285,8 @@ class IntermediateStates:
 
     def targets(self) -> list[tuple[int, int, int]]:
         """``(request_row, offset, scratch_index)`` of every pending boundary state, packed
-        densely in ascending row order, then offset order."""
+        densely in ascending row order, then offset order: the model writes the state after
+        ``chunk_start + offset`` tokens of the row into ``*_out[:, scratch_index]``."""
         rows, ks = np.nonzero(np.arange(_K)[None, :] < self.counts[:, None])
         return [(int(r), int(self.offsets[r, k]), i)
                 for i, (r, k) in enumerate(zip(rows.tolist(), ks.tolist(), strict=True))]

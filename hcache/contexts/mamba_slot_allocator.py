@@ -301,13 +301,11 @@ class MambaSlotAllocator:
             chunk_size=int(ctx.mamba_chunk_size))
 
     def _plan_eos(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
-        """Unchecked :meth:`compute_and_store_offsets_batch` of a decode step (the context's own
-        distinct rows, int64, and their blocks): keep each row's live state as its block's."""
+        """Unchecked :meth:`compute_and_store_offsets_batch` of a decode step (own rows)."""
         self._intermediate.plan_eos(rows, block_ids)
 
     def intermediate_targets(self) -> list[tuple[int, int, int]]:
-        """``(request_row, offset, scratch_index)`` of each pending intermediate state: the state
-        after ``chunk_start + offset`` tokens of the row goes to ``intermediate_*_out[:, idx]``."""
+        """:meth:`IntermediateStates.targets`: ``(request_row, offset, scratch_index)``."""
         return self._intermediate.targets()
 
     def get_intermediate_gpu_data(self, prefill_start=0, prefill_count=None, *, stream=None):
@@ -344,8 +342,10 @@ class MambaSlotAllocator:
                 idx = idx[self._pool.first_occurrences(bids[idx])]
         refs = self._kv.block_ref_counts
         new, available = self._pool.demand(bids[idx], refs, distinct=True)
-        if len(new) > self.free_count and waiting[idx].any():    # as registering at once would
-            idx = idx[~np.isin(bids[idx], self.private_deferred())]
+        if len(new) > self.free_count and (waiting.any() or self._hashes.awaiting.any()):
+            private = self.private_deferred()   # duplicates: registering at once keeps none
+            self._pool.release(self._hashes.forget_awaiting(private))
+            idx = idx[~np.isin(bids[idx], private)]
             new, available = self._pool.demand(bids[idx], refs, distinct=True)
         if len(new) > available:
             allowed = new[:available]
@@ -375,7 +375,7 @@ class MambaSlotAllocator:
         return reachable
 
     def _copy_intermediate_to_cache(self, src_offsets, slots, *, stream=None) -> None:
-        """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]``, every layer, one launch."""
+        """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]``, all layers, one launch."""
         self._copies.scratch_to_cache(src_offsets, slots, stream=stream)
 
     def _clear_intermediate_state(self, rows=None) -> None:

@@ -1,0 +1,96 @@
+"""Which blocks of a registration backlog will stay private (docs/design.md §6.8).
+
+A block in the backlog (:mod:`~hcache.contexts.block_registration`) is not hashed yet, so whether
+registering it will find its hash taken (a duplicate, which stays private, links to nothing and
+keeps no Mamba state) is unknown until it is hashed. Eviction and a Mamba slot shortage need to
+know it at once; these functions find the blocks that could be duplicates without hashing the
+others, then hash and classify those. Functions of explicit inputs (the caller's tables).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .token_batches import ragged_columns
+
+__all__ = ["entangled_rows", "backlog_blocks"]
+
+
+def entangled_rows(requests, kv_block_allocator, dropped: bool, limit: int) -> np.ndarray:
+    """``bool [max_requests]``: the backlog rows whose blocks could duplicate another block.
+
+    A backlog block duplicates one only if its row's last registered block is not its own
+    registered block (private, or none yet), is shared, or has a registered child (from a row
+    with the same prefix), or if another such row has the same prefix through its own last
+    registered block, or if a hash was deregistered meanwhile (``dropped``: then every backlog
+    row, as when more than ``limit`` rows qualify).
+    """
+    kv, done = kv_block_allocator, requests.registered
+    out = done < requests.computed // requests.block_size
+    if dropped or not out.any():
+        return out
+    rows = np.flatnonzero(out)
+    k = done[rows]
+    last = np.maximum(k - 1, 0)
+    blocks, hashes = requests.request_to_kv_block_ids[rows, last], requests.hashes[rows, last]
+    odd = (k == 0) | (kv.block_hashes[blocks] != hashes) \
+        | (kv.block_ref_counts[blocks] > 1) | (kv.block_child_counts[blocks] > 0)
+    if np.count_nonzero(odd) > limit:
+        return out
+    for s in np.flatnonzero(odd & (k > 0)).tolist():     # rows with a common prefix
+        c = np.minimum(k, k[s]) - 1
+        odd |= (k > 0) & (requests.hashes[rows, c] == requests.hashes[rows[s], c])
+    out[rows[~odd]] = False
+    return out
+
+
+def backlog_blocks(queue, requests, kv_hash_to_block_id: dict, dropped: dict,
+                   entangled: np.ndarray):
+    """The blocks of the ``entangled`` rows in the backlog ``queue``, hashed now.
+
+    Parameters
+    ----------
+    queue : iterable of (rows, upto, counts or None, commit)
+        The backlog's entries, in registration order.
+    requests : RequestTable
+        Its rows are hashed through their entries (each block once).
+    kv_hash_to_block_id : dict
+    dropped : dict[int, int]
+        Hash -> the commit count when it was last deregistered.
+    entangled : bool [max_requests]
+        The rows to consider (:func:`entangled_rows`); any other backlog block will register,
+        and its predecessor is its row's own used block.
+
+    Returns
+    -------
+    (int64 [m], int64 [m], int64 [m], int64 [m], bool [m])
+        ``rows``, ``columns``, ``blocks``, ``hashes`` and ``private``: a duplicate of a
+        registered block, of an earlier backlog block, or of a block dropped since it completed.
+    """
+    parts = []
+    for rows, upto, counts, commit in queue:
+        keep = entangled[rows]
+        if not keep.all():
+            rows, upto = rows[keep], upto[keep]
+            counts = None if counts is None else counts[keep]
+        if not len(rows):
+            continue
+        requests.hash_through(rows, upto)
+        if counts is None:
+            owners, cols = rows, upto - 1
+        else:
+            which, cols = ragged_columns(upto - counts, counts)
+            owners = rows[which]
+        parts.append((owners, cols, np.full(len(cols), commit)))
+    if not parts:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty, empty, np.zeros(0, bool)
+    owners, cols, commits = (np.concatenate(x) for x in zip(*parts))
+    hashes = requests.hashes[owners, cols]
+    listed, seen = hashes.tolist(), {}
+    private = np.fromiter((h in kv_hash_to_block_id or seen.setdefault(h, i) != i
+                           or dropped.get(h, -1) >= c
+                           for i, (h, c) in enumerate(zip(listed, commits.tolist()))),
+                          bool, len(listed))
+    blocks = requests.request_to_kv_block_ids[owners, cols].astype(np.int64)
+    return owners, cols, blocks, hashes, private
