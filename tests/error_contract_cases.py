@@ -526,9 +526,9 @@ _CTX_ARGS = {"kv_layer_configs": [KVLayerConfig(1, 4)], "num_blocks": 12,
              "device": CPU}
 
 
-def make_ctx(pending=True):
+def make_ctx(pending=True, args=None):
     def make():
-        ctx = DynamicInferenceContext(**_CTX_ARGS)
+        ctx = DynamicInferenceContext(**(_CTX_ARGS if args is None else args))
         rng = np.random.default_rng(0)
         for a in (ctx.mamba_conv_states, ctx.mamba_ssm_states, *ctx.kv_pool.layers):
             a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, np.uint8)
@@ -1006,20 +1006,7 @@ _CTX_LOCAL = dict(_CTX_ARGS, kv_layer_configs=[KVLayerConfig(1, 4, 2), KVLayerCo
 
 
 def make_ctx_local(pending=True):
-    def make():
-        ctx = DynamicInferenceContext(**_CTX_LOCAL)
-        rng = np.random.default_rng(0)
-        for a in (ctx.mamba_conv_states, ctx.mamba_ssm_states, *ctx.kv_pool.layers):
-            a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, np.uint8)
-        ctx.add_request("a", [1, 2, 3, 4, 5])
-        ctx.add_request("b", [1, 2, 7])
-        ctx.commit_step()
-        ctx.release_requests(["b"])
-        if pending:
-            ctx.extend_request("a", [6])
-            ctx.add_request("c", [1, 2, 3, 4, 9])
-        return ctx, ctx
-    return make
+    return make_ctx(pending, _CTX_LOCAL)
 
 
 variant(CTX, "__init__", "local", lambda: (None, None), lambda _: dict(_CTX_LOCAL),

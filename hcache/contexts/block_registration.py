@@ -179,10 +179,10 @@ class BlockRegistration:
         return self._drain(sum(len(rows) if counts is None else int(counts.sum())
                                for rows, _, counts, _ in list(self._queue)[:last + 1]))
 
-    def flush_for_prompt(self, prompt_hashes: list) -> int:
+    def flush_for_prompt(self, prompt_hashes: np.ndarray) -> int:
         """:meth:`flush` the rows that could hold a backlog block of a prompt whose complete
-        blocks hash to ``prompt_hashes``: those whose registered prefix it continues."""
-        if not self.queued or not prompt_hashes:
+        blocks hash to ``prompt_hashes`` (int64): those whose registered prefix it continues."""
+        if not self.queued or not len(prompt_hashes):
             return 0
         requests = self.requests
         rows = np.flatnonzero(requests.registered < requests.computed // requests.block_size)
@@ -190,9 +190,8 @@ class BlockRegistration:
         rows, done = rows[done < len(prompt_hashes)], done[done < len(prompt_hashes)]
         if not len(rows):
             return 0
-        prompt = np.asarray(prompt_hashes, dtype=np.int64)
         last = np.maximum(done - 1, 0)
-        continues = (done == 0) | (prompt[last] == requests.hashes[rows, last])
+        continues = (done == 0) | (prompt_hashes[last] == requests.hashes[rows, last])
         return self.flush(rows[continues]) if continues.any() else 0
 
     def pending_parents(self) -> np.ndarray:

@@ -255,15 +255,13 @@ class RequestTable:
     def hash_next(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
         """Hash block ``cols[i] == hashed`` of each of distinct ``rows`` (complete, one each);
         returns the hashes (int64)."""
-        blocks = self.tokens[rows[:, None], cols[:, None] * self.block_size + self._block_offsets]
-        hashes, self.digests[rows] = chain_block_hashes(self.digests[rows], blocks, None)
-        self.hashes[rows, cols] = hashes
+        hashes = self._hash_new_blocks(rows, cols, None)
         self.hashed[rows] = cols + 1
         return hashes
 
-    def _hash_new_blocks(self, rows, first, counts) -> None:
+    def _hash_new_blocks(self, rows, first, counts) -> np.ndarray:
         """Hash blocks ``[first[i], first[i] + counts[i])`` (one each when ``counts`` is
-        None) of distinct ``rows``, chained from each row's last digest."""
+        None) of distinct ``rows``, chained from each row's last digest; returns the hashes."""
         bs = self.block_size
         if counts is None:
             owners, cols = rows, first
@@ -275,6 +273,7 @@ class RequestTable:
         hashes, digests = chain_block_hashes(self.digests[rows], blocks, chains)
         self.hashes[owners, cols] = hashes
         self.digests[rows] = digests if chains is None else digests[np.cumsum(counts) - 1]
+        return hashes
 
     def complete_steps(self):
         """Mark every scheduled step computed; returns its ``rows`` (ascending) and their

@@ -67,8 +67,9 @@ class StepScheduler:
                                              tokens[:full * bs].reshape(full, bs),
                                              np.array([full]))
         if self.registration is not None:
-            self.registration.flush_for_prompt(hashes.tolist())
-        matched, depths = match_prefix(hashes.tolist(), kv.kv_hash_to_block_id,
+            self.registration.flush_for_prompt(hashes)
+        listed = hashes.tolist()
+        matched, depths = match_prefix(listed, kv.kv_hash_to_block_id,
                                        None if mamba is None else mamba.hash_to_block_id)
         def skip_of(m):
             return restore_depth_tokens(n, matched[:m], [d for d in depths if d <= m], bs,
@@ -77,7 +78,7 @@ class StepScheduler:
 
         skip = skip_of(len(matched))
         if self.window is not None:   # the local layers' window must be cached too
-            m, skip, lo, local_ids = self.window.plan_admit(hashes.tolist(), matched, skip_of)
+            m, skip, lo, local_ids = self.window.plan_admit(listed, matched, skip_of)
             matched = matched[:m]
         num_new = -(-n // bs) - len(matched)
         if not requests.has_free_row:
