@@ -135,21 +135,33 @@ class BlockForest:
                 np.array([h for h, _ in pending.values()], np.int64).reshape(-1),
                 np.array([p for _, p in pending.values()], np.int64).reshape(-1))
 
-    def link(self, block_ids: np.ndarray, hashes: np.ndarray, parent_hashes: np.ndarray) -> None:
+    def link(self, block_ids: np.ndarray, hashes: np.ndarray, parent_hashes: np.ndarray,
+             likely_parents: np.ndarray | None = None) -> None:
         """Register distinct unregistered ``block_ids`` under distinct free ``hashes`` (a
         :meth:`plan_registration` result) and link each to its parent: the block holding its
-        parent hash before this call or earlier in the batch (0, or any other, means none)."""
+        parent hash before this call or earlier in the batch (0, or any other, means none).
+        ``likely_parents`` (int64 block ids, optional) are checked guesses of the parents (a
+        row's previous block): only the others are looked up by hash."""
         n = len(block_ids)
         if n == 0:
             return
-        hs_list, ps_list = hashes.tolist(), parent_hashes.tolist()
-        parents = np.fromiter(map(self.hash_to_block.get, ps_list, repeat(-1)), np.int64, n)
+        hs_list = hashes.tolist()
+        if likely_parents is None:
+            parents = np.fromiter(map(self.hash_to_block.get, parent_hashes.tolist(),
+                                      repeat(-1)), np.int64, n)
+        else:
+            parents = np.where(self.hashes[likely_parents] == parent_hashes, likely_parents, -1)
         unresolved = np.flatnonzero((parents < 0) & (parent_hashes > 0))
+        if len(unresolved) and likely_parents is not None:
+            parents[unresolved] = np.fromiter(map(self.hash_to_block.get,
+                                                  parent_hashes[unresolved].tolist(), repeat(-1)),
+                                              np.int64, len(unresolved))
+            unresolved = unresolved[parents[unresolved] < 0]
         if len(unresolved):
             # A parent earlier in the batch; parents resolve backwards in registration order
             # only, so the forest stays acyclic.
             position = dict(zip(hs_list, range(n)))
-            earlier = np.fromiter(map(position.get, [ps_list[i] for i in unresolved.tolist()],
+            earlier = np.fromiter(map(position.get, parent_hashes[unresolved].tolist(),
                                       repeat(n)), np.int64, len(unresolved))
             back = earlier < unresolved
             parents[unresolved[back]] = block_ids[earlier[back]]

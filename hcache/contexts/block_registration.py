@@ -307,13 +307,17 @@ class BlockRegistration:
             hashes = requests.hash_next(rows, cols) if (done == cols).all() else \
                 requests.hashes[rows, cols] if (done >= upto).all() else None
             if hashes is not None:
+                table = requests.request_to_kv_block_ids
                 parents = np.where(cols > 0, requests.hashes[rows, cols - 1], 0)
-                ids = requests.request_to_kv_block_ids[rows, cols].astype(np.int64)
+                ids = table[rows, cols].astype(np.int64)
                 listed = hashes.tolist()
                 if kv.kv_hash_to_block_id.keys().isdisjoint(listed) \
                         and len(set(listed)) == len(listed):
                     requests.registered[rows] = upto
-                    kv._register_new_blocks(ids, hashes, parents)
+                    # Most parents are the row's previous block (column -1 is checked and
+                    # fails, as parent hash 0 is no block's).
+                    kv._register_new_blocks(ids, hashes, parents,
+                                            table[rows, cols - 1].astype(np.int64))
                     return self._settle(ids, hashes, len(ids))
         requests.hash_through(rows, upto)
         ids, hashes, parents, drained, drained_hashes = blocks_to_register(

@@ -287,11 +287,11 @@ class KVBlockAllocator:
         if self.enable_prefix_caching:
             self._forest.link(*pending)
 
-    def _register_new_blocks(self, block_ids, hashes, parent_hashes) -> None:
-        """:meth:`register_kv_block_hashes` unchecked, for entries that pass by construction
-        (distinct used unregistered blocks, distinct new positive hashes; int64 arrays)."""
+    def _register_new_blocks(self, block_ids, hashes, parent_hashes, likely_parents=None) -> None:
+        """:meth:`register_kv_block_hashes` unchecked (distinct used unregistered blocks, distinct
+        new positive hashes; int64 arrays); ``likely_parents``: see :meth:`BlockForest.link`."""
         if self.enable_prefix_caching:
-            self._forest.link(block_ids, hashes, parent_hashes)
+            self._forest.link(block_ids, hashes, parent_hashes, likely_parents)
 
     def evict_lru_blocks(self, n: int) -> bool:
         """Deregister and free ``n`` cached blocks, peeling leaves oldest first (ties by id).

@@ -31,8 +31,9 @@ class MambaHashMap:
     ----------
     kv_hash_to_block_id : dict[int, int]
         The KV allocator's hash map (the same object for the allocator's lifetime).
-    slot_owners : set of int
-        The slot pool's blocks owning a slot (the same object for the pool's lifetime).
+    slot_owned : bytearray [num_blocks]
+        The slot pool's flags of the blocks owning a slot (the same object for the pool's
+        lifetime).
     num_blocks : int
 
     Attributes
@@ -43,9 +44,9 @@ class MambaHashMap:
         Blocks whose kept state waits for their registration.
     """
 
-    def __init__(self, kv_hash_to_block_id: dict, slot_owners: set, num_blocks: int):
+    def __init__(self, kv_hash_to_block_id: dict, slot_owned: bytearray, num_blocks: int):
         self.hash_to_block_id: dict[int, int] = {}
-        self._kv_map, self._owners = kv_hash_to_block_id, slot_owners
+        self._kv_map, self._owned = kv_hash_to_block_id, slot_owned
         self.awaiting = np.zeros(num_blocks, bool)
 
     def __len__(self) -> int:
@@ -71,12 +72,11 @@ class MambaHashMap:
             blocks, hs = block_ids[waiting], hashes[waiting]
         self.awaiting[blocks] = False
         owned = block_to_slot[blocks] >= 0
+        # The map is a subset of the KV map, where a block holding its hash holds it alone, and
+        # an awaiting block is not in the map: so no other state is cached under such a hash.
         ok = owned & (kv_block_hashes[blocks] == hs)
-        listed = hs.tolist()
-        if not self.hash_to_block_id.keys().isdisjoint(listed):
-            ok &= ~np.fromiter(map(self.hash_to_block_id.__contains__, listed), bool, len(hs))
         if ok.all():
-            self.hash_to_block_id.update(zip(listed, blocks.tolist()))
+            self.hash_to_block_id.update(zip(hs.tolist(), blocks.tolist()))
             return blocks[:0], len(blocks)
         self.hash_to_block_id.update(zip(hs[ok].tolist(), blocks[ok].tolist()))
         return blocks[owned & ~ok], int(np.count_nonzero(ok))
@@ -123,10 +123,10 @@ class MambaHashMap:
         if type(block_ids) is not list or type(hashes) is not list \
                 or len(block_ids) != len(hashes):
             return False
-        kv_map, owners, update = self._kv_map, self._owners, {}
+        kv_map, owned, update = self._kv_map, self._owned, {}
         try:
-            for b, h in zip(block_ids, hashes):
-                if kv_map[h] != b or b not in owners or type(b) is not int \
+            for b, h in zip(block_ids, hashes):     # b is a KV block id once kv_map[h] == b
+                if kv_map[h] != b or not owned[b] or type(b) is not int \
                         or type(h) is not int:
                     return False
                 update[h] = b
@@ -160,7 +160,7 @@ class MambaHashMap:
         keep = hs > 0
         ids, hs = block_ids[keep], hs[keep]
         ids_list, hs_list = ids.tolist(), hs.tolist()
-        owned = np.fromiter(map(self._owners.__contains__, ids_list), bool, len(ids_list))
+        owned = np.frombuffer(self._owned, dtype=np.bool_)[ids]
         if not owned.all():
             raise ValueError(f"block_ids: expected blocks owning a slot, "
                              f"got {ids_list[int(np.argmin(owned))]}")

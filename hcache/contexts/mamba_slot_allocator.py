@@ -106,7 +106,7 @@ class MambaSlotAllocator:
         self.max_intermediate_count = inter.max_count
         self._pool = MambaSlotPool(self.num_blocks, self.max_slots)
         # Bound to the KV allocator for its lifetime, as the observer subscribed below is.
-        self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owners, self.num_blocks)
+        self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owned, self.num_blocks)
         self._copies = MambaStateCopies(context, self._pool, self.device, inter.conv_out,
                                         inter.ssm_out, conv_dt, ssm_dt)
         kv.add_blocks_deregistered_observer(self.on_kv_blocks_deregistered)

@@ -9,8 +9,8 @@ Slots ``0..max_slots-1`` of the durable Mamba state cache are owned by KV blocks
   exactly one block;
 - a slot is evictable only while its KV block's ref count is 0, so pinning a matched block
   (retain) before allocating also protects its Mamba state;
-- ``owners`` is the set of blocks owning a slot (a mirror of ``block_to_slot >= 0`` for
-  per-block lookups in pure Python).
+- ``owned`` flags the blocks owning a slot (a mirror of ``block_to_slot >= 0`` in a
+  ``bytearray``, for per-block lookups in pure Python).
 
 KV ref counts and timestamps belong to the KV allocator; they are passed in where needed.
 """
@@ -52,8 +52,8 @@ class MambaSlotPool:
         Block owning each slot; -1 = free.
     free_slots : int32 [max_slots], free_count : int
         The free stack: ``free_slots[:free_count]``, its top last.
-    owners : set of int
-        Blocks owning a slot.
+    owned : bytearray [num_blocks]
+        1 where a block owns a slot (``owned[block]`` is a cheap pure-Python lookup).
     """
 
     def __init__(self, num_blocks: int, max_slots: int):
@@ -61,9 +61,15 @@ class MambaSlotPool:
         self.block_to_slot = np.full(num_blocks, -1, dtype=np.int32)
         self.slot_to_block = np.full(max_slots, -1, dtype=np.int32)
         self.free_slots = np.empty(max_slots, dtype=np.int32)
-        self.owners: set[int] = set()
+        self.owned = bytearray(num_blocks)
         self._seen = np.zeros(num_blocks, dtype=np.int64)   # scratch of first_occurrences
+        self._excluded = np.zeros(num_blocks, dtype=np.bool_)   # scratch of evictable_blocks
         self.reset()
+
+    @property
+    def _owned(self) -> np.ndarray:
+        """``owned`` as a writable ``bool`` array (a view, made per use so copies stay whole)."""
+        return np.frombuffer(self.owned, dtype=np.bool_)
 
     def reset(self) -> None:
         """Free every slot (a fresh pool hands out slots 0, 1, 2, ...)."""
@@ -71,15 +77,17 @@ class MambaSlotPool:
         self.slot_to_block.fill(-1)
         self.free_slots[:] = np.arange(self.max_slots - 1, -1, -1, dtype=np.int32)
         self.free_count = self.max_slots
-        self.owners.clear()
+        self._owned.fill(False)
 
     def evictable_blocks(self, ref_counts, exclude=None) -> np.ndarray:
         """Blocks owning a slot whose KV ``ref_counts`` are 0, other than those of
         ``exclude``, in slot order (int64)."""
         owned = self.slot_to_block[self.slot_to_block >= 0].astype(np.int64)
         candidates = owned[np.asarray(ref_counts)[owned] == 0]
-        if exclude is not None and len(exclude):
-            candidates = candidates[~np.isin(candidates, exclude)]
+        if exclude is not None and len(exclude) and len(candidates):
+            self._excluded[exclude] = True
+            candidates = candidates[~self._excluded[candidates]]
+            self._excluded[exclude] = False
         return candidates
 
     def demand(self, block_ids: np.ndarray, ref_counts, *, distinct: bool = False):
@@ -130,7 +138,7 @@ class MambaSlotPool:
                 slots = np.concatenate([slots, evicted])
             self.block_to_slot[new] = slots
             self.slot_to_block[slots] = new
-            self.owners.update(new.tolist())
+            self._owned[new] = True
         return self.block_to_slot[block_ids].astype(np.int64), victims
 
     def evict(self, n: int, ref_counts, timestamps, *, exclude=None):
@@ -151,24 +159,24 @@ class MambaSlotPool:
         candidates = self.evictable_blocks(ref_counts, exclude)
         if len(candidates) < n:
             raise MambaSlotCapacityError(n, len(candidates))
-        stamps = (np.zeros(len(candidates), dtype=np.int64) if timestamps is None
-                  else np.asarray(timestamps)[candidates])
-        victims = candidates[np.lexsort((candidates, stamps))[:n]]
+        victims = candidates[_oldest(candidates, timestamps, n, len(self.block_to_slot))]
         slots = self.block_to_slot[victims].copy()
         self.block_to_slot[victims] = -1
         self.slot_to_block[slots] = -1
-        self.owners.difference_update(victims.tolist())
+        self._owned[victims] = False
         return slots, victims
 
     def release(self, block_ids: np.ndarray) -> None:
         """Push the slots of unique ``block_ids`` onto the free stack (blocks without one are
         skipped)."""
+        if not len(block_ids):
+            return
         slots = self.block_to_slot[block_ids]
         owned = slots >= 0
         blocks, slots = block_ids[owned], slots[owned]
         self.block_to_slot[blocks] = -1
         self.slot_to_block[slots] = -1
-        self.owners.difference_update(blocks.tolist())
+        self._owned[blocks] = False
         self.free_slots[self.free_count:self.free_count + len(slots)] = slots
         self.free_count += len(slots)
 
@@ -190,6 +198,21 @@ class MambaSlotPool:
             problems.append("a slot is owned by two blocks")
         if len(blocks) != len(owned_slots) or (self.slot_to_block[slots] != blocks).any():
             problems.append("block_to_slot and slot_to_block are not inverse")
-        if self.owners != set(blocks.tolist()):
-            problems.append("owners disagree with block_to_slot")
+        if not np.array_equal(self._owned, self.block_to_slot >= 0):
+            problems.append("owned flags disagree with block_to_slot")
         return problems
+
+
+def _oldest(candidates: np.ndarray, timestamps, n: int, num_blocks: int) -> np.ndarray:
+    """Positions in ``candidates`` (distinct block ids, int64) of the ``n`` oldest by
+    ``timestamps`` (None: all 0), ties by block id, oldest first."""
+    if timestamps is None:
+        return np.argsort(candidates, kind="stable")[:n]
+    stamps = np.asarray(timestamps)[candidates].astype(np.int64)
+    if n == 0 or stamps.min() < 0 or stamps.max() >= np.iinfo(np.int64).max // num_blocks - 1:
+        return np.lexsort((candidates, stamps))[:n]
+    key = stamps * num_blocks + candidates      # one distinct key: (stamp, block) order
+    if 2 * n < len(key):
+        part = np.argpartition(key, n - 1)[:n]
+        return part[np.argsort(key[part])]
+    return np.argsort(key)[:n]

@@ -71,7 +71,6 @@ class RequestTable:
         self.tokens = np.zeros((R, self.max_sequence_length), dtype="<i8")
         self.hashes = np.zeros((R, B), dtype=np.int64)
         self.digests = np.zeros((R, DIGEST_BYTES), dtype=np.uint8)
-        self._block_offsets = np.arange(block_size)
         for name in ("lengths", "num_blocks", "computed", "pending_end", "kv_cached",
                      "registered", "hashed"):
             setattr(self, name, np.zeros(R, dtype=np.int64))
@@ -262,13 +261,12 @@ class RequestTable:
     def _hash_new_blocks(self, rows, first, counts) -> np.ndarray:
         """Hash blocks ``[first[i], first[i] + counts[i])`` (one each when ``counts`` is
         None) of distinct ``rows``, chained from each row's last digest; returns the hashes."""
-        bs = self.block_size
         if counts is None:
             owners, cols = rows, first
         else:
             which, cols = ragged_columns(first, counts)
             owners = rows[which]
-        blocks = self.tokens[owners[:, None], cols[:, None] * bs + self._block_offsets]
+        blocks = self.tokens.reshape(self.max_requests, -1, self.block_size)[owners, cols]
         chains = None if counts is None or len(cols) == len(rows) else counts
         hashes, digests = chain_block_hashes(self.digests[rows], blocks, chains)
         self.hashes[owners, cols] = hashes

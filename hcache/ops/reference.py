@@ -174,18 +174,25 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
     out-of-range pairs are skipped (per tensor) and counted once each in ``status[0]``."""
     s = np.asarray(src_idx, dtype=np.int64)
     d = np.asarray(dst_idx, dtype=np.int64)
-    pad = (s == -1) | (d == -1)
-    rows: dict = {}   # (src slots, dst slots) -> (out-of-range mask, rows to copy or None: all)
+    # The common call has no padding and no negative index: bounds then need only the maxima.
+    nonnegative = not len(s) or min(s.min(), d.min()) >= 0
+    top = (int(s.max()), int(d.max())) if nonnegative and len(s) else (-1, -1)
+    rows: dict = {}   # (src slots, dst slots) -> (out-of-range count, rows to copy or None: all)
 
     def copied(num_src, num_dst):
         if (num_src, num_dst) not in rows:
-            oob = ~pad & ((s < 0) | (s >= num_src) | (d < 0) | (d >= num_dst))
-            good = ~(pad | oob)
-            rows[num_src, num_dst] = (oob, None if good.all() else good)
+            if nonnegative and top[0] < num_src and top[1] < num_dst:
+                rows[num_src, num_dst] = (0, None)
+            else:
+                pad = (s == -1) | (d == -1)
+                oob = ~pad & ((s < 0) | (s >= num_src) | (d < 0) | (d >= num_dst))
+                good = ~(pad | oob)
+                rows[num_src, num_dst] = (int(np.count_nonzero(oob)),
+                                          None if good.all() else good)
         return rows[num_src, num_dst]
 
     src0, dst0 = slots.pairs[0]
-    _bump(status, int(np.count_nonzero(copied(src0.shape[0], dst0.shape[0])[0])))
+    _bump(status, copied(src0.shape[0], dst0.shape[0])[0])
     for src, dst in _slot_records(slots):
         good = copied(src.shape[0], dst.shape[0])[1]
         if good is None:
