@@ -65,6 +65,7 @@ class CupyRuntime:
         self.cp = cupy
         self.xp = cupy            # the device array module (allocation, dtype probes)
         self._streams = {}        # (handle, device) -> Stream.from_external, made once
+        self._usable = None
 
     @property
     def version(self) -> str:
@@ -73,11 +74,13 @@ class CupyRuntime:
     # --- devices ----------------------------------------------------------------------------
 
     def usable(self) -> bool:
-        """``cudaGetDeviceCount() > 0`` with a working driver."""
-        try:
-            return bool(self.cp.cuda.is_available())
-        except Exception:  # noqa: BLE001
-            return False
+        """``cudaGetDeviceCount() > 0`` with a working driver (asked once per process)."""
+        if self._usable is None:
+            try:
+                self._usable = bool(self.cp.cuda.is_available())
+            except Exception:  # noqa: BLE001
+                self._usable = False
+        return self._usable
 
     def device_count(self) -> int:
         """``cudaGetDeviceCount``."""

@@ -215,6 +215,9 @@ class BlockRegistration:
     def _backlog(self):
         """:func:`~.backlog_duplicates.backlog_blocks` of this backlog."""
         entangled = entangled_rows(self.requests, self.kv, bool(self._dropped), ENTANGLED_ROWS)
+        if not entangled.any():     # no backlog block could duplicate one: all will register
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty, empty, np.zeros(0, bool)
         return backlog_blocks(self._queue, self.requests, self.kv.kv_hash_to_block_id,
                               self._dropped, entangled)
 

@@ -98,9 +98,9 @@ class MambaHashMap:
         """Remove the entries of checked ``block_ids`` (blocks not in the map are skipped),
         found under their ``kv_block_hashes``."""
         m = self.hash_to_block_id
-        for b, h in zip(block_ids.tolist(), kv_block_hashes[block_ids].tolist(), strict=True):
-            if m.get(h) == b:
-                del m[h]
+        if m:   # a block is in the map under its KV hash only, and none other is under that hash
+            for h in kv_block_hashes[block_ids].tolist():
+                m.pop(h, None)
 
     def drop_hashes(self, hashes) -> None:
         """Remove the entries under ``hashes`` (hashes not in the map are skipped)."""

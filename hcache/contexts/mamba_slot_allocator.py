@@ -319,12 +319,11 @@ class MambaSlotAllocator:
         return self._intermediate.collect(self._kv.block_hashes)
 
     def commit_intermediate_states(self, *, stream=None) -> int:
-        """Keep this step's boundary states (scratch and EOS) as cached states and clear the
-        tracking; after the forward pass, before rows are reordered. Best effort: entries whose
-        KV block is unregistered and not in :attr:`deferred_blocks` (their states await it:
-        :meth:`_settle_deferred`), already cached under its hash, or repeated are skipped; short
-        of slots, those owning one plus as many new ones as are available are kept. Returns the
-        states made reachable. ``TypeError`` / ``ValueError`` for a bad ``stream``."""
+        """Keep this step's boundary states (scratch and EOS) as cached states, clear the tracking
+        (after the forward pass, before rows are reordered). Best effort: skips entries whose KV
+        block is unregistered and not in :attr:`deferred_blocks` (their states await it), cached
+        under its hash, or repeated; short of slots, keeps owners and as many new ones as fit.
+        Returns the states made reachable (bad ``stream``: ``TypeError``, ``ValueError``)."""
         stream_handle(stream)
         data = self._collect_commit_data()
         if data is None:
@@ -344,12 +343,13 @@ class MambaSlotAllocator:
         new, available = self._pool.demand(bids[idx], refs, distinct=True)
         if len(new) > self.free_count and (waiting.any() or self._hashes.awaiting.any()):
             private = self.private_deferred()   # duplicates: registering at once keeps none
-            self._pool.release(self._hashes.forget_awaiting(private))
-            idx = idx[~np.isin(bids[idx], private)]
-            new, available = self._pool.demand(bids[idx], refs, distinct=True)
-        if len(new) > available:
-            allowed = new[:available]
-            idx = idx[(self.block_to_slot[bids[idx]] >= 0) | np.isin(bids[idx], allowed)]
+            if len(private):
+                self._pool.release(self._hashes.forget_awaiting(private))
+                idx = idx[~np.isin(bids[idx], private)]
+                new, available = self._pool.demand(bids[idx], refs, distinct=True)
+        if len(new) > available:    # keep owners and the first `available` new (distinct) blocks
+            owned = self.block_to_slot[bids[idx]] >= 0
+            idx = idx[owned | (np.cumsum(~owned) <= available)]
         ids = bids[idx]
         slots, victims = self._pool.allocate(ids, refs, self._timestamps(), distinct=True)
         self._hashes.drop_blocks(victims, self._kv.block_hashes)

@@ -54,6 +54,20 @@ def batch_tokens(name: str, tokens, n: int):
     ValueError
         Not ``n`` entries, a bad shape, or a request with no token.
     """
+    if type(tokens) is np.ndarray and tokens.ndim == 1 and tokens.dtype == np.int64:
+        flat = tokens           # one token each, as stored: nothing to check or convert
+    else:
+        flat = _nested_or_flat(name, tokens, n)
+        if isinstance(flat, tuple):
+            return flat
+    if len(flat) != n:
+        raise ValueError(f"{name}: expected {n} tokens (one per request), got {len(flat)}")
+    return flat, None
+
+
+def _nested_or_flat(name: str, tokens, n: int):
+    """:func:`batch_tokens` of ``k`` tokens per request (its result) or of one each (the flat
+    array, not counted yet)."""
     tokens = host_array(name, tokens) if is_array(tokens) else tokens
     if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
         if tokens.shape[0] != n or tokens.shape[1] == 0:
@@ -70,10 +84,7 @@ def batch_tokens(name: str, tokens, n: int):
             i = int(np.argmin(counts))
             raise ValueError(f"{name}[{i}]: expected at least 1 token, got 0")
         return np.concatenate(parts), counts
-    flat = token_array(name, tokens)
-    if len(flat) != n:
-        raise ValueError(f"{name}: expected {n} tokens (one per request), got {len(flat)}")
-    return flat, None
+    return token_array(name, tokens)
 
 
 def ragged_columns(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
