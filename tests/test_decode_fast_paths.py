@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from test_dynamic_context import make_ctx
 
+from hcache.contexts import compute_block_hashes
 from hcache.contexts import mamba_intermediate as mi
 from hcache.contexts.backlog_duplicates import backlog_blocks, entangled_rows
 from hcache.contexts.block_forest import BlockForest
@@ -274,35 +275,44 @@ def test_context_equals_the_context_before_the_fast_paths(seed):
 
 
 def test_the_twin_workload_reaches_the_changed_paths():
-    """The side-by-side runs do reach LRU slot eviction, a slot shortage at commit, KV
-    deregistration and decode registration with guessed parents (else they would prove
-    little)."""
-    seen = dict(evict=0, shortage=0, dropped=0, guessed=0)
-    pool_evict, link = MambaSlotPool.evict, BlockForest.link
-    demand, deregister = MambaSlotPool.demand, KVBlockAllocator._deregister
+    """The side-by-side runs do reach what changed (else they would prove little): LRU slot
+    eviction, a slot shortage at commit, KV deregistration, decode registration with guessed
+    parents, settling awaiting states, dropping victims from a non-empty map, EOS-only
+    collects and a backlog analysis with entangled rows."""
+    from hcache.contexts.block_registration import BlockRegistration
+    from hcache.contexts.mamba_hash_map import MambaHashMap
+    seen = dict.fromkeys(["evict", "shortage", "deregistered", "guessed", "settled",
+                          "dropped", "eos only", "entangled"], 0)
+    demand = MambaSlotPool.demand
 
-    def counting_evict(self, n, *a, **k):
-        seen["evict"] += n > 0
-        return pool_evict(self, n, *a, **k)
+    def counting(cls, name, key, when):
+        fn = getattr(cls, name)
 
-    def counting_demand(self, block_ids, *a, **k):
-        got = demand(self, block_ids, *a, **k)
-        seen["shortage"] += len(got[0]) > got[1]
-        return got
+        def wrapper(self, *a, **k):
+            seen[key] += bool(when(self, *a, **k))
+            return fn(self, *a, **k)
+        return wrapper
 
-    def counting_link(self, b, h, p, likely_parents=None):
-        seen["guessed"] += likely_parents is not None and bool((p > 0).any())
-        return link(self, b, h, p, likely_parents)
-
-    def counting_deregister(self, ids):
-        seen["dropped"] += len(ids)
-        return deregister(self, ids)
-
+    counters = [
+        (MambaSlotPool, "evict", "evict", lambda self, n, *a, **k: n > 0),
+        (MambaSlotPool, "demand", "shortage",      # (demand reads only)
+         lambda self, *a, **k: (lambda new, available: len(new) > available)(
+             *demand(self, *a, **k))),
+        (KVBlockAllocator, "_deregister", "deregistered", lambda self, ids: len(ids)),
+        (BlockForest, "link", "guessed",
+         lambda self, b, h, p, lp=None: lp is not None and (p > 0).any()),
+        (MambaHashMap, "settle", "settled", lambda self, b, *a: self.awaiting[b].any()),
+        (MambaHashMap, "drop_blocks", "dropped",
+         lambda self, b, kvh: len(b) and self.hash_to_block_id),
+        (mi.IntermediateStates, "collect", "eos only",
+         lambda self, h: self.pending and not self.counts.any()),
+        (BlockRegistration, "_backlog", "entangled",
+         lambda self: entangled_rows(self.requests, self.kv, bool(self._dropped),
+                                     ENTANGLED_ROWS).any()),
+    ]
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(MambaSlotPool, "evict", counting_evict)
-        m.setattr(MambaSlotPool, "demand", counting_demand)
-        m.setattr(BlockForest, "link", counting_link)
-        m.setattr(KVBlockAllocator, "_deregister", counting_deregister)
+        for cls, name, key, when in counters:
+            m.setattr(cls, name, counting(cls, name, key, when))
         for seed in range(4):
             drive_twins(seed, 60)
     assert all(seen.values()), seen
@@ -312,16 +322,28 @@ def test_the_twin_workload_reaches_the_changed_paths():
 
 @st.composite
 def lru_cases(draw):
-    num_blocks = draw(st.integers(1, 40))
-    candidates = np.array(draw(st.permutations(range(num_blocks)))[:draw(
-        st.integers(0, num_blocks))], np.int64)
+    num_blocks = draw(st.sampled_from([1, 2, 5, 16, 40, 300]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    candidates = rng.permutation(num_blocks)[:draw(st.integers(0, num_blocks))]
     kind = draw(st.sampled_from(["none", "ties", "wide", "huge", "negative"]))
-    lo, hi = {"none": (0, 0), "ties": (0, 2), "wide": (0, 10**6),
+    lo, hi = {"none": (0, 1), "ties": (0, 3), "wide": (0, 10**6),
               "huge": (2**62, 2**63 - 1), "negative": (-5, 5)}[kind]
-    stamps = None if kind == "none" else np.array(
-        draw(st.lists(st.integers(lo, hi), min_size=num_blocks, max_size=num_blocks)), np.int64)
-    n = draw(st.integers(0, len(candidates)))
-    return candidates, stamps, n, num_blocks
+    stamps = None if kind == "none" else rng.integers(lo, hi, num_blocks, dtype=np.int64)
+    n = draw(st.sampled_from([0, 1, 2, len(candidates) // 3, len(candidates) // 2,
+                              len(candidates) - 1, len(candidates)]))
+    return candidates.astype(np.int64), stamps, min(max(n, 0), len(candidates)), num_blocks
+
+
+def test_oldest_of_many_candidates_in_order():
+    """Hundreds of candidates, few victims (the partial selection, then a sort of those):
+    the lexsort order, ties included."""
+    rng = np.random.default_rng(11)
+    for nb, spread in ((300, 4), (1000, 10**6), (64, 1)):
+        cands = rng.permutation(nb)[:nb - 7].astype(np.int64)
+        stamps = rng.integers(0, spread, nb)
+        for n in (1, 2, 5, 40, len(cands) // 2 - 1, len(cands) // 2 + 1, len(cands)):
+            assert _oldest(cands, stamps, n, nb).tolist() == \
+                lexsort_oldest(cands, stamps, n).tolist()
 
 
 @given(lru_cases())
@@ -402,10 +424,19 @@ def test_pool_release_and_allocate_keep_the_owned_flags(case, data):
     twin = copy.deepcopy(pool)
     gone = np.array(data.draw(st.lists(st.integers(0, nb - 1), unique=True, max_size=4)),
                     np.int64)
-    for p in (pool, twin):
-        p.release(np.zeros(0, np.int64))
-        p.release(gone)
+    had = {int(b): int(pool.block_to_slot[b]) for b in gone if pool.block_to_slot[b] >= 0}
+    kept = {int(b): int(pool.block_to_slot[b]) for b in np.flatnonzero(pool.block_to_slot >= 0)
+            if b not in had}
+    free = pool.free_slots[:pool.free_count].tolist()
+    pool.release(np.zeros(0, np.int64))
     assert pool_state(pool) == pool_state(twin)
+    pool.release(gone)
+    assert {int(b): int(pool.block_to_slot[b]) for b in np.flatnonzero(
+        pool.block_to_slot >= 0)} == kept
+    assert pool.free_slots[:pool.free_count].tolist() == free + [had[b] for b in gone.tolist()
+                                                                 if b in had]
+    assert pool.broken_invariants() == []
+    twin = copy.deepcopy(pool)
     ids = np.array(data.draw(st.lists(st.integers(0, nb - 1), unique=True, max_size=8)),
                    np.int64)
     twin.evict = MethodType(before_evict, twin)
@@ -510,12 +541,23 @@ def slot_copy_sets(draw):
     sizes = draw(st.lists(st.tuples(st.integers(1, 6), st.integers(1, 6)), min_size=1,
                           max_size=3))
     top = max(max(s, d) for s, d in sizes)
-    n = draw(st.integers(0, 8))
-    mode = draw(st.sampled_from(["in all", "in some", "any"]))
-    lo, hi = {"in all": (0, min(min(s, d) for s, d in sizes) - 1), "in some": (0, top - 1),
-              "any": (-3, top + 2)}[mode]
-    dst = draw(st.lists(st.integers(lo, hi), max_size=n, unique=True))   # a dst written once
+    mode = draw(st.sampled_from(["in all", "padded", "in some", "edge", "any", "none"]))
+    lo, hi = {"in some": (0, top - 1), "any": (-3, top + 2), "edge": (0, top)}.get(
+        mode, (0, min(map(min, sizes)) - 1))
+    dst = [] if mode == "none" else draw(     # distinct: each dst written once
+        st.lists(st.integers(lo, hi), min_size=1, max_size=8, unique=True))
     src = draw(st.lists(st.integers(lo, hi), min_size=len(dst), max_size=len(dst)))
+    if mode == "padded" and dst:        # else in range: -1 in one of the arrays only
+        pad = draw(st.lists(st.integers(0, len(dst) - 1), min_size=1, unique=True))
+        which = src if draw(st.booleans()) else dst
+        for i in pad:
+            which[i] = -1
+    elif mode == "edge" and dst:        # a largest index equal to some pair's slot count
+        (src if draw(st.booleans()) else dst)[0] = draw(st.sampled_from(
+            sorted({x for pair in sizes for x in pair})))
+        if len(set(dst)) < len(dst):
+            dst = list(dict.fromkeys(dst))
+            src = src[:len(dst)]
     return sizes, np.array(src, np.int32), np.array(dst, np.int32), draw(st.integers(0, 9))
 
 
@@ -544,6 +586,22 @@ def test_reference_slot_copy_equals_a_pair_by_pair_model(case):
     for (_, got), w in zip(pairs, want):
         np.testing.assert_array_equal(got, w)
     assert int(status[0]) == 5 + bad
+
+
+@pytest.mark.parametrize("src_idx, dst_idx, copied, bad", [
+    ([0, 1], [2, -1], [[9, 9, 0, 9], [9, 9, 0]], 0),       # padding in dst only
+    ([-1, 1], [2, 0], [[1, 9, 9, 9], [1, 9, 9]], 0),       # padding in src only
+    ([3, 0], [0, 1], [[3, 0, 9, 9], [9, 0, 9]], 0),        # 3 == the second pair's src count
+    ([0, 1], [3, 0], [[1, 9, 9, 0], [1, 9, 9]], 0),        # 3 == the second pair's dst count
+    ([4, 0], [0, 1], [[9, 0, 9, 9], [9, 0, 9]], 1),        # 4 == the first pair's src count
+])
+def test_reference_slot_copy_padding_and_slot_count_edges(src_idx, dst_idx, copied, bad):
+    """Hand-computed: pair 0 is 4 -> 4 slots, pair 1 is 3 -> 3 slots; -1 in one index array
+    skips the pair everywhere, an index equal to a pair's slot count skips it there."""
+    pairs = [(np.arange(4.0), np.full(4, 9.0)), (np.arange(3.0), np.full(3, 9.0))]
+    status = np.zeros(1, np.int32)
+    reference.slot_copy(SlotSet(pairs), np.array(src_idx), np.array(dst_idx), status=status)
+    assert [d.tolist() for _, d in pairs] == copied and int(status[0]) == bad
 
 
 def test_reference_slot_copy_in_range_for_the_first_pair_only():
@@ -590,3 +648,171 @@ def test_batch_tokens_other_arrays_are_still_checked():
     assert flat.tolist() == [1, 2, 3, 4] and counts.tolist() == [2, 2]
     with pytest.raises(ValueError, match=r"tokens: expected shape \[3, >= 1\]"):
         batch_tokens("tokens", np.zeros((2, 2), np.int64), 3)
+
+
+# --- block hashes of many rows, gathered as whole rows of a block view ------------------------
+
+@settings(max_examples=20)
+@given(st.integers(1, 4), st.lists(st.lists(st.lists(st.integers(-2**63, 2**63 - 1),
+                                                      min_size=1, max_size=9),
+                                             min_size=1, max_size=4), min_size=2, max_size=5))
+def test_hashes_of_many_rows_equal_hashes_of_their_whole_prefixes(bs, streams):
+    """Several requests (rows other than 0, released and re-used rows) extended together by
+    ragged chunks, so one hashing batch spans rows and several blocks per row: every row's
+    hashes are compute_block_hashes of its whole sequence."""
+    ctx = make_ctx(200, bs=bs, rows=4, max_blocks=40 // bs)
+    ctx.add_request("gone", [1] * bs)               # its row is re-used: row order != id order
+    ctx.commit_step()
+    seqs = {}
+    for i, s in enumerate(streams[:3]):
+        seqs[i] = list(s[0])
+        ctx.add_request(i, seqs[i])
+    ctx.commit_step()
+    ctx.release_requests(["gone"])
+    for step in range(1, 4):
+        ids = [i for i in seqs if step < len(streams[i]) and
+               len(seqs[i]) + len(streams[i][step]) <= ctx.max_sequence_length]
+        if not ids:
+            break
+        ctx.extend_requests(ids, [streams[i][step] for i in ids])
+        for i in ids:
+            seqs[i] += streams[i][step]
+        ctx.commit_step()
+    ctx.register_completed_blocks()
+    t = ctx._requests
+    for i, seq in seqs.items():
+        want = compute_block_hashes(seq, bs)
+        assert t.hashes[t.row(i), :len(want)].tolist() == want
+    ctx.check_invariants()
+
+
+def test_decode_hashes_of_rows_at_different_columns():
+    """One-token decode steps over rows whose sequences differ in length (so each step's
+    block boundary is a different column per row, hashed one block each): the hashes equal
+    compute_block_hashes of the whole sequences."""
+    ctx = make_ctx(200, bs=2, rows=4, max_blocks=12, registration_budget=1)
+    seqs = {i: list(range(10 * i, 10 * i + 1 + i)) for i in range(4)}
+    for i, s in seqs.items():
+        ctx.add_request(i, s)
+    ctx.commit_step()
+    for step in range(9):
+        toks = np.array([100 + step + i for i in seqs], np.int64)
+        ctx.extend_requests(list(seqs), toks)
+        for i, tok in zip(seqs, toks.tolist()):
+            seqs[i].append(tok)
+        ctx.commit_step()
+    ctx.register_completed_blocks()
+    t = ctx._requests
+    for i, seq in seqs.items():
+        want = compute_block_hashes(seq, 2)
+        assert t.hashes[t.row(i), :len(want)].tolist() == want
+        kv = ctx.kv_block_allocator
+        assert kv.block_hashes[ctx.block_ids(i)[:len(want)]].tolist() == want
+
+
+# --- Mamba commit under a slot shortage: owners, then the first new blocks that fit ----------
+
+@settings(max_examples=30)
+@given(st.lists(st.booleans(), min_size=8, max_size=8), st.integers(1, 4),
+       st.lists(st.booleans(), min_size=3, max_size=3))
+def test_commit_under_a_shortage_keeps_what_the_code_before_kept(owned, max_slots, freed):
+    """Two rows' boundary states (scratch and EOS entries over 8 registered blocks, some
+    already owning a slot outside the map, so owners come before and after new blocks), with
+    fewer free or evictable slots than new blocks: the states kept, their slots and contents
+    and the count equal those of the code before (``np.isin`` of the first new blocks)."""
+    from test_mamba_slot_allocator import _req, make, registered_blocks
+    twins = []
+    for _ in range(2):
+        ctx, kv, alloc = make(bs=4, chunk=2, max_slots=max_slots, num_blocks=24)
+        ids, _ = registered_blocks(kv, 8)
+        others, _ = registered_blocks(kv, 3, salt=1)
+        mine = [b for b, o in zip(ids, owned) if o][:max_slots]
+        alloc.allocate_slots_batch(mine)
+        room = max_slots - len(mine)
+        alloc.allocate_slots_batch(others[:room])
+        kv.release_memory_blocks([b for b, f in zip(others[:room], freed) if f])
+        ctx.request_to_kv_block_ids[0, :4] = ids[:4]
+        ctx.request_to_kv_block_ids[2, :4] = ids[4:]
+        alloc.compute_and_store_offsets(_req(16), 0, 0, 16, 0, [], 4)
+        alloc.compute_and_store_offsets(_req(16), 2, 0, 16, 0, [], 4)
+        rng = np.random.default_rng(3)
+        alloc.intermediate_ssm_out[...] = rng.random(alloc.intermediate_ssm_out.shape)
+        twins.append(alloc)
+    new, old = twins
+    got = new.commit_intermediate_states()
+    want = before_commit(old)
+    assert got == want
+    assert dict(new.hash_to_block_id) == dict(old.hash_to_block_id)
+    assert new.block_to_slot.tolist() == old.block_to_slot.tolist()
+    np.testing.assert_array_equal(new.ssm_states, old.ssm_states)
+    new.check_invariants()
+
+
+# --- Mamba boundary-state tracking: collect and clear -----------------------------------------
+
+def intermediate_twins(rng, rows=5):
+    from hcache.device import Device
+    made = [mi.IntermediateStates(Device("cpu"), 1, rows, (2,), (3,), np.float32, np.float32)
+            for _ in range(2)]
+    counts = rng.integers(0, mi._K + 1, rows) * (rng.integers(0, 3, rows) == 0)
+    blocks = rng.integers(0, 50, (rows, mi._K))
+    eos = np.where(rng.integers(0, 2, rows) == 0, rng.integers(0, 50, rows), -1)
+    for x in made:
+        x.counts[:] = counts
+        x.block_ids[:] = np.where(np.arange(mi._K)[None, :] < counts[:, None], blocks, -1)
+        x.offsets[:] = np.where(x.block_ids >= 0, 3, 0)
+        x.eos_block_ids[:] = eos
+        x.pending = bool(counts.any() or (eos >= 0).any())
+    return made
+
+
+def tracking(x):
+    return (x.offsets.tolist(), x.block_ids.tolist(), x.counts.tolist(),
+            x.eos_block_ids.tolist(), x.pending)
+
+
+@settings(max_examples=30)
+@given(st.integers(0, 2**32 - 1))
+def test_intermediate_collect_and_clear_equal_the_code_before(seed):
+    """Random pending entries (none, EOS only as in decode steps, scratch and EOS): collect
+    returns what it returned before; clearing some rows, then all, leaves the same tracking
+    and ``pending`` flag, and the invariants hold."""
+    rng = np.random.default_rng(seed)
+    new, old = intermediate_twins(rng)
+    hashes = rng.integers(-1, 1000, 50)
+    got, want = new.collect(hashes), before_collect(old, hashes)
+    assert (got is None) == (want is None)
+    if got is not None:
+        assert [a.tolist() for a in got] == [a.tolist() for a in want]
+        assert all(a.dtype == np.int64 for a in got)
+    rows = rng.permutation(5)[:int(rng.integers(0, 6))]
+    for clear_rows in (rows, None, None):
+        new.clear(clear_rows)
+        before_clear(old, clear_rows)
+        assert tracking(new) == tracking(old)
+        assert new.broken_invariants() == []
+    assert new.collect(hashes) is None and not new.pending
+
+
+# --- Mamba hash map: ownership flags in a bytearray ---------------------------------------------
+
+def test_register_refuses_a_block_without_a_slot_and_changes_nothing():
+    """``register_block_hashes_batch`` of a registered block that owns no slot (never had one,
+    or lost it) raises the same ValueError, naming the block, and changes nothing; the lean
+    list path refuses it too and falls through to the same error."""
+    from test_mamba_slot_allocator import make, registered_blocks
+    _, kv, alloc = make(max_slots=4)
+    ids, hashes = registered_blocks(kv, 3)
+    alloc.allocate_slots_batch(ids[:2])
+    alloc.invalidate_block(ids[0])
+    for bad in (ids[0], ids[2]):
+        before = (dict(alloc.hash_to_block_id), alloc.block_to_slot.tolist())
+        for args in (([ids[1], bad], [hashes[1], hashes[ids.index(bad)]]),
+                     (np.array([ids[1], bad]), np.array([hashes[1], hashes[ids.index(bad)]]))):
+            with pytest.raises(ValueError, match=f"block_ids: expected blocks owning a slot, "
+                                                 f"got {bad}$"):
+                alloc.register_block_hashes_batch(*args)
+            assert (dict(alloc.hash_to_block_id), alloc.block_to_slot.tolist()) == before
+    alloc.register_block_hashes_batch([ids[1]], [hashes[1]])
+    assert alloc.hash_to_block_id == {hashes[1]: ids[1]}
+    alloc.check_invariants()
