@@ -189,14 +189,14 @@ class MambaSlotAllocator:
         return slots.tolist()
 
     def _evict_lru_slots_batch(self, num_needed, *, exclude=None) -> list[int]:
-        """Take (not free: the caller owns them) the slots of the ``num_needed`` LRU evictable
-        blocks (KV ref count 0, oldest KV timestamp, then lowest id, none of ``exclude``) and drop
-        their Mamba hashes. :class:`MambaSlotCapacityError` (nothing changes) if too few."""
-        n = as_int("num_needed", num_needed)
+        """Take (not free) the slots of ``num_needed`` LRU evictable blocks (KV ref count 0, oldest,
+        then lowest id, none of ``exclude``), drop their hashes; too few: MambaSlotCapacityError."""
+        n, ids = as_int("num_needed", num_needed), np.arange(self.num_blocks)
         if n == 0:
             return []
+        excluded = None if exclude is None else ids[np.isin(ids, exclude)]  # no id but blocks'
         slots, victims = self._pool.evict(n, self._kv.block_ref_counts, self._timestamps(),
-                                          exclude=exclude)
+                                          exclude=excluded)
         self._hashes.drop_blocks(victims, self._kv.block_hashes)
         return slots.tolist()
 
