@@ -46,7 +46,6 @@ def use_runtime(rt):
 
 
 @cache
-@cache
 def _cupy_runtime():
     """CuPy's runtime, made once (its stream wrappers live as long as the process)."""
     try:

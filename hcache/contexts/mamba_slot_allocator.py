@@ -1,5 +1,4 @@
-"""Durable Mamba states keyed by KV block id: the Mamba half of hybrid prefix caching
-(docs/design.md §6).
+"""Durable Mamba states by KV block id: the Mamba half of hybrid prefix caching (docs/design.md §6).
 
 A cached state describes the recurrent (SSM) and conv state of every Mamba layer *after* the last
 token of one KV block, so a request whose prompt matches that block's chained hash can restore it
@@ -189,8 +188,9 @@ class MambaSlotAllocator:
         return slots.tolist()
 
     def _evict_lru_slots_batch(self, num_needed, *, exclude=None) -> list[int]:
-        """Take (not free) the slots of ``num_needed`` LRU evictable blocks (KV ref count 0, oldest,
-        then lowest id, none of ``exclude``), drop their hashes; too few: MambaSlotCapacityError."""
+        """Take (not free: the caller owns them) the slots of the ``num_needed`` LRU evictable
+        blocks (KV ref count 0, oldest KV timestamp, then lowest id, none of ``exclude``) and drop
+        their Mamba hashes. :class:`MambaSlotCapacityError` (nothing changes) if too few."""
         n, ids = as_int("num_needed", num_needed), np.arange(self.num_blocks)
         if n == 0:
             return []
