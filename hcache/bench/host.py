@@ -256,7 +256,8 @@ class _MegatronAllocator:
         self.registry = _MegatronRegistry()
 
     def register_block_hashes_batch(self, block_ids, hashes):
-        self.registry.register_mamba(block_ids, hashes)
+        if self.registry is not None:       # as Megatron-LM's: the registry is optional
+            self.registry.register_mamba(block_ids, hashes)
 
 
 def _cpu_kv_write(rounds: int) -> dict:
