@@ -55,36 +55,28 @@ def batch_tokens(name: str, tokens, n: int):
         Not ``n`` entries, a bad shape, or a request with no token.
     """
     if type(tokens) is np.ndarray and tokens.ndim == 1 and tokens.dtype == np.int64:
-        flat = tokens           # one token each, as stored: nothing to check or convert
+        flat = tokens       # one token each, stored as the table stores them: nothing to convert
     else:
-        flat = _nested_or_flat(name, tokens, n)
-        if isinstance(flat, tuple):
-            return flat
+        tokens = host_array(name, tokens) if is_array(tokens) else tokens
+        if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
+            if tokens.shape[0] != n or tokens.shape[1] == 0:
+                raise ValueError(f"{name}: expected shape [{n}, >= 1], got {tokens.shape}")
+            flat = token_array(name, tokens.reshape(-1))
+            return flat, np.full(n, tokens.shape[1], np.int64)
+        if isinstance(tokens, (list, tuple)) and len(tokens) \
+                and isinstance(tokens[0], (list, tuple, np.ndarray)):
+            parts = [token_array(f"{name}[{i}]", t) for i, t in enumerate(tokens)]
+            if len(parts) != n:
+                raise ValueError(f"{name}: expected {n} token sequences, got {len(parts)}")
+            counts = np.fromiter(map(len, parts), np.int64, n)
+            if not counts.all():
+                i = int(np.argmin(counts))
+                raise ValueError(f"{name}[{i}]: expected at least 1 token, got 0")
+            return np.concatenate(parts), counts
+        flat = token_array(name, tokens)
     if len(flat) != n:
         raise ValueError(f"{name}: expected {n} tokens (one per request), got {len(flat)}")
     return flat, None
-
-
-def _nested_or_flat(name: str, tokens, n: int):
-    """:func:`batch_tokens` of ``k`` tokens per request (its result) or of one each (the flat
-    array, not counted yet)."""
-    tokens = host_array(name, tokens) if is_array(tokens) else tokens
-    if isinstance(tokens, np.ndarray) and tokens.ndim == 2:
-        if tokens.shape[0] != n or tokens.shape[1] == 0:
-            raise ValueError(f"{name}: expected shape [{n}, >= 1], got {tokens.shape}")
-        flat = token_array(name, tokens.reshape(-1))
-        return flat, np.full(n, tokens.shape[1], np.int64)
-    if isinstance(tokens, (list, tuple)) and len(tokens) \
-            and isinstance(tokens[0], (list, tuple, np.ndarray)):
-        parts = [token_array(f"{name}[{i}]", t) for i, t in enumerate(tokens)]
-        if len(parts) != n:
-            raise ValueError(f"{name}: expected {n} token sequences, got {len(parts)}")
-        counts = np.fromiter(map(len, parts), np.int64, n)
-        if not counts.all():
-            i = int(np.argmin(counts))
-            raise ValueError(f"{name}[{i}]: expected at least 1 token, got 0")
-        return np.concatenate(parts), counts
-    return token_array(name, tokens)
 
 
 def ragged_columns(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
