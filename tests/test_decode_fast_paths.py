@@ -1,12 +1,13 @@
 """The decode-step fast paths of issue 11 (commits a0ba42e, bca9203) change cost, not behaviour.
 
-Oracles: the code before those commits, kept here as plain functions (``np.lexsort`` LRU
-victims, ``np.isin`` exclusion, a hash lookup for every parent, the settle and drop checks the
-map's invariants were argued to make redundant, the masked ``slot_copy``, the per-offset token
-gather); a pair-by-pair model of ``slot_copy``; ``compute_block_hashes`` of whole sequences; and a
-context whose components run the "before" code, driven side by side with an unchanged one
-through admissions, decode steps, extensions, commits and releases under KV and Mamba-slot
-pressure (every outcome and every piece of state equal after every operation).
+Oracles: the plain forms the fast paths replaced, kept here as small functions (``np.lexsort``
+LRU victims, ``np.isin`` exclusion, a hash lookup for every parent, the settle and drop checks
+the map's invariants were argued to make redundant); per-row models of the boundary-state
+tracking and of a commit short of slots (owners, then the first new blocks that fit); a
+pair-by-pair model of ``slot_copy``; ``compute_block_hashes`` of whole sequences; and a context
+whose pool, hash map, backlog analysis and forest run those plain forms, driven side by side
+with an unchanged one through admissions, decode steps, extensions, commits and releases under
+KV and Mamba-slot pressure (every outcome and every piece of state equal after every operation).
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ from types import MethodType
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from test_dynamic_context import make_ctx
 
 from hcache.contexts import compute_block_hashes
 from hcache.contexts import mamba_intermediate as mi
 from hcache.contexts.backlog_duplicates import backlog_blocks, entangled_rows
 from hcache.contexts.block_forest import BlockForest
-from hcache.contexts.block_hashing import chain_block_hashes
 from hcache.contexts.block_registration import ENTANGLED_ROWS
 from hcache.contexts.kv_block_allocator import KVBlockAllocator
 from hcache.contexts.mamba_slot_pool import MambaSlotCapacityError, MambaSlotPool, _oldest
-from hcache.contexts.token_batches import batch_tokens, ragged_columns
+from hcache.contexts.token_batches import batch_tokens
 from hcache.ops import reference
 from hcache.ops.tables import SlotSet
 
@@ -82,71 +82,6 @@ def before_drop_blocks(self, block_ids, kv_block_hashes):
             del m[h]
 
 
-def before_collect(self, kv_block_hashes):
-    if not self.pending:
-        return None
-    valid = np.arange(mi._K)[None, :] < self.counts[:, None]
-    inter = self.block_ids[valid].astype(np.int64)
-    eos_rows = np.nonzero(self.eos_block_ids >= 0)[0].astype(np.int64)
-    eos = self.eos_block_ids[eos_rows].astype(np.int64)
-    if not len(inter) and not len(eos):
-        return None
-    hashes = np.asarray(kv_block_hashes)[np.concatenate([inter, eos])].astype(np.int64)
-    return inter, np.arange(len(inter), dtype=np.int64), eos, eos_rows, hashes
-
-
-def before_clear(self, rows=None):
-    if rows is None and not self.pending:
-        return
-    sel = slice(None) if rows is None else mi.index_array("rows", rows, self.max_requests)
-    self.offsets[sel] = 0
-    self.block_ids[sel] = -1
-    self.counts[sel] = 0
-    self.eos_block_ids[sel] = -1
-    self.pending = bool(self.counts.any() or (self.eos_block_ids >= 0).any())
-
-
-def before_commit(self, *, stream=None):
-    data = self._collect_commit_data()
-    if data is None:
-        self._clear_intermediate_state()
-        return 0
-    inter, src, eos, eos_rows, hashes = data
-    bids = np.concatenate([inter, eos]) if len(inter) else eos
-    deferred = self.deferred_blocks
-    waiting = np.zeros(len(bids), bool) if deferred is None else deferred[bids]
-    if not len(inter) and waiting.all():
-        idx = np.arange(len(bids))
-    else:
-        idx = np.flatnonzero(((hashes > 0) & ~self._hashes.cached(bids, hashes)) | waiting)
-        if len(idx) > 1:
-            idx = idx[self._pool.first_occurrences(bids[idx])]
-    refs = self._kv.block_ref_counts
-    new, available = self._pool.demand(bids[idx], refs, distinct=True)
-    if len(new) > self.free_count and (waiting.any() or self._hashes.awaiting.any()):
-        private = self.private_deferred()
-        self._pool.release(self._hashes.forget_awaiting(private))
-        idx = idx[~np.isin(bids[idx], private)]
-        new, available = self._pool.demand(bids[idx], refs, distinct=True)
-    if len(new) > available:
-        allowed = new[:available]
-        idx = idx[(self.block_to_slot[bids[idx]] >= 0) | np.isin(bids[idx], allowed)]
-    ids = bids[idx]
-    slots, victims = self._pool.allocate(ids, refs, self._timestamps(), distinct=True)
-    self._hashes.drop_blocks(victims, self._kv.block_hashes)
-    is_inter = idx < len(inter)
-    if is_inter.any():
-        self._copies.scratch_to_cache(src[idx[is_inter]], slots[is_inter], stream=stream)
-    if not is_inter.all():
-        self._copies.store_live_unchecked(slots[~is_inter],
-                                          eos_rows[idx[~is_inter] - len(inter)], stream)
-    waiting = waiting[idx]
-    self._hashes.awaiting[ids[waiting]] = True
-    self.hash_to_block_id.update(zip(hashes[idx[~waiting]].tolist(), ids[~waiting].tolist()))
-    self._clear_intermediate_state()
-    return int(len(idx) - np.count_nonzero(waiting))
-
-
 def before_backlog(self):
     entangled = entangled_rows(self.requests, self.kv, bool(self._dropped), ENTANGLED_ROWS)
     return backlog_blocks(self._queue, self.requests, self.kv.kv_hash_to_block_id,
@@ -157,21 +92,6 @@ def before_link(self, block_ids, hashes, parent_hashes, likely_parents=None):
     BlockForest.link(self, block_ids, hashes, parent_hashes)      # every parent by its hash
 
 
-def before_hash_new_blocks(self, rows, first, counts):
-    bs = self.block_size
-    if counts is None:
-        owners, cols = rows, first
-    else:
-        which, cols = ragged_columns(first, counts)
-        owners = rows[which]
-    blocks = self.tokens[owners[:, None], cols[:, None] * bs + np.arange(bs)]
-    chains = None if counts is None or len(cols) == len(rows) else counts
-    hashes, digests = chain_block_hashes(self.digests[rows], blocks, chains)
-    self.hashes[owners, cols] = hashes
-    self.digests[rows] = digests if chains is None else digests[np.cumsum(counts) - 1]
-    return hashes
-
-
 def as_before(ctx):
     """``ctx`` with every changed component running the code before the fast paths."""
     m, kv, reg = ctx.mamba_slot_allocator, ctx.kv_block_allocator, ctx._registration
@@ -179,12 +99,8 @@ def as_before(ctx):
                (m._pool, "evict", before_evict),
                (m._hashes, "settle", before_settle),
                (m._hashes, "drop_blocks", before_drop_blocks),
-               (m._intermediate, "collect", before_collect),
-               (m._intermediate, "clear", before_clear),
-               (m, "commit_intermediate_states", before_commit),
                (reg, "_backlog", before_backlog),
-               (kv._forest, "link", before_link),
-               (ctx._requests, "_hash_new_blocks", before_hash_new_blocks)]
+               (kv._forest, "link", before_link)]
     for obj, name, fn in patches:
         assert callable(getattr(obj, name))
         setattr(obj, name, MethodType(fn, obj))
@@ -712,40 +628,70 @@ def test_decode_hashes_of_rows_at_different_columns():
 
 # --- Mamba commit under a slot shortage: owners, then the first new blocks that fit ----------
 
+def kept_by_model(alloc, kv):
+    """Entries (positions in the commit's scratch-then-EOS order) a commit keeps, by the rule
+    it documents: registered, not cached under their hash, first of their block; then every
+    block owning a slot, and new blocks in order while free plus evictable slots (owned by a
+    block of ref count 0 outside the batch) last."""
+    inter, src, eos, eos_rows, hashes = alloc._collect_commit_data()
+    bids, hs = inter.tolist() + eos.tolist(), hashes.tolist()
+    entries, seen = [], set()
+    for i, (b, h) in enumerate(zip(bids, hs)):
+        if h > 0 and alloc.hash_to_block_id.get(h) != b and b not in seen:
+            seen.add(b)
+            entries.append(i)
+    owners = [int(b) for b in alloc.slot_to_block.tolist() if b >= 0]
+    evictable = [b for b in owners if kv.block_ref_counts[b] == 0 and b not in bids]
+    room, kept = alloc.free_count + len(evictable), []
+    for i in entries:
+        if alloc.block_to_slot[bids[i]] >= 0:
+            kept.append(i)
+        elif room:
+            kept.append(i)
+            room -= 1
+    return kept, bids, hs, src.tolist(), eos_rows.tolist(), len(inter)
+
+
 @settings(max_examples=30)
 @given(st.lists(st.booleans(), min_size=8, max_size=8), st.integers(1, 4),
        st.lists(st.booleans(), min_size=3, max_size=3))
-def test_commit_under_a_shortage_keeps_what_the_code_before_kept(owned, max_slots, freed):
+# Short of slots with some available: evictable ones only, then owners among the new blocks.
+@example([False] * 8, 1, [True] * 3)
+@example([False, False, False, True, False, True, False, False], 4, [True, False, False])
+@example([False, True, False, False, False, False, True, False], 4, [True, True, True])
+def test_commit_under_a_shortage_keeps_owners_then_the_first_new_blocks(owned, max_slots,
+                                                                          freed):
     """Two rows' boundary states (scratch and EOS entries over 8 registered blocks, some
     already owning a slot outside the map, so owners come before and after new blocks), with
-    fewer free or evictable slots than new blocks: the states kept, their slots and contents
-    and the count equal those of the code before (``np.isin`` of the first new blocks)."""
+    fewer free or evictable slots than new blocks: the states kept, their contents and the
+    count are those of the documented rule (:func:`kept_by_model`); the others own no slot."""
     from test_mamba_slot_allocator import _req, make, registered_blocks
-    twins = []
-    for _ in range(2):
-        ctx, kv, alloc = make(bs=4, chunk=2, max_slots=max_slots, num_blocks=24)
-        ids, _ = registered_blocks(kv, 8)
-        others, _ = registered_blocks(kv, 3, salt=1)
-        mine = [b for b, o in zip(ids, owned) if o][:max_slots]
-        alloc.allocate_slots_batch(mine)
-        room = max_slots - len(mine)
-        alloc.allocate_slots_batch(others[:room])
-        kv.release_memory_blocks([b for b, f in zip(others[:room], freed) if f])
-        ctx.request_to_kv_block_ids[0, :4] = ids[:4]
-        ctx.request_to_kv_block_ids[2, :4] = ids[4:]
-        alloc.compute_and_store_offsets(_req(16), 0, 0, 16, 0, [], 4)
-        alloc.compute_and_store_offsets(_req(16), 2, 0, 16, 0, [], 4)
-        rng = np.random.default_rng(3)
-        alloc.intermediate_ssm_out[...] = rng.random(alloc.intermediate_ssm_out.shape)
-        twins.append(alloc)
-    new, old = twins
-    got = new.commit_intermediate_states()
-    want = before_commit(old)
-    assert got == want
-    assert dict(new.hash_to_block_id) == dict(old.hash_to_block_id)
-    assert new.block_to_slot.tolist() == old.block_to_slot.tolist()
-    np.testing.assert_array_equal(new.ssm_states, old.ssm_states)
-    new.check_invariants()
+    ctx, kv, alloc = make(bs=4, chunk=2, max_slots=max_slots, num_blocks=24)
+    ids, _ = registered_blocks(kv, 8)
+    others, _ = registered_blocks(kv, 3, salt=1)
+    mine = [b for b, o in zip(ids, owned) if o][:max_slots]
+    alloc.allocate_slots_batch(mine)
+    room = max_slots - len(mine)
+    alloc.allocate_slots_batch(others[:room])
+    kv.release_memory_blocks([b for b, f in zip(others[:room], freed) if f])
+    ctx.request_to_kv_block_ids[0, :4] = ids[:4]
+    ctx.request_to_kv_block_ids[2, :4] = ids[4:]
+    alloc.compute_and_store_offsets(_req(16), 0, 0, 16, 0, [], 4)
+    alloc.compute_and_store_offsets(_req(16), 2, 0, 16, 0, [], 4)
+    alloc.intermediate_ssm_out[...] = np.random.default_rng(3).random(
+        alloc.intermediate_ssm_out.shape)
+    scratch = alloc.intermediate_ssm_out.copy()       # as stored (the cache's dtype)
+    kept, bids, hs, src, eos_rows, n_inter = kept_by_model(alloc, kv)
+    assert alloc.commit_intermediate_states() == len(kept)
+    assert dict(alloc.hash_to_block_id) == {hs[i]: bids[i] for i in kept}
+    for i in kept:
+        slot = int(alloc.block_to_slot[bids[i]])
+        want = scratch[:, src[i]] if i < n_inter else \
+            ctx.mamba_ssm_states[:, ctx.request_to_mamba_state_idx[eos_rows[i - n_inter]]]
+        np.testing.assert_array_equal(alloc.ssm_states[:, slot], want)
+    dropped = {bids[i] for i in range(len(bids))} - {bids[i] for i in kept} - set(mine)
+    assert all(alloc.block_to_slot[b] < 0 for b in dropped)
+    alloc.check_invariants()
 
 
 # --- Mamba boundary-state tracking: collect and clear -----------------------------------------
@@ -771,27 +717,50 @@ def tracking(x):
             x.eos_block_ids.tolist(), x.pending)
 
 
+def collect_by_model(x, kv_block_hashes):
+    """Row by row: each row's first ``counts`` scratch blocks (scratch index = running count),
+    then each row's EOS block, and their hashes; None when nothing is pending."""
+    rows = range(len(x.counts))
+    inter = [int(x.block_ids[r, k]) for r in rows for k in range(int(x.counts[r]))]
+    eos_rows = [r for r in rows if x.eos_block_ids[r] >= 0]
+    eos = [int(x.eos_block_ids[r]) for r in eos_rows]
+    if not x.pending or not inter + eos:
+        return None
+    return (inter, list(range(len(inter))), eos, eos_rows,
+            [int(kv_block_hashes[b]) for b in inter + eos])
+
+
+def clear_by_model(tracked, rows):
+    """``tracking`` after forgetting ``rows`` (None: all): their entries reset, ``pending``
+    while any entry is left."""
+    offsets, block_ids, counts, eos, _ = copy.deepcopy(tracked)
+    for r in range(len(counts)) if rows is None else rows.tolist():
+        offsets[r], block_ids[r] = [0] * len(offsets[r]), [-1] * len(block_ids[r])
+        counts[r], eos[r] = 0, -1
+    return offsets, block_ids, counts, eos, any(counts) or any(e >= 0 for e in eos)
+
+
 @settings(max_examples=30)
 @given(st.integers(0, 2**32 - 1))
-def test_intermediate_collect_and_clear_equal_the_code_before(seed):
+def test_intermediate_collect_and_clear_follow_the_row_model(seed):
     """Random pending entries (none, EOS only as in decode steps, scratch and EOS): collect
-    returns what it returned before; clearing some rows, then all, leaves the same tracking
-    and ``pending`` flag, and the invariants hold."""
+    returns the row-by-row model's entries as int64 arrays; clearing some rows, then all,
+    leaves the model's tracking and ``pending`` flag, and the invariants hold."""
     rng = np.random.default_rng(seed)
-    new, old = intermediate_twins(rng)
+    x, _ = intermediate_twins(rng)
     hashes = rng.integers(-1, 1000, 50)
-    got, want = new.collect(hashes), before_collect(old, hashes)
+    got, want = x.collect(hashes), collect_by_model(x, hashes)
     assert (got is None) == (want is None)
     if got is not None:
-        assert [a.tolist() for a in got] == [a.tolist() for a in want]
+        assert [a.tolist() for a in got] == list(want)
         assert all(a.dtype == np.int64 for a in got)
     rows = rng.permutation(5)[:int(rng.integers(0, 6))]
     for clear_rows in (rows, None, None):
-        new.clear(clear_rows)
-        before_clear(old, clear_rows)
-        assert tracking(new) == tracking(old)
-        assert new.broken_invariants() == []
-    assert new.collect(hashes) is None and not new.pending
+        want = clear_by_model(tracking(x), clear_rows)
+        x.clear(clear_rows)
+        assert tracking(x) == want
+        assert x.broken_invariants() == []
+    assert x.collect(hashes) is None and not x.pending
 
 
 # --- Mamba hash map: ownership flags in a bytearray ---------------------------------------------
