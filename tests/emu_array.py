@@ -89,7 +89,13 @@ class EmuArray:
     strides = property(lambda self: self._v.strides)
     flags = property(lambda self: self._v.flags)
     device = property(lambda self: _Dev(self._alloc.device))
-    data = property(lambda self: _Ptr(int(self._v.ctypes.data)))
+    data = property(lambda self: _Ptr(self.address))
+
+    @property
+    def address(self) -> int:
+        """The device address of the first element: 0 for an array of a zero-byte allocation
+        (CuPy's null pointer), whatever view of it this is."""
+        return 0 if self._alloc.null else int(self._v.ctypes.data)
 
     def __len__(self):
         return len(self._v)
@@ -100,7 +106,7 @@ class EmuArray:
     @property
     def __cuda_array_interface__(self):
         return {"shape": self.shape, "typestr": self.dtype.str, "version": 3,
-                "data": (int(self._v.ctypes.data), False), "strides": self.strides,
+                "data": (self.address, False), "strides": self.strides,
                 "stream": None}
 
     def __dlpack_device__(self):
@@ -341,6 +347,8 @@ class EmuXP:
         shape = tuple(iface["shape"])
         strides = iface.get("strides") or np.empty(shape, dtype).strides
         rt = self._rt
+        if ptr == 0 and 0 in shape:
+            return self.empty(shape, dtype)   # CuPy's zero-size arrays have no memory
         i = bisect.bisect(rt._starts, ptr) - 1
         if i < 0 or ptr >= rt._ranges[rt._starts[i]][0]:
             raise _error(f"__cuda_array_interface__: {ptr:#x} is not emulated device memory")
@@ -379,6 +387,7 @@ class _Borrowed:
 
     def __init__(self, entry, start, owner):
         self.nbytes, self.device, self.ptr, self.owner = entry[0] - start, entry[1], start, owner
+        self.null = False
 
 
 class EmuCapsule:

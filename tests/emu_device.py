@@ -120,9 +120,15 @@ class EmuStream:
 
 
 class _Alloc:
-    """A device allocation: an aligned host buffer standing for device memory."""
+    """A device allocation: an aligned host buffer standing for device memory.
+
+    A zero-byte allocation has the address 0, as CuPy's does (its memory pool hands out a null
+    pointer for size 0): arrays of it look absent to a kernel that tests for ``nullptr``. The
+    host buffer behind it still has one byte, so views of it stay valid NumPy arrays.
+    """
 
     def __init__(self, rt, device: int, nbytes: int):
+        self.null = int(nbytes) == 0
         raw = np.empty(max(nbytes, 1) + 256, np.uint8)
         off = (-raw.ctypes.data) % 256
         self.buf = raw[off:off + max(nbytes, 1)]
@@ -395,7 +401,7 @@ class EmuRuntime:
         return a._alloc.device
 
     def pointer(self, a) -> int:
-        return int(a._v.ctypes.data)
+        return a.address
 
     def adopt(self, obj):
         return self.xp.view_interface(obj)

@@ -28,7 +28,7 @@ def kernel_env(kind):
     compiler); ``"reference"`` is ``(numpy, None)``."""
     if kind == "reference":
         return np, None
-    if kind.startswith("emu"):
+    if kind in ("emu", "emu-reverse"):   # not "emulated": that one is the device below
         import emu
 
         if not emu.have_compiler():
