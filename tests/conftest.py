@@ -116,3 +116,19 @@ def backend(request):
     launcher = emu.EmuLauncher()
     with ops.host_backend(launcher):
         yield launcher
+
+
+@pytest.fixture
+def own_pool():
+    """A memory pool of this test alone, made the allocator for the whole test: arrays that
+    earlier tests left to the garbage collector live in the default pool, so their release
+    during the measured loop cannot move this pool's counts (a strict
+    ``used_bytes`` equality then measures this test alone)."""
+    import gc
+
+    import cupy
+
+    gc.collect()
+    pool = cupy.cuda.MemoryPool()
+    with cupy.cuda.using_allocator(pool.malloc):
+        yield pool

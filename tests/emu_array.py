@@ -168,7 +168,7 @@ class EmuArray:
         if target is None:
             _test_only("fancy-index assignment")
             host = self._host_now()
-            host[key] = value.get() if isinstance(value, EmuArray) else value
+            host[_unwrap((key,))[0]] = value.get() if isinstance(value, EmuArray) else value
             return self._rt.xp.write_now(self, host)
         target._assign(value)
 
@@ -212,9 +212,10 @@ class EmuArray:
         return self._rt.xp.wrap_now(result)
 
     def __array__(self, dtype=None, copy=None):
-        _test_only("__array__")
-        host = self._host_now()
-        return host if dtype is None else host.astype(dtype)
+        # CuPy refuses implicit conversion, in tests too: a test that reads a device array
+        # with np.array / np.asarray instead of .get() (helpers.host) fails on a GPU.
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
 
     def __getattr__(self, name):
         if name.startswith("_") or not hasattr(np.ndarray, name):
@@ -246,7 +247,9 @@ class EmuArray:
 
 
 def _unwrap(args):
-    return tuple(a._host_now() if isinstance(a, EmuArray) else a for a in args)
+    """Host values of ``args``: device arrays read back, index tuples of them too."""
+    return tuple(a._host_now() if isinstance(a, EmuArray)
+                 else _unwrap(a) if isinstance(a, tuple) else a for a in args)
 
 
 def _unwrap_kw(kw):

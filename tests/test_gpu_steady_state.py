@@ -13,6 +13,7 @@ from helpers import host
 pytestmark = pytest.mark.gpu
 
 
+
 def _hybrid(max_batch=8, seq=64):
     cfg = hcache.HybridCacheConfig(
         ["mamba", "attention", "mamba", "attention"],
@@ -22,11 +23,11 @@ def _hybrid(max_batch=8, seq=64):
     return hcache.HybridCacheManager(cfg, device="cuda")
 
 
-def test_thousand_decode_steps_allocate_nothing():
+def test_thousand_decode_steps_allocate_nothing(own_pool):
     import cupy
 
     m = _hybrid()
-    pool = cupy.get_default_memory_pool()
+    pool = own_pool
     inc = cupy.ones(8, dtype=cupy.int32)
     swap = cupy.array([1, 0, 2, 3, 4, 5, 6, 7], dtype=cupy.int32)
 
@@ -49,7 +50,7 @@ def test_thousand_decode_steps_allocate_nothing():
     assert m.last_compaction_valid() and m.refused_commit_count() == 0
 
 
-def test_continuous_batching_steps_allocate_nothing():
+def test_continuous_batching_steps_allocate_nothing(own_pool):
     import cupy
 
     mgr = hcache.ContinuousBatchingKVCacheManager(
@@ -57,7 +58,7 @@ def test_continuous_batching_steps_allocate_nothing():
         num_layers=3, device="cuda")
     ids = mgr.claim(4)
     token = cupy.zeros((4, 1, 4, 64), dtype=mgr.blocks_buf.dtype)
-    pool = cupy.get_default_memory_pool()
+    pool = own_pool
 
     def steps(n):
         for _ in range(n):

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hcache import ops
 from hcache.ops.tables import KVGroup, compaction_plan_size
 
+from helpers import host
 from kernel_cases import (
     BACKENDS,
     HEAD_DIMS,
@@ -126,7 +127,7 @@ def test_kv_write_into_rings_matches_model(kind, c):
             kw["positions"] = arena.int32(positions)
         else:
             kw["cache_lengths"] = arena.int32(c["starts"])
-        before = [np.array(a) if backend is None else None for a in layers]
+        before = [host(a) for a in layers]   # a copy, read with .get() on a device
         group = KVGroup(layers, ring_windows=c["windows"])
         ops.kv_write(group, k, v, backend=backend, **kw)
         return layers, k, v, status, before

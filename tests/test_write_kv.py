@@ -326,7 +326,7 @@ def test_scales_of_a_cache_that_is_not_fp8_are_refused():
 # --- steady state on a GPU ---------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_decode_write_kv_allocates_nothing():
+def test_decode_write_kv_allocates_nothing(own_pool):
     """Decode-step write_kv calls (uniform, ragged, FP8 quantized) allocate no device memory
     after the first one."""
     import cupy
@@ -340,7 +340,7 @@ def test_decode_write_kv_allocates_nothing():
         m.write_kv(None, [k.reshape(3, *k.shape[2:]) for k in ks],
                    [k.reshape(3, *k.shape[2:]) for k in ks], seq_lengths=[1, 1, 1])
         cupy.cuda.Device().synchronize()
-        pool = cupy.get_default_memory_pool()
+        pool = own_pool
         used = pool.used_bytes()
         for _ in range(3):
             m.write_kv(None, ks, ks)
