@@ -110,7 +110,7 @@ def bench(args) -> int:
         from hcache.bench import host
 
         return bench_main(device=args.device, out_dir=args.out, quick=args.quick,
-                          benches=(host,))
+                          benches=(host,), kind="host")
     return bench_main(device=args.device, out_dir=args.out, quick=args.quick)
 
 

@@ -101,3 +101,19 @@ def test_ratios_keep_significant_digits_however_small():
     assert significant(0.000123456) == 0.000123
     assert significant(12345.6) == 12300.0
     assert significant(2 / 3) == 0.667
+
+
+def test_kernel_and_host_reports_of_one_day_do_not_overwrite_each_other(tmp_path):
+    """Issue 21 item 11: ``--quick`` and ``--host`` into one folder leave two reports, each
+    named by what it holds."""
+    lengths_only = KERNEL_BENCHES[-1:]
+    assert bench_main("cpu", tmp_path, quick=True, benches=lengths_only) == 0
+    assert bench_main("cpu", tmp_path, quick=False, benches=lengths_only) == 0
+    assert bench_main("cpu", tmp_path, quick=True, benches=lengths_only, kind="host") == 0
+    names = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert len(names) == 3
+    assert [n.split("_", 2)[2] for n in names] == ["host_quick.json", "kernels.json",
+                                                   "kernels_quick.json"]
+    for name in names:
+        report = json.loads((tmp_path / name).read_text())
+        assert name.endswith(f"_{report['kind']}{'_quick' if report['quick'] else ''}.json")

@@ -1,23 +1,29 @@
-"""``bench/gpu_session.sh``, the one command run on a lent GPU (issue 10, defect 2), executed here
-with stand-ins for ``python3``, ``nvidia-smi`` and ``compute-sanitizer`` that log how they were
-called: memcheck runs with CuPy's pool off (an overrun inside a pooled block is invisible to it),
-initcheck runs too, racecheck (shared memory only; no kernel uses any) does not, every stage has
-a time limit, and a sanitizer off ``PATH`` is found."""
+"""``bench/gpu_session.sh``, the one command run on a lent GPU, executed here with stand-ins for
+``python3``, ``nvidia-smi`` and ``compute-sanitizer`` that log how they were called: one global
+deadline over every stage (issue 21 item 4), each stage under ``timeout``, memcheck with CuPy's
+pool off (an overrun inside a pooled block is invisible to it) and initcheck, the gpu tier with
+pytest-xdist, at most 8 files, each written as its stage runs."""
 
 from __future__ import annotations
 
 import glob
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_session.sh"
 LOGGER = """#!/usr/bin/env bash
-echo "$(basename "$0") pool=${HCACHE_CUPY_POOL:-on} timeout=${HCACHE_TIMEOUT_SEEN:-?} $*" \
+echo "$(basename "$0") pool=${HCACHE_CUPY_POOL:-on} timeout=${HCACHE_TIMEOUT_SEEN:-?} $*" \\
     >> "$CALLS"
+echo "output of $(basename "$0") $*"
+sleep "${STUB_SLEEP:-0}"
 """
+
+pytestmark = pytest.mark.skipif(shutil.which("timeout") is None,
+                                reason="needs coreutils timeout")
 
 
 def _stub(folder: Path, name: str) -> None:
@@ -26,7 +32,7 @@ def _stub(folder: Path, name: str) -> None:
     path.chmod(0o755)
 
 
-def _run(tmp_path, sanitizer_on_path: bool) -> list[str]:
+def _run(tmp_path, sanitizer_on_path=True, deadline=420, stub_sleep=0.0):
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     for name in ("python3", "nvidia-smi"):
@@ -40,31 +46,50 @@ def _run(tmp_path, sanitizer_on_path: bool) -> list[str]:
     (bin_dir / "timeout").chmod(0o755)
     calls = tmp_path / "calls.txt"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), "CALLS": str(calls),
-           "HOME": str(tmp_path)}
+           "HOME": str(tmp_path), "DEADLINE_S": str(deadline), "STUB_SLEEP": str(stub_sleep)}
+    t0 = time.monotonic()
     subprocess.run(["bash", str(SCRIPT)], env=env, cwd=SCRIPT.parents[1], check=True,
                    capture_output=True, timeout=60)
-    return calls.read_text().splitlines() if calls.exists() else []
+    elapsed = time.monotonic() - t0
+    return (calls.read_text().splitlines() if calls.exists() else []), out, elapsed
 
 
-@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
-def test_sanitizers_run_memcheck_unpooled_and_initcheck_under_time_limits(tmp_path):
-    calls = _run(tmp_path, sanitizer_on_path=True)
+def test_every_stage_runs_under_a_time_limit_into_at_most_eight_files(tmp_path):
+    calls, out, _ = _run(tmp_path)
     sanitizer = [c for c in calls if c.startswith("compute-sanitizer")]
     tools = [c.split("--tool ", 1)[1].split()[0] for c in sanitizer]
     assert tools == ["memcheck", "initcheck"]
     assert all(" pool=0 " in c for c in sanitizer)           # CuPy's pool off under both
-    assert all("timeout=?" not in c for c in sanitizer)      # each under `timeout`
     assert all("--error-exitcode" in c for c in sanitizer)
-    python = [c for c in calls if c.startswith("python3")]
-    assert any("-m pytest -m gpu" in c for c in python)      # the gpu tier
+    python = [c for c in calls if c.startswith("python3") and "import xdist" not in c]
+    assert all("timeout=?" not in c for c in python + sanitizer)   # each under `timeout`
+    assert any("-m pytest -m gpu" in c and "-n 8" in c for c in python)  # xdist
     assert any("-m hcache bench --out" in c for c in python)
     assert any("-m hcache bench --host" in c for c in python)
-    assert python and all("timeout=?" not in c for c in python)
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8
+    assert {"env.txt", "gpu_tier.txt", "sanitizer.txt", "bench.txt", "suite.txt",
+            "summary.txt"} <= set(files)
+    # each stage's own output is in its log as it ran
+    assert "-m pytest -m gpu" in (out / "gpu_tier.txt").read_text()
+    summary = (out / "summary.txt").read_text()
+    for stage in ("info", "gpu_tier", "memcheck", "initcheck", "bench", "bench_host", "suite"):
+        assert f"{stage}=0 " in summary
 
 
-@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils timeout")
+def test_one_global_deadline_cuts_the_stages_that_do_not_fit(tmp_path):
+    """Each stand-in takes 1 s; with a 6 s deadline the session ends near 6 s, the stages
+    past the deadline are reported as skipped, and what ran left its logs."""
+    calls, out, elapsed = _run(tmp_path, deadline=6, stub_sleep=1)
+    assert elapsed < 15                                     # not 10 calls x 1 s + budgets
+    summary = (out / "summary.txt").read_text()
+    assert "skipped(deadline)" in summary and "suite=skipped(deadline)" in summary
+    assert "info=0" in summary
+    assert (out / "env.txt").read_text().strip()
+
+
 def test_without_a_sanitizer_the_session_still_runs_and_says_so(tmp_path):
-    calls = _run(tmp_path, sanitizer_on_path=False)
+    calls, out, _ = _run(tmp_path, sanitizer_on_path=False)
     assert not any(c.startswith("compute-sanitizer") for c in calls)
     assert any("-m pytest -m gpu" in c for c in calls)
     # Off PATH, the script looks where CUDA installs put it.
@@ -72,7 +97,7 @@ def test_without_a_sanitizer_the_session_still_runs_and_says_so(tmp_path):
                                    "/opt/nvidia/*/compute-sanitizer",
                                    "/usr/local/cuda*/compute-sanitizer/compute-sanitizer")
                  for p in glob.glob(pattern)]
-    log = (tmp_path / "out" / "sanitizer_memcheck.txt").read_text()
+    log = (out / "sanitizer.txt").read_text()
     if installed:
         assert "compute-sanitizer not found" not in log
     else:

@@ -32,13 +32,17 @@ def print_table(rows: list[dict]) -> None:
 
 
 def write_report(out: Path, report: dict) -> list[Path]:
-    """Write ``<out>/<date>_<device>.json`` (and ``.png``); return the paths written.
+    """Write ``<out>/<date>_<device>_<kind>[_quick].json`` (and ``.png``); return the paths
+    written.
 
-    ``report`` holds ``device`` (a name), ``rows`` and whatever else describes the run.
+    ``report`` holds ``device`` (a name), ``kind`` (what the rows measure), ``quick``, ``rows``
+    and whatever else describes the run.
     """
     out.mkdir(parents=True, exist_ok=True)
     device = "".join(c if c.isalnum() else "-" for c in report["device"])
-    stem = f"{_dt.date.today().isoformat()}_{device}"
+    stem = f"{_dt.date.today().isoformat()}_{device}_{report['kind']}"
+    if report.get("quick"):
+        stem += "_quick"
     path = out / f"{stem}.json"
     path.write_text(json.dumps(report, indent=1))
     png = _plot(report["rows"], out / f"{stem}.png")

@@ -20,9 +20,11 @@ KERNEL_BENCHES = (kv_write, compact, slot_copy, kv_capture, lengths)
 CPU_SCALE = 16  # shapes are divided by this on the CPU
 
 
-def main(device=None, out_dir=None, quick: bool = False, benches=KERNEL_BENCHES) -> int:
+def main(device=None, out_dir=None, quick: bool = False, benches=KERNEL_BENCHES,
+         kind: str = "kernels") -> int:
     """Run ``benches`` on ``device``, print a table and write the report to ``out_dir``
-    (default ``bench/results`` under the current directory). Returns the exit status (0).
+    (default ``bench/results`` under the current directory) as
+    ``<date>_<device>_<kind>[_quick].json``. Returns the exit status (0).
 
     Parameters
     ----------
@@ -34,6 +36,9 @@ def main(device=None, out_dir=None, quick: bool = False, benches=KERNEL_BENCHES)
         Fewer repetitions (20 instead of 200 on a GPU, 2 instead of 5 on the CPU).
     benches : sequence of modules
         Each with ``FAMILY`` (the rows' ``family``) and ``run(ctx) -> list[dict]``.
+    kind : str
+        What the report holds (``"kernels"``, ``"host"``): part of its file name, so the
+        reports of one day and device do not overwrite each other.
     """
     dev = resolve_device(device)
     if dev.is_cuda:
@@ -50,7 +55,7 @@ def main(device=None, out_dir=None, quick: bool = False, benches=KERNEL_BENCHES)
     print_table(rows)
     out = Path(out_dir) if out_dir else Path.cwd() / "bench" / "results"
     paths = write_report(out, {"device": name, "backend": str(dev), "note": note,
-                               "repeat": repeat, "rows": rows})
+                               "kind": kind, "quick": quick, "repeat": repeat, "rows": rows})
     print("wrote " + " and ".join(map(str, paths)))
     return 0
 
