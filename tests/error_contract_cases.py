@@ -467,9 +467,9 @@ for meth in ("write", "write_kv"):
          status=Junk(), stream=Stream())
 case("PagedKVPool", "check_write", make_pool,
      lambda _: {"k": rows((4, 1, 8)), "v": rows((4, 1, 8), seed=1), "layer": 1,
-                "k_scale": None, "v_scale": None},
+                "k_scale": None, "v_scale": None, "num_tokens": 4},
      k=Array(), v=Array(), layer=Index(2, none_ok=True), k_scale=OnlyNone(),
-     v_scale=OnlyNone())
+     v_scale=OnlyNone(), num_tokens=Int(0, none_ok=True).relating("k"))
 case("PagedKVPool", "launch_write", make_pool,
      lambda p: {"checked": p.check_write(rows((4, 1, 8)), rows((4, 1, 8), seed=1), layer=1),
                 "block_table": np.array([[0, 1], [2, -1]], np.int32), "stream": None,

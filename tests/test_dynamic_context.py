@@ -549,3 +549,42 @@ class BatchedVersusLoopedContext(RuleBasedStateMachine):
 
 
 TestBatchedVersusLoopedContext = BatchedVersusLoopedContext.TestCase
+
+
+# --- write_kv row counts (issue 21 item 5) -------------------------------------------------
+
+
+@pytest.mark.parametrize("rows_given", [2, 4])
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_write_kv_refuses_rows_other_than_the_steps_tokens_and_changes_nothing(rows_given,
+                                                                             per_layer):
+    """A step of 3 tokens given 2 rows would leave the third position stale, and commit_step
+    would register that block for any later request with the same prefix; 4 rows used to be
+    refused only after staging, naming ``positions``. Either is refused naming ``k`` (the
+    argument the caller passed), before anything is staged."""
+    ctx = DynamicInferenceContext(
+        kv_layer_configs=[KVLayerConfig(1, 4), KVLayerConfig(1, 4)], num_blocks=8,
+        block_size_tokens=2, max_requests=2, max_blocks_per_request=4, device="cpu")
+    ctx.add_request("a", [1, 2, 3])
+    staged = [np.array(a, copy=True) for a in (ctx._kv_writer._positions_dev,
+                                               ctx._kv_writer._offsets_dev,
+                                               ctx._kv_writer._table_dev)]
+    before = state(ctx)
+    rows = np.ones((rows_given, 1, 4), np.float16)
+    if per_layer:
+        with pytest.raises(ValueError, match=r"^k: expected shape \(3, 1, 4\)"):
+            ctx.write_kv(["a"], rows, rows, layer=1)
+    else:
+        with pytest.raises(ValueError, match=r"^k\[0\]: expected shape \(3, 1, 4\)"):
+            ctx.write_kv(["a"], [rows, rows], [rows, rows])
+    assert state(ctx) == before
+    for a, b in zip(staged, (ctx._kv_writer._positions_dev, ctx._kv_writer._offsets_dev,
+                             ctx._kv_writer._table_dev)):
+        np.testing.assert_array_equal(a, b)
+    # a later layer short of rows is caught before the first layer is written
+    good = np.ones((3, 1, 4), np.float16)
+    if not per_layer:
+        with pytest.raises(ValueError, match=r"^k\[1\]: expected shape \(3, 1, 4\)"):
+            ctx.write_kv(["a"], [good, rows], [good, rows])
+        assert state(ctx) == before
+    ctx.write_kv(["a"], [good, good], [good, good])     # the right count is accepted

@@ -316,7 +316,8 @@ class DynamicInferenceContext:
             As in :meth:`PagedKVPool.write_kv` (an FP8 pool quantizes float rows with scales).
 
         Raises ``ValueError`` / ``TypeError``: unknown request, no scheduled step, too many
-        tokens, else as the pool's.
+        tokens, a layer's ``k`` / ``v`` without exactly the scheduled tokens' rows (checked for
+        every layer before anything is staged), else as the pool's.
         """
         rows = self._requests.rows(request_ids)
         self._kv_writer.write(self._requests, rows, k, v, layer=layer, k_scale=k_scale,

@@ -282,13 +282,17 @@ class PagedKVPool:
 
     write = write_kv
 
-    def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None):
+    def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None,
+                    num_tokens=None):
         """The row and scale checks of :meth:`write_kv` (nothing else is read); returns the
-        checked call for :meth:`launch_write`. Foreign device arrays order the current stream
+        checked call for :meth:`launch_write`. ``num_tokens``: the rows each layer must have
+        (None: as many as the first ``k``). Foreign device arrays order the current stream
         after their producers: call it in the write's launch scope. Raises as :meth:`write_kv`."""
+        if num_tokens is not None:
+            num_tokens = check_int("num_tokens", num_tokens, 0)
         if layer is not None:
             layer = attention_index(self.num_layers, layer, "layer")
-        rows = check_rows(self.layer_configs, self.device, k, v, layer, self.dtype)
+        rows = check_rows(self.layer_configs, self.device, k, v, layer, self.dtype, num_tokens)
         if rows is None:
             return None  # no attention layer: nothing to write
         index, ks, vs, first = rows

@@ -35,7 +35,7 @@ def attention_index(num_layers: int, value, name: str = "i") -> int:
     return int(value)
 
 
-def check_rows(configs, device, k, v, layer, dtype):
+def check_rows(configs, device, k, v, layer, dtype, num_tokens=None):
     """The rows of a write, checked.
 
     Parameters
@@ -49,6 +49,9 @@ def check_rows(configs, device, k, v, layer, dtype):
     dtype : numpy dtype
         The pool's dtype: the first ``k``'s dtype is judged against it (a plain or a quantizing
         write) before any ``v`` is read, so a message names ``k`` first.
+    num_tokens : int, optional
+        The rows every layer must have (a step's scheduled tokens); None: as many as the
+        first ``k``.
 
     Returns
     -------
@@ -63,7 +66,7 @@ def check_rows(configs, device, k, v, layer, dtype):
     """
     if layer is not None:
         k, v = as_array("k", k, device), _coerce(configs, device, "v", v, layer)
-        num_tokens = _check_rows(configs, "k", k, layer, None, k)
+        num_tokens = _check_rows(configs, "k", k, layer, num_tokens, k)
         source_dtype("k", k.dtype, dtype, device.xp)
         _check_v(configs, "v", v, layer, num_tokens, k)
         return layer, k, v, k
@@ -73,7 +76,7 @@ def check_rows(configs, device, k, v, layer, dtype):
         _per_layer(configs, device, "v", v)
     if not n:
         return None
-    num_tokens = _check_rows(configs, "k[0]", ks[0], 0, None, ks[0])
+    num_tokens = _check_rows(configs, "k[0]", ks[0], 0, num_tokens, ks[0])
     source_dtype("k[0]", ks[0].dtype, dtype, device.xp)
     for a in range(n):
         _check_rows(configs, f"k[{a}]", ks[a], a, num_tokens, ks[0])

@@ -67,9 +67,6 @@ class StepKVWriter:
         if (requests.pending_end[rows] < 0).any():
             raise ValueError("request_ids: expected requests with a scheduled step")
         stream_handle(stream)
-        with launch_scope(self.kv_pool.device, stream):   # foreign arrays: after producers
-            checked = self.kv_pool.check_write(k, v, layer=layer, k_scale=k_scale,
-                                               v_scale=v_scale)
         starts = requests.computed[rows]
         lengths = requests.pending_end[rows] - starts
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -77,6 +74,11 @@ class StepKVWriter:
         if offsets[-1] > self.max_step_tokens:
             raise ValueError(f"request_ids: expected at most {self.max_step_tokens} tokens, "
                              f"got {int(offsets[-1])}")
+        # Every layer carries exactly the step's tokens: a short k would leave stale bytes in
+        # positions that commit_step registers and other requests then reuse.
+        with launch_scope(self.kv_pool.device, stream):   # foreign arrays: after producers
+            checked = self.kv_pool.check_write(k, v, layer=layer, k_scale=k_scale,
+                                               v_scale=v_scale, num_tokens=int(offsets[-1]))
         which, positions = ragged_columns(starts, lengths)
         positions[positions < requests.kv_cached[rows][which]] = -1
         table = requests.request_to_kv_block_ids[rows]
