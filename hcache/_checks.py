@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping, Set
 from itertools import repeat
 
 import numpy as np
@@ -73,6 +74,21 @@ def is_array(values) -> bool:
     return isinstance(values, np.ndarray) or any(hasattr(values, p) for p in _ARRAY_PROTOCOLS)
 
 
+def refuse_unordered(name: str, values) -> None:
+    """Refuse a set, a frozenset or a mapping where a sequence of ints is due: iterating one
+    gives its members in an order of its own (a set) or its keys (a mapping), never the
+    values the caller meant, and a set drops repeats.
+
+    Raises
+    ------
+    TypeError
+        ``values`` is a set or a mapping.
+    """
+    if isinstance(values, (Set, Mapping)):
+        raise TypeError(f"{name}: expected a sequence of ints (a list, a tuple or an array), "
+                        f"got {type(values).__name__}, which has no order of entries")
+
+
 def host_array(name: str, values) -> np.ndarray:
     """``values`` as a NumPy array: the one host coercion of integer arguments.
 
@@ -85,8 +101,9 @@ def host_array(name: str, values) -> np.ndarray:
     ------
     TypeError
         Device memory ("expected host integers, got device memory"), an array NumPy cannot
-        import, a string, a scalar, a nested or ragged sequence, or a bool entry of a sequence
-        (which ``np.asarray`` would read as 0 or 1).
+        import, a string, a scalar, a set or a mapping (:func:`refuse_unordered`), a nested or
+        ragged sequence, or a bool entry of a sequence (which ``np.asarray`` would read as 0
+        or 1).
     ValueError
         A Python int of a sequence beyond int64.
     """
@@ -99,8 +116,9 @@ def host_array(name: str, values) -> np.ndarray:
         return _import_host(name, values)
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name}: expected a 1-D sequence of ints, got {type(values).__name__}")
+    refuse_unordered(name, values)
     if not isinstance(values, (list, tuple)):
-        values = list(values)          # a set, a generator, a range
+        values = list(values)          # a generator, a range
     if any(map(isinstance, values, repeat((bool, np.bool_)))):
         i = next(i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)))
         raise TypeError(f"{name}[{i}]: expected an int, got bool")
@@ -206,6 +224,7 @@ def int_shape(name: str, shape) -> tuple[int, ...]:
     size is an int64)."""
     if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
         raise TypeError(f"{name}: expected a tuple of ints, got {type(shape).__name__}")
+    refuse_unordered(name, shape)
     out = tuple(as_int(f"{name}[{i}]", s, 1) for i, s in enumerate(shape))
     if math.prod(out) > _INT64_MAX:
         raise ValueError(f"{name}: expected at most {_INT64_MAX} elements, got shape {out}")
@@ -262,6 +281,7 @@ def token_counts(values, batch: int, name: str = "valid_lengths") -> list[int]:
     elif isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name}: expected a sequence of int, got {type(values).__name__}")
     else:
+        refuse_unordered(name, values)
         counts = [exact_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
     if len(counts) != batch:
         raise ValueError(f"{name}: expected {batch} lengths, got {len(counts)}")

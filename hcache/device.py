@@ -12,6 +12,7 @@ import math
 import os
 import threading
 import weakref
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -300,7 +301,7 @@ def zeros(device: Device, shape, dtype):
     int64 counts.
     """
     device = resolve_device(device)
-    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__") or any(
+    if isinstance(shape, (str, bytes, Set, Mapping)) or not hasattr(shape, "__iter__") or any(
             isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer))
             or n < 0 for n in shape):
         raise TypeError(f"shape: expected a sequence of ints >= 0, got {shape!r:.60}")

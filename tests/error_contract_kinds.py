@@ -151,6 +151,9 @@ class Ints(Kind):
                 arrays.append(np.array(base, dtype=np.int64).reshape(-1, 1))
                 values.append([[x] for x in base])
             values += foreign(arrays)
+            # unordered containers: a set's own order and a mapping's keys are never the
+            # entries the caller meant (issue 21 item 6)
+            values += [set(base), frozenset(base), dict(enumerate(base))]
             if self.fixed_length:
                 values.append(base + [base[0]])
             if self.unique and len(base) >= 2:

@@ -447,3 +447,29 @@ def test_a_missing_part_is_refused_naming_the_layer_argument():
     with pytest.raises(ValueError, match=r"^head_dim: expected 0 since num_heads and "
                                          r"state_size are 0 .*got 2$"):
         hcache.MambaCacheConfig(1, 2, 0, 2, 0, 4, 2)
+
+
+def test_sets_and_mappings_are_refused_where_a_sequence_of_ints_is_due():
+    """Issue 21 item 6: a set used to be read in its own order without repeats
+    (``{5, 4, 5}`` gave lengths [4, 5]) and a mapping as its keys (``{0: 2, 1: 1, 2: 0}`` ran
+    the identity); both are refused, naming the argument, and change nothing."""
+    from hcache import ContinuousBatchingKVCacheManager, KVCacheStaticParams
+    from helpers import host
+    from test_batch_api import hybrid
+
+    m = hybrid()
+    m.reset_for_new_sequences([3, 1, 2])
+    before = (host(m.get_kv_cache_lengths()).tolist(), m.active_batch_size)
+    with pytest.raises(TypeError, match=r"^reuse_kv_cache_lengths: expected a sequence of ints .*set"):
+        m.reset_for_new_sequences({5, 4, 5})
+    with pytest.raises(TypeError, match=r"^batch_mapping: expected a sequence of ints .*dict"):
+        m.compact_batch({0: 2, 1: 1, 2: 0}, 3, 3)
+    assert (host(m.get_kv_cache_lengths()).tolist(), m.active_batch_size) == before
+    c = ContinuousBatchingKVCacheManager("float16", KVCacheStaticParams(1, 4), max_batch_size=2,
+                                         max_seq_len=8, num_layers=1, device="cpu")
+    ids = c.claim(2)
+    with pytest.raises(TypeError, match=r"^seq_ids: expected a sequence of ints .*frozenset"):
+        c.fetch(frozenset(ids))
+    batch = c.fetch(ids)
+    with pytest.raises(TypeError, match=r"^valid_lengths: expected a sequence of ints .*set"):
+        c.step({1, 2}, batch)

@@ -17,7 +17,7 @@ from operator import itemgetter
 
 import numpy as np
 
-from .._checks import exact_int, token_counts
+from .._checks import exact_int, refuse_unordered, token_counts
 from ..errors import CacheCapacityError
 
 __all__ = ["SequenceBlocks", "seq_id_list", "token_count_array"]
@@ -165,6 +165,7 @@ def seq_id_list(seq_ids) -> list:
         return seq_ids.tolist()
     if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__iter__"):
         raise TypeError(f"seq_ids: expected a sequence of int, got {type(seq_ids).__name__}")
+    refuse_unordered("seq_ids", seq_ids)
     ids = list(seq_ids)
     if set(map(type, ids)) <= {int}:
         return ids
