@@ -449,8 +449,10 @@ def test_copy_validation_changes_nothing():
         alloc.store_from_live_batch([4], [0])
     with pytest.raises(ValueError):
         alloc.store_from_live_batch(slots, [0, 1])
-    with pytest.raises(ValueError, match="live Mamba slot"):
-        alloc.restore_to_live(3, ids[0])
+    with pytest.raises(ValueError, match=r"^request_idx: expected requests with a live Mamba "):
+        alloc.restore_to_live(3, ids[0])      # named as the caller's parameter (issue 21.7)
+    with pytest.raises(ValueError, match=r"^request_indices: expected requests with a live "):
+        alloc.restore_to_live_batch([3], ids[:1])
     with pytest.raises(IndexError):
         alloc.restore_to_live(0, 16)
     with pytest.raises(ValueError, match="distinct live"):

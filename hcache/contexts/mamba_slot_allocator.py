@@ -267,7 +267,8 @@ class MambaSlotAllocator:
         of range) or ``ValueError`` (the request has no live slot)."""
         row = check_index("request_idx", request_idx, self.max_requests)
         bid = check_index("block_id", block_id, self.num_blocks)
-        return bool(self.restore_to_live_batch([row], [bid], stream=stream)[0])
+        return bool(self._copies.restore_to_live([row], [bid], stream=stream,
+                                                 rows_name="request_idx")[0])
 
     def restore_to_live_batch(self, request_indices, block_ids, *, stream=None) -> list[bool]:
         """Batched :meth:`restore_to_live` (distinct live slots, one launch); per entry, done?"""

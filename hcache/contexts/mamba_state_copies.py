@@ -161,11 +161,12 @@ class MambaStateCopies:
     def _rows(self, name, values) -> np.ndarray:
         return index_array(name, values, len(self.context.request_to_mamba_state_idx))
 
-    def _live_slots(self, rows: np.ndarray) -> np.ndarray:
+    def _live_slots(self, rows: np.ndarray, name: str = "request_indices") -> np.ndarray:
+        """The live slot of each of ``rows`` (the caller's argument ``name``)."""
         live = to_host(self.context.request_to_mamba_state_idx)[rows].astype(np.int64)
         bad = (live < 0) | (live >= self.max_requests)
         if bad.any():
-            raise ValueError(f"request_indices: expected requests with a live Mamba slot, "
+            raise ValueError(f"{name}: expected requests with a live Mamba slot, "
                              f"got request {int(rows[bad][0])} -> {int(live[bad][0])}")
         return live
 
@@ -238,9 +239,11 @@ class MambaStateCopies:
         live = to_host(self.context.request_to_mamba_state_idx)[rows]
         self._copy(self._live_to_cache, live, slots, 0, stream)
 
-    def restore_to_live(self, request_indices, block_ids, *, stream=None) -> list[bool]:
+    def restore_to_live(self, request_indices, block_ids, *, stream=None,
+                        rows_name: str = "request_indices") -> list[bool]:
         """``live[:, live slot of request_indices[i]] = cache[:, slot of block_ids[i]]`` for
         every block that owns a slot (one launch); returns, per entry, whether it was restored.
+        ``rows_name``: the caller's name for ``request_indices``, for the messages.
 
         Raises
         ------
@@ -254,9 +257,9 @@ class MambaStateCopies:
         ids = index_array("block_ids", block_ids, len(block_to_slot))
         if len(ids) != len(rows):
             raise ValueError(f"block_ids: expected {len(rows)} blocks, got {len(ids)}")
-        live = self._live_slots(rows)
+        live = self._live_slots(rows, rows_name)
         if len(np.unique(live)) != len(live):
-            raise ValueError("request_indices: expected distinct live slots, got a repeat")
+            raise ValueError(f"{rows_name}: expected distinct live slots, got a repeat")
         src = block_to_slot[ids]
         found = src >= 0
         self._copy(self._cache_to_live, src[found], live[found], 0, stream)
