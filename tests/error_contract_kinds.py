@@ -130,8 +130,9 @@ class Ints(Kind):
     count (the valid value's) and ``unique`` forbids repeats."""
 
     def __init__(self, lo=0, hi=None, *, fixed_length=True, unique=False, none_ok=False,
-                 nonempty=False, nested_ok=False):
+                 nonempty=False, nested_ok=False, set_ok=False):
         self.entry = Int(lo, hi)
+        self.set_ok = set_ok     # an order-free argument (a set of hashes to delete)
         self.nested_ok = nested_ok
         self.fixed_length, self.unique = fixed_length, unique
         self.none_ok, self.nonempty = none_ok, nonempty
@@ -153,7 +154,8 @@ class Ints(Kind):
             values += foreign(arrays)
             # unordered containers: a set's own order and a mapping's keys are never the
             # entries the caller meant (issue 21 item 6)
-            values += [set(base), frozenset(base), dict(enumerate(base))]
+            values += ([] if self.set_ok else [set(base), frozenset(base)]) + \
+                [dict(enumerate(base))]
             if self.fixed_length:
                 values.append(base + [base[0]])
             if self.unique and len(base) >= 2:

@@ -219,8 +219,11 @@ class MambaSlotAllocator:
     def on_kv_blocks_deregistered(self, block_ids_list, hashes_to_delete) -> None:
         """Observer of the KV allocator: deregistered blocks ``block_ids_list`` (whose ids may
         be reused at once) lose their slots and Mamba hashes, and any Mamba-map entry under one
-        of their former hashes ``hashes_to_delete`` is dropped too (both checked first)."""
+        of their former hashes ``hashes_to_delete`` (a sequence or, as Megatron-LM passes, a
+        set) is dropped too (both checked first)."""
         ids = index_array("block_ids_list", block_ids_list, self.num_blocks)
+        if isinstance(hashes_to_delete, (set, frozenset)):   # Megatron-LM passes a set: the
+            hashes_to_delete = list(hashes_to_delete)       # order is irrelevant to a delete
         hashes = host_ints("hashes_to_delete", hashes_to_delete)
         self._invalidate_blocks_batch(ids)
         self._hashes.drop_hashes(hashes.tolist())
