@@ -602,7 +602,7 @@ for meth in ("get_slot", "has_state", "invalidate_block"):
     case(MSA, meth, make_msa, lambda m: {"block_id": _msa_state_block(m)}, block_id=Index(12))
 for meth in ("can_allocate_slots", "allocate_slots_batch"):
     case(MSA, meth, make_msa, lambda _: {"block_ids": [5, 6]},
-         block_ids=Ints(0, 11, fixed_length=False, unique=True))
+         block_ids=Ints(0, 11, fixed_length=False))
 case(MSA, "on_kv_blocks_deregistered", make_msa,
      lambda _: {"block_ids_list": [5], "hashes_to_delete": [77]},
      block_ids_list=Ints(0, 11, fixed_length=False),

@@ -126,13 +126,16 @@ def test_capacity_error_type():
 
 # --- allocation and eviction --------------------------------------------------------------------
 
-def test_allocate_refuses_repeats_and_keeps_existing_slots():
+def test_allocate_gives_a_repeated_block_one_slot_and_keeps_existing_slots():
     _, kv, alloc = make(max_slots=4)
     ids, _ = registered_blocks(kv, 4)
-    before = snapshot(alloc)
-    with pytest.raises(ValueError, match=r"^block_ids\[2\]: expected distinct indices"):
-        alloc.allocate_slots_batch([ids[1], ids[0], ids[1]])   # issue 12: a repeat is refused
-    assert_unchanged(before, alloc)
+    # Megatron-LM's contract: every occurrence of a repeated id gets the same single slot
+    # (its commit_intermediate_states passes repeats); issue 21 item 8.
+    assert alloc.can_allocate_slots([ids[3]] * 5)
+    (s3, s3_again, s3_third) = alloc.allocate_slots_batch([ids[3], ids[3], ids[3]])
+    assert s3 == s3_again == s3_third and alloc.free_count == 3
+    alloc.invalidate_block(ids[3])
+    assert alloc.free_count == 4
     slots = alloc.allocate_slots_batch([ids[1], ids[0]])
     assert slots[0] != slots[1]
     assert alloc.free_count == 2

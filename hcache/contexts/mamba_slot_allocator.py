@@ -161,28 +161,31 @@ class MambaSlotAllocator:
         return self.get_slot(block_id) >= 0
 
     def can_allocate_slots(self, block_ids) -> bool:
-        """Whether :meth:`allocate_slots_batch` would succeed for ``block_ids``."""
-        ids = index_array("block_ids", block_ids, self.num_blocks, distinct=True)
+        """Whether :meth:`allocate_slots_batch` would succeed for ``block_ids`` (repeats count
+        once)."""
+        ids = index_array("block_ids", block_ids, self.num_blocks)
         new, available = self._pool.demand(ids, self._kv.block_ref_counts)
         return len(new) <= available
 
     # --- slots ----------------------------------------------------------------------------------
 
     def allocate_slots_batch(self, block_ids) -> list[int]:
-        """Give every block of ``block_ids`` (distinct KV block ids in ``[0, num_blocks)``) a
-        cache slot, evicting LRU slots if necessary; returns the slot of each. Blocks that
-        already own a slot keep it. Atomic: every block gets a slot or nothing changes.
+        """Give every block of ``block_ids`` (KV block ids in ``[0, num_blocks)``) a cache
+        slot, evicting LRU slots if necessary; returns the slot of each entry. Blocks that
+        already own a slot keep it. A repeated id gets one slot, returned for every occurrence
+        (as Megatron-LM's allocator does: its ``commit_intermediate_states`` passes a block
+        twice when two requests snapshot at it in one round); eviction protection and the
+        capacity check count distinct ids. Atomic: every block gets a slot or nothing changes.
 
         Raises
         ------
         IndexError
             A block id is out of range.
-        ValueError
-            A block id repeats.
         MambaSlotCapacityError
-            Free plus evictable slots (other than those of ``block_ids``) are too few.
+            Free plus evictable slots (other than those of ``block_ids``) are too few for the
+            distinct blocks without a slot.
         """
-        ids = index_array("block_ids", block_ids, self.num_blocks, distinct=True)
+        ids = index_array("block_ids", block_ids, self.num_blocks)
         slots, victims = self._pool.allocate(ids, self._kv.block_ref_counts, self._timestamps())
         self._hashes.drop_blocks(victims, self._kv.block_hashes)
         return slots.tolist()
