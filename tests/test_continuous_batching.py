@@ -717,3 +717,30 @@ def test_reset_frees_every_block_and_ends_the_batch():
     assert d > c and m.cache_lengths == {d: 0}
     m.step([1], m.fetch([d]))
     m.check_invariants()
+
+
+def test_max_names_of_seed_004_are_read_only_aliases():
+    """Issue 21 item 9: MAX's CollectionType, BlocksType, inflight_batch, this_device,
+    other_device, blocks_nd_buf and seq_id_counter, each what hcache's own name holds."""
+    from hcache import Device
+
+    mgr = ContinuousBatchingKVCacheManager("float16", KVCacheStaticParams(2, 4),
+                                           max_batch_size=3, max_seq_len=8, num_layers=2,
+                                           device="cpu")
+    assert mgr.CollectionType is ContinuousBatchingKVCacheManager.CollectionType
+    assert mgr.BlocksType is np.ndarray and isinstance(mgr.blocks_buf, mgr.BlocksType)
+    assert mgr.blocks_nd_buf is mgr.blocks_buf
+    assert mgr.this_device == mgr.device and mgr.other_device == Device("cpu")
+    assert mgr.seq_id_counter == 0 and mgr.inflight_batch is None
+    ids = mgr.claim(2)
+    assert mgr.seq_id_counter == 2
+    mgr.release(ids[0])
+    assert mgr.seq_id_counter == 2                         # ids are never handed out twice
+    batch = mgr.fetch(ids[1:])
+    assert isinstance(batch, mgr.CollectionType) and mgr.inflight_batch is batch
+    mgr.step([1], batch)
+    assert mgr.inflight_batch is None
+    for name in ("BlocksType", "blocks_nd_buf", "inflight_batch", "this_device",
+                 "other_device", "seq_id_counter"):
+        with pytest.raises(AttributeError):
+            setattr(mgr, name, None)

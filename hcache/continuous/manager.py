@@ -40,7 +40,7 @@ import numpy as np
 
 from .._checks import as_int, exact_int, token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import launch_scope, resolve_device, stream_handle
+from ..device import Device, launch_scope, resolve_device, stream_handle
 from ..dtypes import dtype_name
 from ..memory import check_fits
 from ..rings import ring_start
@@ -56,6 +56,9 @@ __all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
 
 class BatchInFlightError(ValueError):
     """``fetch`` was called while another batch is in flight (not yet stepped)."""
+
+
+_HOST = Device("cpu")
 
 
 class ContinuousBatchingKVCacheManager:
@@ -86,6 +89,9 @@ class ContinuousBatchingKVCacheManager:
     """
 
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
+
+    #: MAX's ``CollectionType``: the class :meth:`fetch` returns.
+    CollectionType = ContinuousBatchingKVCacheCollection
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
                  device=None, sliding_window=None):
@@ -135,6 +141,31 @@ class ContinuousBatchingKVCacheManager:
         :func:`hcache.rings.ring_start`)."""
         return ring_start(lengths, self._ring_window, self._device, stream,
                           order=self._store.order)
+
+    # --- MAX's names (seed 004), as read-only aliases -------------------------------------------
+
+    @property
+    def BlocksType(self) -> type:  # noqa: N802 (MAX's alias name)
+        """MAX's ``BlocksType``: the array type of :attr:`blocks_buf` on this manager's device
+        (``numpy.ndarray`` on ``cpu``, ``cupy.ndarray`` on ``cuda``)."""
+        return type(self._store.blocks)
+
+    blocks_nd_buf = property(lambda self: self._store.blocks,
+                             doc="MAX's ``blocks_nd_buf``: the same array as :attr:`blocks_buf`.")
+    inflight_batch = property(lambda self: self._inflight,
+                              doc="MAX's ``inflight_batch``: :attr:`in_flight`.")
+    this_device = property(lambda self: self._device,
+                           doc="MAX's ``this_device``: :attr:`device`, where the blocks live.")
+    other_device = property(lambda self: _HOST,
+                            doc="MAX's ``other_device``: the host (``cpu``), where the "
+                                "bookkeeping (lengths, the id counter) lives.")
+
+    @property
+    def seq_id_counter(self) -> int:
+        """MAX's ``seq_id_counter``: the id the next claimed sequence gets (ids are never
+        reused)."""
+        with self._cond:
+            return self._sequences.next_id
 
     # --- queries ----------------------------------------------------------------------------
 
