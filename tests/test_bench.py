@@ -4,17 +4,16 @@ bench package has one module per kernel family, named like its ``.cu`` file."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-import hcache
 from hcache.__main__ import main
 from hcache.bench import KERNEL_BENCHES
 from hcache.bench import main as bench_main
 from hcache.bench._common import BenchContext, significant
+from hcache.ops import _loader
 
-KERNEL_FAMILIES = {p.stem for p in (Path(hcache.__file__).parent / "kernels").glob("*.cu")}
+KERNEL_FAMILIES = {p.stem for p in _loader.kernel_dir().glob("*.cu")}
 
 
 def test_one_bench_module_per_kernel_family():

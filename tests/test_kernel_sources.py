@@ -130,7 +130,7 @@ def _ops_of(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_has_kernel_ops_reference_and_tests_under_one_name(family):
-    """For family F: ``hcache/kernels/F.cu`` exists; ``hcache.ops.F`` exports every op its
+    """For family F: ``kernels/F.cu`` exists; ``hcache.ops.F`` exports every op its
     kernels name (``hc_<op>`` -> ``<op>``), each re-exported by ``hcache.ops``; every op of
     ``hcache.ops.F`` has a function of the same name in ``hcache.ops.reference`` whose
     parameters (names, kinds, defaults) are the wrapper's minus the launch-only ``stream`` and

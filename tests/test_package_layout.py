@@ -97,7 +97,7 @@ def test_no_mixin_classes():
 
 
 def _repository_texts():
-    for pattern in ("hcache/**/*.py", "hcache/kernels/*.cu", "hcache/kernels/*.cuh",
+    for pattern in ("hcache/**/*.py", "kernels/*.cu", "kernels/*.cuh",
                     "tests/*.py", "tests/*.h", "docs/*.md", "bench/*", "README.md"):
         for path in ROOT.glob(pattern):
             if path.is_file() and path.suffix in (".py", ".cu", ".cuh", ".h", ".md", ".sh"):

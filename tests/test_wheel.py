@@ -47,7 +47,7 @@ def wheel(tmp_path_factory):
 
 def test_wheel_contains_every_kernel_source(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = sorted(p.name for p in (ROOT / "hcache" / "kernels").iterdir()
+    sources = sorted(p.name for p in (ROOT / "kernels").iterdir()
                      if p.suffix in (".cu", ".cuh"))
     assert sources, "no kernel sources in the checkout"
     for name in sources:
@@ -120,7 +120,15 @@ def test_bench_runs_from_the_wheel_in_a_fresh_venv(wheel, tmp_path):
     assert "NumPy reference path" in text
     (path,) = out.glob("*.json")
     rows = json.loads(path.read_text())["rows"]
-    families = {p.stem for p in (ROOT / "hcache" / "kernels").glob("*.cu")}
+    families = {p.stem for p in (ROOT / "kernels").glob("*.cu")}
     assert {r["family"] for r in rows} == families
     assert all(r["us"] > 0 and r["launches"] >= 1 for r in rows)
     assert not (work / "bench").exists()
+
+
+def test_a_checkout_loads_the_top_level_kernel_folder():
+    """Issue 21 item 10: the sources live in the repository's ``kernels/`` (the design card's
+    place); a checkout or an editable install reads them there, a wheel from the package."""
+    assert _loader.kernel_dir() == ROOT / "kernels"
+    assert not (ROOT / "hcache" / "kernels").exists()
+    assert {p.stem for p in (ROOT / "kernels").glob("*.cu")} == set(_loader.FAMILIES)

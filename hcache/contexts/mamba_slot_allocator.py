@@ -161,8 +161,7 @@ class MambaSlotAllocator:
         return self.get_slot(block_id) >= 0
 
     def can_allocate_slots(self, block_ids) -> bool:
-        """Whether :meth:`allocate_slots_batch` would succeed for ``block_ids`` (repeats count
-        once)."""
+        """Whether :meth:`allocate_slots_batch` would succeed for ``block_ids``."""
         ids = index_array("block_ids", block_ids, self.num_blocks)
         new, available = self._pool.demand(ids, self._kv.block_ref_counts)
         return len(new) <= available
@@ -171,19 +170,16 @@ class MambaSlotAllocator:
 
     def allocate_slots_batch(self, block_ids) -> list[int]:
         """Give every block of ``block_ids`` (KV block ids in ``[0, num_blocks)``) a cache
-        slot, evicting LRU slots if necessary; returns the slot of each entry. Blocks that
-        already own a slot keep it. A repeated id gets one slot, returned for every occurrence
-        (as Megatron-LM's allocator does: its ``commit_intermediate_states`` passes a block
-        twice when two requests snapshot at it in one round); eviction protection and the
-        capacity check count distinct ids. Atomic: every block gets a slot or nothing changes.
+        slot, evicting LRU slots if necessary; returns the slot of each entry. Owners keep
+        theirs; a repeated id gets one slot for every occurrence (Megatron-LM's contract);
+        protection and capacity count distinct ids. All or nothing.
 
         Raises
         ------
         IndexError
             A block id is out of range.
         MambaSlotCapacityError
-            Free plus evictable slots (other than those of ``block_ids``) are too few for the
-            distinct blocks without a slot.
+            Free plus evictable slots (other than those of ``block_ids``) are too few.
         """
         ids = index_array("block_ids", block_ids, self.num_blocks)
         slots, victims = self._pool.allocate(ids, self._kv.block_ref_counts, self._timestamps())
@@ -207,8 +203,7 @@ class MambaSlotAllocator:
         return getattr(self._kv, "block_timestamps", None)
 
     def invalidate_block(self, block_id) -> None:
-        """Free the slot of ``block_id`` (if any), drop its Mamba hash; ``IndexError`` if out of
-        range."""
+        """Free the slot of ``block_id`` (if any), drop its Mamba hash (``IndexError``: range)."""
         self._invalidate_blocks_batch([check_index("block_id", block_id, self.num_blocks)])
 
     def _invalidate_blocks_batch(self, block_ids_list) -> None:
@@ -220,14 +215,12 @@ class MambaSlotAllocator:
         self._pool.release(ids)
 
     def on_kv_blocks_deregistered(self, block_ids_list, hashes_to_delete) -> None:
-        """Observer of the KV allocator: deregistered blocks ``block_ids_list`` (whose ids may
-        be reused at once) lose their slots and Mamba hashes, and any Mamba-map entry under one
-        of their former hashes ``hashes_to_delete`` (a sequence or, as Megatron-LM passes, a
-        set) is dropped too (both checked first)."""
+        """Observer of the KV allocator: deregistered blocks ``block_ids_list`` (ids reusable at
+        once) lose their slots and Mamba hashes, and so does any Mamba-map entry under one of
+        ``hashes_to_delete`` (their former hashes; a set, as Megatron-LM passes, or a list)."""
         ids = index_array("block_ids_list", block_ids_list, self.num_blocks)
-        if isinstance(hashes_to_delete, (set, frozenset)):   # Megatron-LM passes a set: the
-            hashes_to_delete = list(hashes_to_delete)       # order is irrelevant to a delete
-        hashes = host_ints("hashes_to_delete", hashes_to_delete)
+        hashes = host_ints("hashes_to_delete", list(hashes_to_delete)   # a set: order-free
+                           if isinstance(hashes_to_delete, (set, frozenset)) else hashes_to_delete)
         self._invalidate_blocks_batch(ids)
         self._hashes.drop_hashes(hashes.tolist())
 

@@ -9,9 +9,8 @@ table row addresses every layer. With ``num_local_blocks``, the sliding-window l
 (``sliding_window`` set) form a second block space of that many blocks, addressed by a second
 block table: blocks that left every window are freed there while the full layers keep theirs
 (docs/design.md §6.7). Layers of one head dim, component count and block space form a
-:class:`KVGroup` (groups in first-seen order; a layer's row in its group is its
-``group_position``), the unit of one write launch; a :class:`SlotSet` of a space's layers is the
-unit of one copy-on-write launch.
+:class:`KVGroup` (first-seen order; a layer's row in it is its ``group_position``), the unit of
+one write launch; a :class:`SlotSet` of a space's layers is the unit of one copy-on-write launch.
 """
 
 from __future__ import annotations
@@ -282,14 +281,11 @@ class PagedKVPool:
 
     write = write_kv
 
-    def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None,
-                    num_tokens=None):
-        """The row and scale checks of :meth:`write_kv` (nothing else is read); returns the
-        checked call for :meth:`launch_write`. ``num_tokens``: the rows each layer must have
-        (None: as many as the first ``k``). Foreign device arrays order the current stream
-        after their producers: call it in the write's launch scope. Raises as :meth:`write_kv`."""
-        if num_tokens is not None:
-            num_tokens = check_int("num_tokens", num_tokens, 0)
+    def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None, num_tokens=None):
+        """The row and scale checks of :meth:`write_kv` (each layer's rows: ``num_tokens``, or the
+        first ``k``'s); returns the checked call for :meth:`launch_write`. Foreign device arrays
+        order the current stream after their producers: call it in the write's launch scope."""
+        num_tokens = None if num_tokens is None else check_int("num_tokens", num_tokens, 0)
         if layer is not None:
             layer = attention_index(self.num_layers, layer, "layer")
         rows = check_rows(self.layer_configs, self.device, k, v, layer, self.dtype, num_tokens)

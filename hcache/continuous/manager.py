@@ -4,8 +4,8 @@ After MAX's Mojo ``ContinuousBatchingKVCacheManager``. ``blocks_buf`` is
 ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]`` with ``num_blocks =
 max_batch_size``: block ``b`` holds one sequence's K (``[:, 0]``) and V (``[:, 1]``) of every
 layer; with ``kv_params.is_mla`` it is ``[num_blocks, 1, ...]``, latent vectors as K and no V.
-The call order of a request is ``claim`` -> (``fetch`` -> ``write`` per layer -> ``step``) for
-the prompt and then per generated token -> ``release``.
+A request: ``claim`` -> (``fetch`` -> ``write`` per layer -> ``step``) for the prompt and
+each generated token -> ``release``.
 
 Design decisions (where the reference is silent or not thread-safe):
 
@@ -24,11 +24,9 @@ Design decisions (where the reference is silent or not thread-safe):
   stream (the index buffers are reused by the next ``fetch``).
 
 The manager runs the batch protocol (claims, the batch in flight, threads); which block holds
-which sequence and its committed tokens are a :class:`~hcache.continuous.sequences.SequenceBlocks`.
-Its device side,
-``blocks_buf``, the index buffers and the lock, is a :class:`~hcache.continuous.store.KVBlockStore`
-that it shares with the batches it hands out
-(:class:`~hcache.continuous.collection.ContinuousBatchingKVCacheCollection`).
+which sequence and its tokens are a :class:`~hcache.continuous.sequences.SequenceBlocks`; its
+device side (``blocks_buf``, index buffers, the lock) a
+:class:`~hcache.continuous.store.KVBlockStore` shared with the batches it hands out.
 """
 
 from __future__ import annotations
@@ -56,9 +54,6 @@ __all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
 
 class BatchInFlightError(ValueError):
     """``fetch`` was called while another batch is in flight (not yet stepped)."""
-
-
-_HOST = Device("cpu")
 
 
 class ContinuousBatchingKVCacheManager:
@@ -90,8 +85,7 @@ class ContinuousBatchingKVCacheManager:
 
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
-    #: MAX's ``CollectionType``: the class :meth:`fetch` returns.
-    CollectionType = ContinuousBatchingKVCacheCollection
+    CollectionType = ContinuousBatchingKVCacheCollection   # MAX's name: what fetch returns
 
     def __init__(self, dtype, kv_params, max_batch_size, max_seq_len, num_layers, *,
                  device=None, sliding_window=None):
@@ -142,31 +136,6 @@ class ContinuousBatchingKVCacheManager:
         return ring_start(lengths, self._ring_window, self._device, stream,
                           order=self._store.order)
 
-    # --- MAX's names (seed 004), as read-only aliases -------------------------------------------
-
-    @property
-    def BlocksType(self) -> type:  # noqa: N802 (MAX's alias name)
-        """MAX's ``BlocksType``: the array type of :attr:`blocks_buf` on this manager's device
-        (``numpy.ndarray`` on ``cpu``, ``cupy.ndarray`` on ``cuda``)."""
-        return type(self._store.blocks)
-
-    blocks_nd_buf = property(lambda self: self._store.blocks,
-                             doc="MAX's ``blocks_nd_buf``: the same array as :attr:`blocks_buf`.")
-    inflight_batch = property(lambda self: self._inflight,
-                              doc="MAX's ``inflight_batch``: :attr:`in_flight`.")
-    this_device = property(lambda self: self._device,
-                           doc="MAX's ``this_device``: :attr:`device`, where the blocks live.")
-    other_device = property(lambda self: _HOST,
-                            doc="MAX's ``other_device``: the host (``cpu``), where the "
-                                "bookkeeping (lengths, the id counter) lives.")
-
-    @property
-    def seq_id_counter(self) -> int:
-        """MAX's ``seq_id_counter``: the id the next claimed sequence gets (ids are never
-        reused)."""
-        with self._cond:
-            return self._sequences.next_id
-
     # --- queries ----------------------------------------------------------------------------
 
     @property
@@ -185,10 +154,15 @@ class ContinuousBatchingKVCacheManager:
         with self._cond:
             return self._sequences.lengths()
 
-    @property
-    def in_flight(self) -> ContinuousBatchingKVCacheCollection | None:
-        """The fetched batch not yet stepped, or ``None``."""
-        return self._inflight
+    in_flight = property(lambda self: self._inflight,
+                         doc="The fetched batch not yet stepped, or ``None``.")
+
+    # MAX's names, read-only aliases of hcache's (docs/design.md §5)
+    blocks_nd_buf, inflight_batch, this_device = blocks_buf, in_flight, device
+    BlocksType = property(lambda self: type(self._store.blocks), doc="blocks_buf's array type.")
+    other_device = property(lambda self: Device("cpu"), doc="The host, where the books live.")
+    seq_id_counter = property(lambda self: self._sequences.next_id,
+                              doc="The seq_id the next claim hands out (never reused).")
 
     def can_claim(self, batch_size: int) -> bool:
         """True when ``claim(batch_size)`` would succeed now."""

@@ -1,7 +1,7 @@
 """Typed launch wrappers, one per op (docs/design.md §3).
 
 One name per op, from the kernel to the benchmark: kernel ``hc_<op>`` in
-``hcache/kernels/<family>.cu``, wrapper ``<op>`` in ``hcache/ops/<family>.py``, NumPy reference
+``kernels/<family>.cu``, wrapper ``<op>`` in ``hcache/ops/<family>.py``, NumPy reference
 ``<op>`` in :mod:`hcache.ops.reference`, tests in ``tests/test_op_<family>.py``, benchmark in
 ``hcache.bench.<family>``. The families and their ops:
 

@@ -1,6 +1,7 @@
-"""The kernel loader: sources of ``hcache/kernels/`` compiled through the device runtime.
+"""The kernel loader: sources of ``kernels/`` compiled through the device runtime.
 
-Sources live in ``hcache/kernels/`` (package data of the wheel); each family is
+Sources live in the repository's ``kernels/``, shipped in the wheel as ``hcache/kernels/``
+(package data; :func:`kernel_dir` finds either); each family is
 compiled on first use, once per device (and runtime), with a ``#line`` directive so that compile
 errors name the real file and line. Importing hcache compiles nothing.
 """
@@ -27,8 +28,11 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 
 
 def kernel_dir() -> Path:
-    """The folder holding ``*.cu``/``*.cuh``: ``hcache/kernels`` (package data of the wheel)."""
-    return Path(__file__).resolve().parent.parent / "kernels"
+    """The folder holding ``*.cu``/``*.cuh``: ``hcache/kernels`` in an installed wheel (package
+    data), else the repository's top-level ``kernels/`` (a checkout or an editable install)."""
+    package = Path(__file__).resolve().parent.parent
+    shipped = package / "kernels"
+    return shipped if shipped.is_dir() else package.parent / "kernels"
 
 
 def kernel_source(family: str) -> tuple[str, str]:
