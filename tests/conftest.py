@@ -12,6 +12,11 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+# JAX preallocates most of a GPU's memory in every process that imports it (its default), which
+# leaves CuPy in the same and in the other pytest-xdist workers a few MB: share the GPU instead.
+# Set before anything imports JAX.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import pytest
 from hypothesis import HealthCheck, settings
 

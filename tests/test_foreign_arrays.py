@@ -73,8 +73,11 @@ WRAPPERS = [DLPackOnly, ArrayOnly, InterfaceOnly]
 
 
 def _jax_wrapper():
-    jnp = pytest.importorskip("jax.numpy")
-    return jnp.asarray
+    """JAX arrays in host memory: these tests hand them to ``cpu`` managers, and on a machine
+    with a GPU, JAX's default device is the GPU (hcache rightly refuses device memory there)."""
+    jax = pytest.importorskip("jax")
+    cpu = jax.devices("cpu")[0]
+    return lambda a: jax.device_put(a, cpu)
 
 
 WRAP_IDS = ["dlpack", "array", "interface"]
