@@ -252,14 +252,17 @@ class TransferEngine:
                              f"requests {sorted(rids)} and lengths {sorted(lengths)}")
         return list(handles)
 
-    def pull(self, handles, slot: int, *, timeout_s: float | None = None) -> None:
+    def pull(self, handles, slot: int, *, timeout_s: float | None = None,
+             merge: bool = True) -> None:
         """Fill ``slot`` with the request of ``handles`` (one per rank of the sending side,
         any TP degree) and return when its caches are here; see :meth:`begin_pull`."""
-        self.begin_pull(handles, slot, timeout_s=timeout_s).wait()
+        self.begin_pull(handles, slot, timeout_s=timeout_s, merge=merge).wait()
 
-    def begin_pull(self, handles, slot: int, *, timeout_s: float | None = None):
+    def begin_pull(self, handles, slot: int, *, timeout_s: float | None = None,
+                   merge: bool = True):
         """Start READs of the request of ``handles`` into ``slot`` (nothing else of the
-        manager changes; the caller sets the slot's length afterwards).
+        manager changes; the caller sets the slot's length afterwards). ``merge=False``
+        sends one descriptor per unit (the bench's baseline).
 
         Returns
         -------
@@ -278,7 +281,7 @@ class TransferEngine:
         slot = _check_int("slot", slot, 0, self.layout["max_batch"])
         length = handles[0]["length"]
         plan = plan_pull(self.layout, slot, [(h["agent"], h["layout"], h["slot"])
-                                             for h in handles], length)
+                                             for h in handles], length, merge=merge)
         lease = min(h.get("lease_s", self.timeout_s) for h in handles)
         return self._start("READ", plan, slot, length, handles[0]["request_id"],
                            min(timeout_s or self.timeout_s, lease), clear=True)

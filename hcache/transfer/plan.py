@@ -10,7 +10,7 @@ from .layout import check_compatible, slot_units
 __all__ = ["plan_pull", "plan_push", "merge_ranges"]
 
 
-def merge_ranges(local, remote, nbytes) -> np.ndarray:
+def merge_ranges(local, remote, nbytes, *, merge: bool = True) -> np.ndarray:
     """Merge pairs of ranges that continue each other on both sides.
 
     Parameters
@@ -22,12 +22,13 @@ def merge_ranges(local, remote, nbytes) -> np.ndarray:
     -------
     numpy.ndarray int64 [m, 3]
         Rows ``(local, remote, nbytes)``, sorted by ``local``, ``m <= n``; pair ``i + 1``
-        joins pair ``i`` exactly when both of its addresses start where pair ``i``'s end.
+        joins pair ``i`` exactly when both of its addresses start where pair ``i``'s end
+        (never with ``merge=False``: one row per pair, the baseline of the bench).
     """
     rows = np.array([local, remote, nbytes], dtype=np.int64).T.reshape(-1, 3)
     rows = rows[rows[:, 2] > 0]
     rows = rows[np.argsort(rows[:, 0], kind="stable")]
-    if len(rows) < 2:
+    if len(rows) < 2 or not merge:
         return rows
     joins = ((rows[1:, 0] == rows[:-1, 0] + rows[:-1, 2])
              & (rows[1:, 1] == rows[:-1, 1] + rows[:-1, 2]))
@@ -36,7 +37,7 @@ def merge_ranges(local, remote, nbytes) -> np.ndarray:
     return np.stack([rows[starts, 0], rows[starts, 1], sizes], axis=1)
 
 
-def _pairs(local_units, remote_units, keys):
+def _pairs(local_units, remote_units, keys, merge=True):
     local, remote, nbytes = [], [], []
     for key in keys:
         (la, ln), (ra, rn) = local_units[key], remote_units[key]
@@ -46,10 +47,10 @@ def _pairs(local_units, remote_units, keys):
         local.append(la)
         remote.append(ra)
         nbytes.append(ln)
-    return merge_ranges(local, remote, nbytes)
+    return merge_ranges(local, remote, nbytes, merge=merge)
 
 
-def plan_pull(local: dict, slot: int, sources: list, length: int) -> list:
+def plan_pull(local: dict, slot: int, sources: list, length: int, *, merge=True) -> list:
     """Descriptors that fill ``slot`` of layout ``local`` from ``sources``.
 
     Parameters
@@ -60,6 +61,8 @@ def plan_pull(local: dict, slot: int, sources: list, length: int) -> list:
     sources : list of (peer, layout, slot)
         Every rank of the sending side (any TP degree); each unit comes from the first
         source that holds it.
+    merge : bool
+        Merge contiguous units (:func:`merge_ranges`).
 
     Returns
     -------
@@ -82,7 +85,7 @@ def plan_pull(local: dict, slot: int, sources: list, length: int) -> list:
         for k in keys:
             del todo[k]
         if keys:
-            plan.append((peer, _pairs(mine, theirs, keys)))
+            plan.append((peer, _pairs(mine, theirs, keys, merge)))
     if todo:
         raise ValueError(f"sources: expected every unit of this rank, got none holding "
                          f"{next(iter(todo))} (and {len(todo) - 1} more)")
