@@ -10,8 +10,8 @@ import time
 from dataclasses import replace
 
 import numpy as np
-import transfer_peer as peer
 import pytest
+import transfer_peer as peer
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,7 +27,6 @@ from hcache.transfer import (
     slot_units,
     split_heads,
 )
-
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL not installed "
                                 "(pip install --no-deps nixl-cu12)")
@@ -322,7 +321,7 @@ def rank_slices(tp, rank, config):
     """The oracle: for each buffer of a rank's manager, the NumPy index of the global
     (TP 1) buffer it holds, written from the TP rules, not from the layout code."""
     out = []
-    for a, lc in enumerate(config.kv.layer_configs):
+    for lc in config.kv.layer_configs:
         per = lc.num_kv_heads // tp.tp_size
         out.append(np.s_[:, rank * per:(rank + 1) * per])
     m = config.mamba

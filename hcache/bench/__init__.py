@@ -12,8 +12,9 @@ says so.
 
 :func:`main` (:mod:`.runner`) takes the list of benchmark modules to run
 (:data:`BENCHES` by default: :data:`KERNEL_BENCHES`, one per kernel family, then
-:mod:`.transfer`, a NIXL pull between two engines, when NIXL is installed); the shared timer, shapes and baseline are in
-:mod:`._common`, the table, JSON and PNG output in :mod:`._report`.
+:mod:`.transfer`, a NIXL pull between two engines, when NIXL is installed); the shared
+timer, shapes and baseline are in :mod:`._common`, the table, JSON and PNG output in
+:mod:`._report`.
 """
 
 from .runner import BENCHES, KERNEL_BENCHES, main

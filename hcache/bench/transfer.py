@@ -5,7 +5,8 @@ exported by one engine and pulled by another in the same process (two NIXL agent
 on the cpu device over loopback, ``UCX_TLS=tcp,cma`` unless set). Wall-clock medians of the
 whole ``pull`` (descriptor planning, NIXL transfer, completion polling); the baseline is a
 same-run device copy of the same bytes; the naive baseline is the same pull with one
-descriptor per unit (KV head row run, Mamba head, conv segment) instead of merged ones. No rows when NIXL is not installed.
+descriptor per unit (KV head row run, Mamba head, conv segment) instead of merged ones. No
+rows when NIXL is not installed.
 """
 
 from __future__ import annotations

@@ -19,15 +19,15 @@ the caller makes the slot live (``reset_for_new_sequences``) only after ``pull``
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import time
 
 import numpy as np
 
 from ._nixl import load_nixl
-from .errors import TransferAborted, TransferCancelled, TransferError, TransferTimeout
-from .layout import describe_manager, kv_entries, slot_units
+from .errors import TransferError
+from .layout import describe_manager, kv_entries
+from .pending import PendingTransfer
 from .plan import plan_pull, plan_push
 
 __all__ = ["TransferEngine", "PendingTransfer"]
@@ -324,23 +324,20 @@ class TransferEngine:
         return pending
 
     def zero_slot(self, slot: int, length: int | None = None) -> None:
-        """Zero ``slot``'s units (its first ``length`` tokens, default all of them) and Mamba
-        states: what a failed transfer leaves."""
+        """Zero ``slot``'s first ``length`` KV entries (default: all) and its Mamba states,
+        on the manager's current stream: what a failed pull leaves (exactly its units)."""
         slot = _check_int("slot", slot, 0, self.layout["max_batch"])
-        units = slot_units(self.layout, slot, length or self.layout["max_len"])
-        self._zero([(a, n) for a, n in units.values()])
-
-    def _zero(self, ranges) -> None:
-        if self.manager.device.is_cuda:
-            import cupy
-
-            with self.manager.device.scope():
-                for addr, n in ranges:
-                    cupy.cuda.runtime.memset(int(addr), 0, int(n))
-                cupy.cuda.runtime.deviceSynchronize()
-        else:
-            for addr, n in ranges:
-                ctypes.memset(int(addr), 0, int(n))
+        length = self.layout["max_len"] if length is None else length
+        kv, mamba = self.manager.kv_cache_manager, self.manager.mamba_cache_manager
+        with self.manager.device.scope():
+            for a, layer in enumerate(self.layout["kv"]):
+                kv.get_combined_kv_cache(a)[slot, :, :, :kv_entries(layer, length)] = 0
+            if mamba is not None:
+                for i in range(mamba.config.num_layers):
+                    if mamba.config.has_recurrent_state:
+                        mamba.get_recurrent_state(i)[slot] = 0
+                    if mamba.config.has_conv_state:
+                        mamba.get_conv_state(i)[slot] = 0
 
     def close(self) -> None:
         """Deregister the buffers and forget every peer (the agent ends with this object)."""
@@ -357,106 +354,3 @@ class TransferEngine:
 
     def __exit__(self, *exc):
         self.close()
-
-
-class PendingTransfer:
-    """Transfers of one request with every peer of a plan, in flight.
-
-    ``state`` is ``"PROC"``, ``"DONE"`` or ``"FAILED"``. Call :meth:`poll` or :meth:`wait`;
-    :meth:`cancel` when the request is released meanwhile.
-    """
-
-    def __init__(self, engine, request_id, plan, slot, length, timeout_s, op, clear):
-        self.engine, self.request_id, self.op = engine, request_id, op
-        self.slot, self.length = slot, length
-        self._plan, self._handles, self._clear = plan, [], clear
-        self._deadline = time.monotonic() + timeout_s
-        self.state, self.error = "PROC", None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes moved (all peers)."""
-        return int(sum(rows[:, 2].sum() for _, rows in self._plan))
-
-    @property
-    def num_descriptors(self) -> int:
-        """Descriptors after merging (all peers)."""
-        return sum(len(rows) for _, rows in self._plan)
-
-    def _release(self) -> None:
-        agent = self.engine._agent
-        for _, handle in self._handles:
-            try:
-                agent.release_xfer_handle(handle)
-            except Exception:   # noqa: BLE001 - an uncancellable handle dies with the agent
-                pass
-        self._handles = []
-
-    def _fail(self, error):
-        self._release()
-        if self._clear:
-            self.engine._zero([(a, n) for _, rows in self._plan for a, n in rows[:, [0, 2]]])
-        self.state, self.error = "FAILED", error
-        raise error
-
-    def poll(self) -> bool:
-        """True once every transfer is done (and not aborted by the exporter).
-
-        Raises
-        ------
-        TransferError, TransferTimeout, TransferAborted
-            The destination ranges are zeroed first (for a pull).
-        """
-        if self.state == "DONE":
-            return True
-        if self.state == "FAILED":
-            raise self.error
-        agent, done = self.engine._agent, True
-        for peer, handle in self._handles:
-            try:
-                status = agent.check_xfer_state(handle)
-            except Exception as e:   # noqa: BLE001
-                status = f"ERR ({type(e).__name__}: {e})"
-            if status.startswith("ERR"):
-                self._fail(TransferError(f"transfer of {self.request_id!r} with peer "
-                                         f"{peer!r} failed: {status} (peer gone?)"))
-            done &= status == "DONE"
-        for peer, _ in self._plan:
-            if self.op == "READ" and self.engine._was_aborted(peer, self.request_id):
-                self._fail(TransferAborted(f"transfer of {self.request_id!r}: peer {peer!r} "
-                                           f"released the request during the transfer"))
-        if done:
-            self._release()
-            self.state = "DONE"
-            return True
-        if time.monotonic() > self._deadline:
-            self._fail(TransferTimeout(f"transfer of {self.request_id!r}: not done within "
-                                       f"its deadline"))
-        return False
-
-    def wait(self, timeout_s: float | None = None) -> None:
-        """Poll until done (bounded by the transfer's deadline, or ``timeout_s`` if sooner).
-        Raises like :meth:`poll`."""
-        if timeout_s is not None:
-            self._deadline = min(self._deadline, time.monotonic() + timeout_s)
-        pause = 1e-5
-        while not self.poll():
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
-
-    def cancel(self) -> None:
-        """Stop the transfer (its request was released here): the handles are released and
-        the destination ranges zeroed; later :meth:`poll` raises ``TransferCancelled``. A
-        transfer already done is left as it is."""
-        if self.state != "PROC":
-            return
-        try:
-            self._fail(TransferCancelled(f"transfer of {self.request_id!r}: cancelled"))
-        except TransferCancelled:
-            pass
-
-
-def kv_bytes(layout: dict, length: int) -> int:
-    """Bytes of a request's KV units in ``layout`` (all layers) for ``length`` tokens."""
-    return sum(kv_entries(layer, length) * layer["head_dim"] * layer["itemsize"]
-               * layer["components"] * len(layer["heads"]) for layer in layout["kv"])
