@@ -64,15 +64,24 @@ def fill(mgr, seed):
 
 # --- layouts and merging (no NIXL) ----------------------------------------------------------
 
-@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40), st.integers(0, 6)),
-                max_size=30, unique_by=lambda t: t[0]))
-def test_merge_ranges_moves_the_same_bytes_in_fewer_rows(pairs):
-    """Oracle: the byte-level map local -> remote of the pairs (made non-overlapping: pair i
-    owns local bytes [8 i, 8 i + n))."""
-    local = [8 * p[0] for p in pairs]
-    remote = [8 * p[1] + 3 for p in pairs]
-    nbytes = [p[2] for p in pairs]
-    rows = merge_ranges(local, remote, nbytes)
+@given(st.lists(st.tuples(st.sampled_from([0, 0, 0, 1, 7]), st.booleans(),
+                          st.integers(0, 60), st.integers(0, 6)), max_size=30),
+       st.randoms(use_true_random=False))
+def test_merge_ranges_moves_the_same_bytes_in_fewer_rows(pairs, shuffler):
+    """Oracle: the byte-level map local -> remote of the pairs. Local ranges follow each other
+    with gaps of 0 (often) or more; a remote range continues the previous one or jumps; the
+    pairs arrive in any order."""
+    local, remote, nbytes, lo, ro = [], [], [], 0, 0
+    for gap, follows, jump, n in pairs:
+        lo, ro = lo + gap, ro if follows else 100 + jump * 8
+        local.append(lo)
+        remote.append(ro)
+        nbytes.append(n)
+        lo, ro = lo + n, ro + n
+    order = list(range(len(pairs)))
+    shuffler.shuffle(order)
+    rows = merge_ranges([local[i] for i in order], [remote[i] for i in order],
+                        [nbytes[i] for i in order])
     want = {lo + k: ro + k for lo, ro, n in zip(local, remote, nbytes) for k in range(n)}
     got = {}
     for lo, ro, n in rows.tolist():
