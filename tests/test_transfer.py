@@ -21,6 +21,7 @@ from hcache.transfer import (
     TransferAborted,
     TransferCancelled,
     TransferEngine,
+    TransferTimeout,
     describe_manager,
     merge_ranges,
     nixl_available,
@@ -380,3 +381,25 @@ def test_tp_one_to_two_and_back_byte_for_byte(groups):
         fill(back, 12)
         e2.pull([r0.export(back_id, 0, length), r1.export(back_id, 3, length)], 1)   # 2 -> 1
         assert slot_bytes(back, 1, length) == slot_bytes(whole, slot, length)
+
+
+@needs_nixl
+def test_an_expired_lease_or_a_passed_deadline_times_out(pair):
+    src, dst, a, b = pair
+    fill(src, 13)
+    fill(dst, 14)
+    with TransferEngine(src, "short-lease", timeout_s=0.05) as short:
+        b.connect(short.metadata)
+        handle = short.export(rid(), 0, 8)
+        time.sleep(0.1)
+        snap = [x.copy() for x in buffers(dst)]
+        with pytest.raises(TransferTimeout, match="lease .* ended"):
+            b.pull(handle, 1)
+        assert all((x == y).all() for x, y in zip(buffers(dst), snap, strict=True))
+        assert short.export_state(handle["request_id"]) == "expired"
+        b.disconnect("short-lease")
+    pending = b.begin_pull(a.export(rid(), 0, 8), 1)
+    time.sleep(0.01)
+    with pytest.raises(TransferTimeout, match="deadline"):
+        pending.wait(timeout_s=0)                 # a deadline already passed
+    assert all(not s.strip(b"\0") for s in slot_bytes(dst, 1, 8))

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from ._nixl import load_nixl
-from .errors import TransferError
+from .errors import TransferError, TransferTimeout
 from .layout import describe_manager, kv_entries
 from .pending import PendingTransfer
 from .plan import plan_pull, plan_push
@@ -171,7 +171,7 @@ class TransferEngine:
         self._exports[request_id] = {"deadline": time.monotonic() + self.timeout_s,
                                      "done": set()}
         return {"agent": self.name, "request_id": request_id, "slot": slot, "length": length,
-                "lease_s": self.timeout_s, "layout": self.layout}
+                "lease_until": time.time() + self.timeout_s, "layout": self.layout}
 
     def export_state(self, request_id: str) -> str:
         """``"pending"``, ``"done"`` (a peer finished a transfer of it) or ``"expired"`` (its
@@ -239,7 +239,7 @@ class TransferEngine:
                             f"{type(handles).__name__}")
         for i, h in enumerate(handles):
             if not isinstance(h, dict) or not {"agent", "request_id", "slot", "length",
-                                               "layout"} <= h.keys():
+                                               "lease_until", "layout"} <= h.keys():
                 raise TypeError(f"handles[{i}]: expected a handle from export(), got "
                                 f"{type(h).__name__}")
             if h["agent"] not in self._peers:
@@ -274,6 +274,9 @@ class TransferEngine:
             Bad handles (not from :meth:`export`, an unknown peer, mixed requests), ``slot``
             out of range, or layouts that cannot hold the same tokens
             (:func:`~hcache.transfer.layout.check_compatible`); nothing started.
+        TransferTimeout
+            A handle's lease (the exporter's ``timeout_s`` from its export, wall clock) has
+            ended; nothing started. A pull's deadline is never past the lease.
         TransferError
             NIXL refused to start (a peer gone); the slot is zeroed.
         """
@@ -282,7 +285,11 @@ class TransferEngine:
         length = handles[0]["length"]
         plan = plan_pull(self.layout, slot, [(h["agent"], h["layout"], h["slot"])
                                              for h in handles], length, merge=merge)
-        lease = min(h.get("lease_s", self.timeout_s) for h in handles)
+        lease = min(h["lease_until"] for h in handles) - time.time()
+        if lease <= 0:
+            raise TransferTimeout(f"handles: the lease of {handles[0]['request_id']!r} ended "
+                                  f"{-lease:.3g} s ago (the exporter may reuse its slot); "
+                                  f"nothing started")
         return self._start("READ", plan, slot, length, handles[0]["request_id"],
                            min(timeout_s or self.timeout_s, lease), clear=True)
 

@@ -63,6 +63,9 @@ class PendingTransfer:
             return True
         if self.state == "FAILED":
             raise self.error
+        if time.monotonic() > self._deadline:     # even if done: the lease may have ended
+            self._fail(TransferTimeout(f"transfer of {self.request_id!r}: not done within "
+                                       f"its deadline"))
         agent, done = self.engine._agent, True
         for peer, handle in self._handles:
             try:
@@ -81,9 +84,6 @@ class PendingTransfer:
             self._release()
             self.state = "DONE"
             return True
-        if time.monotonic() > self._deadline:
-            self._fail(TransferTimeout(f"transfer of {self.request_id!r}: not done within "
-                                       f"its deadline"))
         return False
 
     def wait(self, timeout_s: float | None = None) -> None:
