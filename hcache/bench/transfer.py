@@ -53,8 +53,8 @@ def run(ctx: BenchContext) -> list[dict]:
         config, device=ctx.device)
     rows = []
     with TransferEngine(src, "bench-src") as a, TransferEngine(dst, "bench-dst") as b:
-        b.connect(a.metadata, device=str(ctx.device))
-        a.connect(b.metadata, device=str(ctx.device))
+        b.connect(a.metadata)
+        a.connect(b.metadata)
         handle = a.export("bench", 1, tokens)
         pending = b.begin_pull(handle, 0)
         pending.wait()

@@ -119,16 +119,14 @@ class TransferEngine:
         """This agent's NIXL metadata, for a peer's :meth:`connect`."""
         return self._agent.get_agent_metadata()
 
-    def connect(self, metadata: bytes, *, device: str = "cpu") -> str:
-        """Add a peer from its :attr:`metadata`; ``device`` is where its caches live
-        (``"cpu"`` or ``"cuda:N"``, its ``layout["device"]``). Returns the peer's name."""
+    def connect(self, metadata: bytes) -> str:
+        """Add a peer from its :attr:`metadata` (where its caches live, DRAM or VRAM, comes
+        with each of its handles). Returns the peer's name."""
         if not isinstance(metadata, (bytes, bytearray)):
             raise TypeError(f"metadata: expected bytes, got {type(metadata).__name__}")
         peer = self._agent.add_remote_agent(bytes(metadata))
         peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-        cuda = str(device).startswith("cuda")
-        self._peers[peer] = ("VRAM" if cuda else "DRAM",
-                             int(str(device).partition(":")[2] or 0) if cuda else 0)
+        self._peers[peer] = True
         return peer
 
     def disconnect(self, peer: str) -> None:
@@ -290,7 +288,7 @@ class TransferEngine:
             raise TransferTimeout(f"handles: the lease of {handles[0]['request_id']!r} ended "
                                   f"{-lease:.3g} s ago (the exporter may reuse its slot); "
                                   f"nothing started")
-        return self._start("READ", plan, slot, length, handles[0]["request_id"],
+        return self._start("READ", plan, handles, slot, length,
                            min(timeout_s or self.timeout_s, lease), clear=True)
 
     def push(self, handles, slot: int, *, timeout_s: float | None = None) -> None:
@@ -303,14 +301,18 @@ class TransferEngine:
         length = handles[0]["length"]
         plan = plan_push(self.layout, slot, [(h["agent"], h["layout"], h["slot"])
                                              for h in handles], length)
-        self._start("WRITE", plan, slot, length, handles[0]["request_id"],
-                    timeout_s or self.timeout_s, clear=False).wait()
+        self._start("WRITE", plan, handles, slot, length, timeout_s or self.timeout_s,
+                    clear=False).wait()
 
-    def _start(self, op, plan, slot, length, request_id, timeout_s, *, clear):
+    def _start(self, op, plan, handles, slot, length, timeout_s, *, clear):
+        request_id = handles[0]["request_id"]
+        devices = {h["agent"]: str(h["layout"]["device"]) for h in handles}
         pending = PendingTransfer(self, request_id, plan, slot, length, timeout_s, op, clear)
         try:
             for peer, rows in plan:
-                mem, dev = self._peers[peer]
+                device = devices[peer]        # "cpu" or "cuda:N": DRAM or VRAM there
+                mem = "VRAM" if device.startswith("cuda") else "DRAM"
+                dev = int(device.partition(":")[2] or 0)
                 local = np.stack([rows[:, 0], rows[:, 2],
                                   np.full(len(rows), self._dev_id, np.int64)], axis=1)
                 remote = np.stack([rows[:, 1], rows[:, 2], np.full(len(rows), dev, np.int64)],
