@@ -145,3 +145,34 @@ def test_killed_peer_leaves_this_side_consistent():
             del mine
     finally:
         victim.stop()
+
+
+def test_peer_killed_during_a_large_pull_leaves_this_side_consistent():
+    """SIGKILL right after a 64 MiB pull started: either the pull finished first and every
+    byte is the peer's, or it fails and its ranges are zero; never a mix, and slot 1 and the
+    tokens past the length keep their bytes."""
+    victim = Peer()
+    try:
+        length = 512                                  # 4 layers x 32 KiB x 512 = 64 MiB
+        metadata = victim.call("build", "big", 2, length, "big-victim")
+        mgr = HybridCacheManager(peer.cache_config("big", 2, length + 8))
+        caches = [mgr.kv_cache_manager.get_combined_kv_cache(a) for a in range(peer.BIG_LAYERS)]
+        for c in caches:
+            c[...] = -1
+        with TransferEngine(mgr, "big-survivor", timeout_s=20) as engine:
+            engine.connect(metadata)
+            handle = victim.call("fill_export", 1, length, "big")
+            pending = engine.begin_pull(handle, 0)
+            os.kill(victim.process.pid, signal.SIGKILL)
+            try:
+                pending.wait()
+                outcome = "done"
+            except TransferError:
+                outcome = "failed"
+            victim.process.join(10)
+            for a, c in enumerate(caches):
+                head = c[0, :, :, :length]
+                assert (head == (a + 1 if outcome == "done" else 0)).all(), outcome
+                assert (c[0, :, :, length:] == -1).all() and (c[1] == -1).all()
+    finally:
+        victim.stop()

@@ -16,7 +16,14 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 import numpy as np  # noqa: E402
 
-from hcache import HybridCacheConfig, HybridCacheManager, MambaCacheConfig  # noqa: E402
+from hcache import (  # noqa: E402
+    HybridCacheConfig,
+    HybridCacheManager,
+    KVCacheConfig,
+    KVLayerConfig,
+    LayerType,
+    MambaCacheConfig,
+)
 from hcache.demo.adapters import SlotCache  # noqa: E402
 from hcache.demo.model import TinyHybridModel  # noqa: E402
 from hcache.demo.run import NEMOTRON_H_CONFIG  # noqa: E402
@@ -24,11 +31,17 @@ from hcache.demo.run import NEMOTRON_H_CONFIG  # noqa: E402
 IDLE_S = 60.0
 WINDOW = 16
 PATTERNS = {"attention": "*-*-", "hybrid": "M*M-*M", "windowed": "M*M-*M"}
+BIG_LAYERS, BIG_HEADS, BIG_DIM = 4, 8, 128      # "big": 32 KiB of K/V per token (float32)
 
 
 def cache_config(layout: str, max_batch: int, max_len: int) -> HybridCacheConfig:
     """The demo model's caches: ``attention`` (no Mamba layer), ``hybrid`` (the demo's
-    Nemotron-H pattern) or ``windowed`` (hybrid, attention layers as rings of ``WINDOW``)."""
+    Nemotron-H pattern) or ``windowed`` (hybrid, attention layers as rings of ``WINDOW``); or
+    ``big``: ``BIG_LAYERS`` attention layers of ``BIG_HEADS`` x ``BIG_DIM`` (no model)."""
+    if layout == "big":
+        kv = KVCacheConfig(max_batch, max_len, (KVLayerConfig(BIG_HEADS, BIG_DIM),) * BIG_LAYERS,
+                           dtype="float32")
+        return HybridCacheConfig((LayerType.ATTENTION,) * BIG_LAYERS, kv, None, max_batch)
     hf = dict(NEMOTRON_H_CONFIG, hybrid_override_pattern=PATTERNS[layout])
     config = HybridCacheConfig.from_hf_config(hf, max_batch_size=max_batch,
                                               max_sequence_length=max_len, kv_dtype="float32")
@@ -93,7 +106,8 @@ def serve(conn) -> None:
                 if engine is not None:
                     engine.close()
                 config = cache_config(*args[:3])
-                mgr, model = HybridCacheManager(config), demo_model(config)
+                mgr = HybridCacheManager(config)
+                model = demo_model(config) if args[0] != "big" else None
                 engine = TransferEngine(mgr, args[3], timeout_s=10.0)
                 value = engine.metadata
             elif cmd == "connect":
@@ -103,6 +117,11 @@ def serve(conn) -> None:
                 tokens, rows = prefill(model, mgr, prompts)
                 value = (engine.export(rid, slot, len(prompts[slot])), tokens[slot],
                          rows[slot].tobytes())
+            elif cmd == "fill_export":          # slot, length, request id: layer a = a + 1
+                slot, length, rid = args
+                for a in range(mgr.kv_cache_manager.num_layers):
+                    mgr.kv_cache_manager.get_combined_kv_cache(a)[slot, :, :, :length] = a + 1
+                value = engine.export(rid, slot, length)
             elif cmd == "export_state":         # request id, seconds to wait for "done"
                 rid, wait = args
                 value = engine.export_state(rid)

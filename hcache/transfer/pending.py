@@ -10,6 +10,8 @@ from .errors import TransferAborted, TransferCancelled, TransferError, TransferT
 
 __all__ = ["PendingTransfer"]
 
+SETTLE_S = 1.0    # how long a failed transfer waits for NIXL to let go of its handles
+
 
 class PendingTransfer:
     """Transfers of one request with every peer of a plan, in flight.
@@ -35,17 +37,29 @@ class PendingTransfer:
         """Descriptors after merging (all peers)."""
         return sum(len(rows) for _, rows in self._plan)
 
-    def _release(self) -> None:
-        agent = self.engine._agent
+    def _release(self) -> bool:
+        """Release every NIXL handle; one still moving data (NIXL could not cancel it) is
+        given up to ``SETTLE_S`` to finish or fail first. Returns False if one could not be
+        released (its data may still land)."""
+        agent, released = self.engine._agent, True
         for _, handle in self._handles:
-            try:
-                agent.release_xfer_handle(handle)
-            except Exception:   # noqa: BLE001 - an uncancellable handle dies with the agent
-                pass
+            end = time.monotonic() + SETTLE_S
+            while True:
+                try:
+                    agent.release_xfer_handle(handle)
+                    break
+                except Exception:   # noqa: BLE001 - in flight and not cancellable yet
+                    if time.monotonic() > end:
+                        released = False
+                        break
+                    time.sleep(1e-3)
         self._handles = []
+        return released
 
     def _fail(self, error):
-        self._release()
+        if not self._release():
+            error = type(error)(f"{error}; NIXL could not cancel a transfer within "
+                                f"{SETTLE_S} s: its data may still land in the slot")
         if self._clear:
             self.engine.zero_slot(self.slot, self.length)
         self.state, self.error = "FAILED", error
