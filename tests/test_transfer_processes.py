@@ -148,12 +148,12 @@ def test_killed_peer_leaves_this_side_consistent():
 
 
 def test_peer_killed_during_a_large_pull_leaves_this_side_consistent():
-    """SIGKILL right after a 64 MiB pull started: either the pull finished first and every
+    """SIGKILL right after a 16 MiB pull started: either the pull finished first and every
     byte is the peer's, or it fails and its ranges are zero; never a mix, and slot 1 and the
     tokens past the length keep their bytes."""
     victim = Peer()
     try:
-        length = 512                                  # 4 layers x 32 KiB x 512 = 64 MiB
+        length = 512                                  # 4 layers x 32 KiB x 512 = 16 MiB
         metadata = victim.call("build", "big", 2, length, "big-victim")
         mgr = HybridCacheManager(peer.cache_config("big", 2, length + 8))
         caches = [mgr.kv_cache_manager.get_combined_kv_cache(a) for a in range(peer.BIG_LAYERS)]
