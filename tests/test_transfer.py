@@ -282,6 +282,10 @@ def test_pull_refuses_other_head_dims_and_bad_arguments(pair):
                             ([], TypeError, "handles")):
         with pytest.raises(err, match=match):
             b.pull(bad, 5 if err is IndexError else 0)
+    with pytest.raises(ValueError, match="timeout_s: expected None or a number > 0"):
+        b.pull(h, 0, timeout_s=-1)
+    with pytest.raises(ValueError, match="metadata: expected a NIXL agent's metadata"):
+        b.connect(b"not metadata")
     with pytest.raises(ValueError, match="length: expected <= 24"):
         b.pull(a.export(rid(), 0, 30), 0)
     with pytest.raises(ValueError, match="request_id: expected a request not exported"):

@@ -36,6 +36,16 @@ _DONE, _ABORT = "hcache:done:", "hcache:abort:"
 _names = itertools.count()
 
 
+def _check_timeout(timeout_s):
+    """``timeout_s`` (None: the engine's) as a float > 0."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not timeout_s > 0:
+        raise ValueError(f"timeout_s: expected None or a number > 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
 def _check_int(name, value, lo, hi=None):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
@@ -76,9 +86,8 @@ class TransferEngine:
 
     def __init__(self, manager, name=None, *, tp=None, rank=0, timeout_s=10.0,
                  backends=("UCX",)):
-        if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) \
-                or not timeout_s > 0:
-            raise ValueError(f"timeout_s: expected a number > 0, got {timeout_s!r}")
+        if _check_timeout(timeout_s) is None:
+            raise ValueError("timeout_s: expected a number > 0, got None")
         layout = describe_manager(manager, tp, rank)
         api = load_nixl()
         self.manager, self.layout, self.timeout_s = manager, layout, float(timeout_s)
@@ -124,7 +133,11 @@ class TransferEngine:
         with each of its handles). Returns the peer's name."""
         if not isinstance(metadata, (bytes, bytearray)):
             raise TypeError(f"metadata: expected bytes, got {type(metadata).__name__}")
-        peer = self._agent.add_remote_agent(bytes(metadata))
+        try:
+            peer = self._agent.add_remote_agent(bytes(metadata))
+        except Exception as e:   # noqa: BLE001 - NIXL's own error types
+            raise ValueError(f"metadata: expected a NIXL agent's metadata, got {len(metadata)} "
+                             f"bytes NIXL refused ({type(e).__name__}: {e})") from None
         peer = peer.decode() if isinstance(peer, bytes) else str(peer)
         self._peers[peer] = True
         return peer
@@ -280,6 +293,7 @@ class TransferEngine:
         """
         handles = self._check_handles(handles)
         slot = _check_int("slot", slot, 0, self.layout["max_batch"])
+        timeout_s = _check_timeout(timeout_s)
         length = handles[0]["length"]
         plan = plan_pull(self.layout, slot, [(h["agent"], h["layout"], h["slot"])
                                              for h in handles], length, merge=merge)
@@ -298,6 +312,7 @@ class TransferEngine:
         receiving side owns the destination, and sees no ``done`` from this rank)."""
         handles = self._check_handles(handles)
         slot = _check_int("slot", slot, 0, self.layout["max_batch"])
+        timeout_s = _check_timeout(timeout_s)
         length = handles[0]["length"]
         plan = plan_push(self.layout, slot, [(h["agent"], h["layout"], h["slot"])
                                              for h in handles], length)
