@@ -121,7 +121,7 @@ def test_bench_runs_from_the_wheel_in_a_fresh_venv(wheel, tmp_path):
     (path,) = out.glob("*.json")
     rows = json.loads(path.read_text())["rows"]
     families = {p.stem for p in (ROOT / "kernels").glob("*.cu")}
-    assert {r["family"] for r in rows} == families
+    assert {r["family"] for r in rows} - {"transfer"} == families   # transfer: with NIXL
     assert all(r["us"] > 0 and r["launches"] >= 1 for r in rows)
     assert not (work / "bench").exists()
 

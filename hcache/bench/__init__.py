@@ -11,10 +11,12 @@ copies). On the CPU the same cases run, scaled down, on the NumPy reference path
 says so.
 
 :func:`main` (:mod:`.runner`) takes the list of benchmark modules to run
-(:data:`KERNEL_BENCHES` by default); the shared timer, shapes and baseline are in
-:mod:`._common`, the table, JSON and PNG output in :mod:`._report`.
+(:data:`BENCHES` by default: :data:`KERNEL_BENCHES`, one per kernel family, then
+:mod:`.transfer`, a NIXL pull between two engines, when NIXL is installed); the shared
+timer, shapes and baseline are in :mod:`._common`, the table, JSON and PNG output in
+:mod:`._report`.
 """
 
-from .runner import KERNEL_BENCHES, main
+from .runner import BENCHES, KERNEL_BENCHES, main
 
-__all__ = ["KERNEL_BENCHES", "main"]
+__all__ = ["BENCHES", "KERNEL_BENCHES", "main"]

@@ -8,19 +8,22 @@ from pathlib import Path
 from hcache import _cuda
 from hcache.device import Device, resolve_device
 
-from . import compact, kv_capture, kv_write, lengths, slot_copy
+from . import compact, kv_capture, kv_write, lengths, slot_copy, transfer
 from ._common import BenchContext, Timer
 from ._report import print_table, write_report
 
-__all__ = ["KERNEL_BENCHES", "main"]
+__all__ = ["KERNEL_BENCHES", "BENCHES", "main"]
 
 # One module per kernel family, named like its .cu file; each has FAMILY and run(ctx).
 KERNEL_BENCHES = (kv_write, compact, slot_copy, kv_capture, lengths)
+# What ``python -m hcache bench`` runs: the kernel families, then the NIXL transfer (no rows
+# without NIXL).
+BENCHES = KERNEL_BENCHES + (transfer,)
 
 CPU_SCALE = 16  # shapes are divided by this on the CPU
 
 
-def main(device=None, out_dir=None, quick: bool = False, benches=KERNEL_BENCHES,
+def main(device=None, out_dir=None, quick: bool = False, benches=BENCHES,
          kind: str = "kernels") -> int:
     """Run ``benches`` on ``device``, print a table and write the report to ``out_dir``
     (default ``bench/results`` under the current directory) as
