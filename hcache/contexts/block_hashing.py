@@ -148,13 +148,13 @@ def compute_block_hashes(tokens, block_size: int, *, salt=None, extra_keys=None)
         raise TypeError(str(exc)) from None
     if arr.ndim != 1:
         raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)
+                     or (arr.dtype == np.uint64 and bool((arr > np.iinfo(np.int64).max).any()))):
+        raise TypeError(f"tokens: expected int64 token ids, got dtype {arr.dtype}")
     root = chain_root(cache_salt("salt", salt))
     keys = block_keys("extra_keys", extra_keys, -(-arr.shape[0] // block_size))
     if arr.size == 0:
         return []
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) \
-            or (arr.dtype == np.uint64 and bool((arr > np.iinfo(np.int64).max).any())):
-        raise TypeError(f"tokens: expected int64 token ids, got dtype {arr.dtype}")
     num_blocks = arr.shape[0] // block_size
     data = arr[: num_blocks * block_size].astype("<i8").tobytes()
     step = 8 * block_size
