@@ -160,7 +160,8 @@ def compute_block_hashes(tokens, block_size: int, *, salt=None, extra_keys=None)
     step = 8 * block_size
     digest, out = root, []
     for k in range(num_blocks):
-        digest = hashlib.sha256(digest + data[k * step: (k + 1) * step] + keys.get(k, b"")).digest()
+        message = digest + data[k * step: (k + 1) * step] + keys.get(k, b"")
+        digest = hashlib.sha256(message).digest()
         out.append(int.from_bytes(digest[:8], "little") % _MOD + 1)
     return out
 
