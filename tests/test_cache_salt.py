@@ -155,7 +155,7 @@ def test_a_key_of_the_partial_tail_block_enters_its_hash_when_it_completes():
     ctx = make_ctx()
     req = Request([1, 2, 3], None, {1: b"img"})
     run_step(ctx, req, ctx.add_request("a", [1, 2, 3], extra_keys={1: b"img"}))
-    assert ctx._requests.pending_keys        # waits for block 1
+    assert ctx._requests.pending_key_cols[ctx._requests.row("a")] == 1   # waits for it
     req.tokens.append(4)
     run_step(ctx, req, ctx.extend_request("a", [4]))
     ctx.release_requests(["a"])
@@ -194,9 +194,10 @@ def test_bad_salt_or_keys_change_nothing(kwargs, error, message):
     run_step(ctx, req, ctx.add_request("a", [1, 2, 3, 4]))
     kv = ctx.kv_block_allocator
     before = (kv.block_ref_counts.tolist(), kv.free_block_ids.tolist(), ctx.request_ids,
-              ctx._requests.salts[:], ctx._requests.keys[:], dict(ctx._requests.pending_keys))
+              ctx._requests.salts[:], ctx._requests.keys[:],
+              ctx._requests.pending_key_cols.tolist())
     with pytest.raises(error, match=message):
         ctx.add_request("b", [1, 2, 3, 4, 5, 6, 7], **kwargs)     # 4 blocks, the last partial
     assert before == (kv.block_ref_counts.tolist(), kv.free_block_ids.tolist(),
                       ctx.request_ids, ctx._requests.salts[:], ctx._requests.keys[:],
-                      dict(ctx._requests.pending_keys))
+                      ctx._requests.pending_key_cols.tolist())

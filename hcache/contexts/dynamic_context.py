@@ -34,7 +34,7 @@ from ..config.layers import kv_layer_list
 from ..config.sizing import context_states_nbytes
 from ..device import resolve_device, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
-from .block_hashing import block_keys, cache_salt, compute_block_hashes
+from .block_hashing import compute_block_hashes
 from .block_registration import BlockRegistration
 from .context_invariants import broken_context_invariants
 from .kv_block_allocator import KVBlockAllocator
@@ -211,41 +211,19 @@ class DynamicInferenceContext:
                 for row, off, idx in self.mamba_slot_allocator.intermediate_targets()]
 
     def shares_pending_blocks(self, tokens, *, salt=None, extra_keys=None) -> bool:
-        """Whether a complete block of ``tokens`` (under ``salt`` and ``extra_keys``, as
-        :meth:`add_request` would hash them) is being computed by a scheduled step and is not
-        cached yet: a scheduler can defer such a request one step to hit the cache."""
-        hashes = compute_block_hashes(token_array("tokens", tokens), self.block_size_tokens,
-                                      salt=salt, extra_keys=extra_keys)
-        if not self.prefix_caching_enabled:
-            return False
-        return self._registration.computing_any(hashes)
+        """Whether a block of ``tokens`` (hashed as :meth:`add_request` would) is computed by a
+        scheduled step, not cached yet: a scheduler can defer it one step to hit the cache."""
+        return self.prefix_caching_enabled and self._registration.computing_any(
+            compute_block_hashes(tokens, self.block_size_tokens, salt=salt, extra_keys=extra_keys))
 
     # --- commands -------------------------------------------------------------------------------
 
-    def add_request(self, request_id, tokens, *, stream=None, salt=None,
-                    extra_keys=None) -> StepPlan:
+    def add_request(self, request_id, tokens, *, stream=None, salt=None, extra_keys=None):
         """Admit a request and schedule its prompt (minus the cached prefix) for this step.
 
-        Pins the matched KV blocks, allocates the rest, takes a row and a live Mamba slot,
-        restores the deepest cached Mamba state (or zeroes the slot) and records which block
-        boundaries to snapshot.
-
-        Parameters
-        ----------
-        request_id : hashable
-        tokens : int sequence or array [num_tokens]
-        stream : optional
-            The stream of the Mamba restore or zeroing.
-        salt : bytes or str, optional
-            Isolation key (a str as its UTF-8 bytes; docs/design.md §6.1): the request reuses
-            KV blocks and Mamba states only of requests with an equal salt (and equal extra
-            keys up to the block). Chosen by the engine: a LoRA adapter, a tenant, a model
-            revision. None: shared with every unsalted request.
-        extra_keys : mapping of int to (bytes, str or a list of them), optional
-            Keys of block ``k`` (``0 <= k < ceil(num_tokens / block_size_tokens)``; for
-            example content hashes of the images whose placeholder tokens fall in block
-            ``k``), mixed into its hash and every later one's; a key of the partial last block
-            enters its hash when a later step completes it.
+        Pins the matched KV blocks, allocates the rest, takes a row and a live Mamba slot, restores
+        the deepest cached Mamba state (or zeroes the slot), records which block boundaries to
+        snapshot; returns the ``StepPlan``. ``salt`` and ``extra_keys`` isolate it (design §6.1).
 
         Raises
         ------
@@ -253,8 +231,7 @@ class DynamicInferenceContext:
             ``request_id`` is already active, ``tokens`` is empty, too long or not 1-D.
         TypeError
             ``request_id`` is not hashable, ``tokens`` are not integers, ``stream`` is not
-            a stream, ``salt`` is not bytes or str, ``extra_keys`` is not a mapping of int
-            block indices to bytes or str keys.
+            a stream, ``salt`` or ``extra_keys`` are of the wrong types.
         IndexError
             ``extra_keys`` names a block the prompt does not have.
         CacheCapacityError
@@ -273,10 +250,8 @@ class DynamicInferenceContext:
             raise ValueError(f"tokens: expected 1..{self.max_sequence_length} tokens, got {n}")
         if stream is not None:
             stream_handle(stream)   # validated before anything changes
-        raw_salt = cache_salt("salt", salt)
-        keys = block_keys("extra_keys", extra_keys, -(-n // self.block_size_tokens))
-        plan, stats = self._scheduler.admit(request_id, toks, stream=stream, salt=raw_salt,
-                                            keys=keys)
+        plan, stats = self._scheduler.admit(request_id, toks, stream=stream, salt=salt,
+                                            extra_keys=extra_keys)
         self.stats.add(stats)
         return plan
 

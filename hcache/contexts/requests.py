@@ -17,8 +17,8 @@ Invariants (checked by :meth:`RequestTable.broken_invariants`), for an active ro
   many block ids, then -1; ``registered <= hashed <= lengths // block_size``;
 - with hashing on, ``hashes[r, :hashed]`` are the chained hashes of the row's tokens (under
   its salt and extra keys) and ``digests[r]`` is the digest of block ``hashed - 1`` (the
-  chain's root when none); a row's extra key of a block not hashed yet waits in
-  ``pending_keys`` (only the partial tail block of a prompt can have one);
+  chain's root when none); ``pending_key_cols[r]`` is the column of its keyed block not hashed
+  yet (only a prompt's partial tail block can be one), else -1;
 - rows and live slots of no request are on the free lists, and their table entries are -1.
 """
 
@@ -65,8 +65,8 @@ class RequestTable:
         Each row's salt (docs/design.md §6.1).
     keys : list of dict [max_requests]
         Each row's encoded extra keys by block column (see :func:`.block_hashing.block_keys`).
-    pending_keys : dict
-        Row -> ``(column, encoded keys)`` of a keyed block not hashed yet.
+    pending_key_cols : int64 [max_requests]
+        The column of each row's keyed block not hashed yet; -1 = none.
     """
 
     def __init__(self, max_requests: int, max_blocks_per_request: int, block_size: int, *,
@@ -84,7 +84,8 @@ class RequestTable:
             setattr(self, name, np.zeros(R, dtype=np.int64))
         self.salts: list = [None] * R
         self.keys: list = [{} for _ in range(R)]
-        self.pending_keys: dict = {}
+        self.pending_key_cols = np.full(R, -1, dtype=np.int64)
+        self._pending_keys = 0                  # rows with a pending key column
         self._row_of: dict = {}                 # request id -> row, in admission order
         self._id_of: list = [None] * R
         self._stats: list = [None] * R          # admission counters
@@ -100,7 +101,8 @@ class RequestTable:
         self._id_of[:] = [None] * self.max_requests
         self.salts[:] = [None] * self.max_requests
         self.keys[:] = [{} for _ in range(self.max_requests)]
-        self.pending_keys.clear()
+        self.pending_key_cols.fill(-1)
+        self._pending_keys = 0
         self.request_to_kv_block_ids.fill(-1)
         self.request_to_mamba_state_idx.fill(-1)
         self.pending_end.fill(-1)
@@ -221,13 +223,13 @@ class RequestTable:
         self.request_to_mamba_state_idx[row] = slot
         if self.hashing:
             self.hashes[row, :len(hashes)] = hashes
-            self.digests[row] = np.frombuffer(digest, np.uint8) if isinstance(digest, bytes) \
-                else digest
+            self.digests[row] = digest
             self.hashed[row] = len(hashes)
             self.salts[row], self.keys[row] = salt, dict(keys or {})
             tail = len(hashes)   # a key of the partial tail block waits for it to complete
             if tail in self.keys[row]:
-                self.pending_keys[row] = (tail, self.keys[row][tail])
+                self.pending_key_cols[row] = tail
+                self._pending_keys += 1
         self._row_of[request_id] = row
         self._id_of[row] = request_id
         self._stats[row] = stats
@@ -289,7 +291,7 @@ class RequestTable:
             owners = rows[which]
         blocks = self.tokens.reshape(self.max_requests, -1, self.block_size)[owners, cols]
         chains = None if counts is None or len(cols) == len(rows) else counts
-        keys = self._take_pending_keys(owners, cols) if self.pending_keys else None
+        keys = self._take_pending_keys(owners, cols) if self._pending_keys else None
         hashes, digests = chain_block_hashes(self.digests[rows], blocks, chains, keys)
         self.hashes[owners, cols] = hashes
         self.digests[rows] = digests if chains is None else digests[np.cumsum(counts) - 1]
@@ -297,14 +299,15 @@ class RequestTable:
 
     def _take_pending_keys(self, owners: np.ndarray, cols: np.ndarray) -> dict:
         """The encoded keys of the blocks ``(owners[i], cols[i])`` that wait for one, by
-        ``i``; they leave :attr:`pending_keys`."""
-        keys = {}
-        for row, (col, suffix) in list(self.pending_keys.items()):
-            hit = np.flatnonzero((owners == row) & (cols == col))
-            if len(hit):
-                keys[int(hit[0])] = suffix
-                del self.pending_keys[row]
-        return keys
+        ``i`` (they stop waiting: :attr:`pending_key_cols` -1)."""
+        hits = np.flatnonzero(self.pending_key_cols[owners] == cols)
+        if not len(hits):
+            return {}
+        taken = owners[hits]
+        self.pending_key_cols[taken] = -1
+        self._pending_keys -= len(hits)
+        return {i: self.keys[row][col]
+                for i, row, col in zip(hits.tolist(), taken.tolist(), cols[hits].tolist())}
 
     def complete_steps(self):
         """Mark every scheduled step computed; returns its ``rows`` (ascending) and their
@@ -328,7 +331,8 @@ class RequestTable:
             del self._row_of[self._id_of[row]]
             self._id_of[row] = self._stats[row] = self.salts[row] = None
             self.keys[row] = {}
-            self.pending_keys.pop(row, None)
+            self._pending_keys -= int(self.pending_key_cols[row] >= 0)
+            self.pending_key_cols[row] = -1
         self.request_to_kv_block_ids[rows] = -1
         self.request_to_mamba_state_idx[rows] = -1
         self.pending_end[rows] = -1
@@ -372,14 +376,18 @@ class RequestTable:
                 if (self.hashes[row, :h] != hashes).any() or (self.digests[row] != last).any():
                     problems.append(f"row {row}: block hashes disagree with its tokens, salt "
                                     f"and extra keys")
-                waiting = {(c, v) for c, v in keys.items() if c >= h}
-                if waiting != ({self.pending_keys[row]} if row in self.pending_keys else set()):
+                waiting = [c for c in keys if c >= h]
+                if waiting != ([self.pending_key_cols[row]] if self.pending_key_cols[row] >= 0
+                               else []):
                     problems.append(f"row {row}: extra keys of unhashed blocks {waiting}, "
-                                    f"pending {self.pending_keys.get(row)}")
+                                    f"pending column {self.pending_key_cols[row]}")
         free = [r for r in range(self.max_requests) if r not in set(active)]
-        if any(self.salts[r] is not None or self.keys[r] or r in self.pending_keys
-               for r in free):
+        if any(self.salts[r] is not None or self.keys[r] for r in free) \
+                or (self.pending_key_cols[free] != -1).any():
             problems.append("free rows with salts or extra keys")
+        if self._pending_keys != int(np.count_nonzero(self.pending_key_cols >= 0)):
+            problems.append(f"{self._pending_keys} pending keys counted, "
+                            f"{np.count_nonzero(self.pending_key_cols >= 0)} columns")
         if (self.request_to_kv_block_ids[free] != -1).any() \
                 or (self.request_to_mamba_state_idx[free] != -1).any():
             problems.append("free rows with table entries")

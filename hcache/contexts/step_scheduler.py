@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CacheCapacityError
-from .block_hashing import chain_block_hashes, chain_root
+from .block_hashing import block_keys, cache_salt, chain_block_hashes, chain_root
 from .prefix_match import match_prefix, restore_depth_tokens
 from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan, _Chunk
 
@@ -46,11 +46,10 @@ class StepScheduler:
         self.block_size = requests.block_size
         self.max_sequence_length = requests.max_sequence_length
 
-    def admit(self, request_id, tokens: np.ndarray, *, stream=None, salt: bytes | None = None,
-              keys: dict | None = None):
+    def admit(self, request_id, tokens: np.ndarray, *, stream=None, salt=None, extra_keys=None):
         """Admit a new request with checked ``tokens`` (1-D int64, 1..max_sequence_length of
-        them) and schedule its prompt minus the restored prefix; its blocks hash under the
-        checked ``salt`` and encoded extra ``keys`` (:func:`.block_hashing.block_keys`).
+        them) and schedule its prompt minus the restored prefix; its blocks hash under ``salt``
+        and ``extra_keys`` (docs/design.md §6.1).
 
         Returns
         -------
@@ -59,14 +58,18 @@ class StepScheduler:
 
         Raises
         ------
+        TypeError, IndexError
+            ``salt`` is not bytes or str, ``extra_keys`` not a mapping of block indices of the
+            prompt to keys. Nothing changes.
         CacheCapacityError
             No free row, or not enough KV blocks even after eviction. Nothing changes.
         """
         requests, kv, bs, mamba = self.requests, self.kv, self.block_size, self.mamba
         n = len(tokens)
+        salt, keys = cache_salt("salt", salt), block_keys("extra_keys", extra_keys, -(-n // bs))
         full = n // bs if requests.hashing else 0
-        root = chain_root(salt)
-        hashes, digests = chain_block_hashes(np.frombuffer(root, np.uint8)[None],
+        root = np.frombuffer(chain_root(salt), np.uint8)
+        hashes, digests = chain_block_hashes(root[None],
                                              tokens[:full * bs].reshape(full, bs),
                                              np.array([full]),
                                              {k: v for k, v in keys.items() if k < full}
