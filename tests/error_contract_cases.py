@@ -18,6 +18,7 @@ from error_contract_kinds import (
     AnyArray,
     Array,
     Arrays,
+    BlockKeys,
     Bool,
     Callable,
     Choice,
@@ -31,6 +32,7 @@ from error_contract_kinds import (
     Keys,
     Lengths,
     OnlyNone,
+    Salt,
     Scale,
     Seconds,
     Stream,
@@ -93,8 +95,10 @@ fn("dtype_name", {"dtype": "float16"}, dtype=Choice())
 fn("resolve_dtype", {"dtype": "float16", "name": "dtype"}, dtype=Choice(),
    name=Fixed("the label of the checked argument", label=True))
 TOKENS = (-(2**63), 2**63 - 1)      # token ids: any int64
-fn("compute_block_hashes", {"tokens": [1, 2, 3, 4, 5], "block_size": 2},
-   tokens=Ints(*TOKENS, fixed_length=False), block_size=Int(1))
+fn("compute_block_hashes", {"tokens": [1, 2, 3, 4, 5], "block_size": 2, "salt": "tenant",
+                            "extra_keys": {0: b"img", 2: [b"a", "b"]}},
+   tokens=Ints(*TOKENS, fixed_length=False), block_size=Int(1),
+   salt=Salt(), extra_keys=BlockKeys(3))
 
 ctor(Device, {"kind": "cpu", "index": 0}, kind=Choice(), index=Int(0))
 ctor(KVLayerConfig, {"num_kv_heads": 2, "head_dim": 4, "sliding_window": None,
@@ -556,12 +560,14 @@ CASES[(CTX, "__init__")] = Case(
      "max_step_tokens": Int(1, none_ok=True), "device": Choice(none_ok=True)})
 for meth in ("request_stats", "block_ids", "num_computed_tokens", "mamba_slot"):
     case(CTX, meth, make_ctx(), lambda _: {"request_id": "a"}, request_id=Key())
-case(CTX, "shares_pending_blocks", make_ctx(), lambda _: {"tokens": [1, 2, 3, 4]},
-     tokens=Ints(*TOKENS, fixed_length=False))
+case(CTX, "shares_pending_blocks", make_ctx(),
+     lambda _: {"tokens": [1, 2, 3, 4], "salt": b"tenant", "extra_keys": {0: b"img"}},
+     tokens=Ints(*TOKENS, fixed_length=False), salt=Salt(), extra_keys=BlockKeys(2))
 case(CTX, "add_request", make_ctx(pending=False),
-     lambda _: {"request_id": "d", "tokens": [1, 2, 3, 4, 8], "stream": None},
+     lambda _: {"request_id": "d", "tokens": [1, 2, 3, 4, 8], "stream": None,
+                "salt": "tenant", "extra_keys": {0: b"img", 2: "tail"}},
      request_id=Key(unknown=("a",)), tokens=Ints(*TOKENS, fixed_length=False, nonempty=True),
-     stream=Stream())
+     stream=Stream(), salt=Salt(), extra_keys=BlockKeys(3))
 case(CTX, "extend_request", make_ctx(pending=False),
      lambda _: {"request_id": "a", "tokens": [6, 7]}, request_id=Key(),
      tokens=Ints(*TOKENS, fixed_length=False, nonempty=True))
@@ -1024,9 +1030,11 @@ for _meth, _make, _args, _kinds in (
         ("release_requests", make_ctx_local(), {"request_ids": ["a", "c"]},
          {"request_ids": Keys()}),
         ("add_request", make_ctx_local(pending=False),
-         {"request_id": "d", "tokens": [1, 2, 3, 4, 8], "stream": None},
+         {"request_id": "d", "tokens": [1, 2, 3, 4, 8], "stream": None, "salt": b"t",
+          "extra_keys": {2: [b"img"]}},
          {"request_id": Key(unknown=("a",)),
-          "tokens": Ints(*TOKENS, fixed_length=False, nonempty=True), "stream": Stream()}),
+          "tokens": Ints(*TOKENS, fixed_length=False, nonempty=True), "stream": Stream(),
+          "salt": Salt(), "extra_keys": BlockKeys(3)}),
         ("extend_requests", make_ctx_local(pending=False), {"request_ids": ["a"], "tokens": [6]},
          {"request_ids": Keys(nonempty=False), "tokens": Ints(*TOKENS, nested_ok=True)})):
     variant(CTX, _meth, "local", _make, lambda _, a=_args: dict(a), **_kinds)

@@ -357,6 +357,33 @@ class Keys(Kind):
         return options
 
 
+class Salt(Kind):
+    """A prefix-cache salt: None, bytes or str."""
+
+    none_ok = True
+
+    def bad_values(self, valid):
+        return [1, 0, True, 1.5, object(), [b"a"], ["a"], (b"a",), {"a": 1}, np.int64(1),
+                np.array([1], np.uint8), memoryview(b"a")]
+
+
+class BlockKeys(Kind):
+    """Extra keys by block: None or a mapping of a block index in ``[0, blocks)`` to bytes,
+    str or a list of them."""
+
+    none_ok = True
+
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+    def bad_values(self, valid):
+        n = self.blocks
+        return [1, "0", b"x", [b"x"], (b"x",), object(), {n: b"x"}, {-1: b"x"},
+                {2**64: b"x"}, {"0": b"x"}, {True: b"x"}, {1.5: b"x"}, {None: b"x"},
+                {0: 1}, {0: None}, {0: {b"x"}}, {0: [b"x", 2]}, {0: [[b"x"]]},
+                {0: b"x", n: b"y"}]
+
+
 class Instance(Kind):
     """An object of one class."""
 

@@ -10,7 +10,7 @@ import struct
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 
 from hcache.contexts import compute_block_hashes
 from hcache.contexts.block_hashing import chain_block_hashes
@@ -166,3 +166,132 @@ def test_one_block_per_chain_and_empty_inputs():
             for k in range(3)] == second.tolist()
     empty, no_digests = chain_block_hashes(np.zeros((0, 32), np.uint8), np.zeros((0, 4)))
     assert empty.shape == (0,) and no_digests.shape == (0, 32)
+
+
+# --- isolation: a salt and extra keys per block (issue 30, docs/design.md §6.1) ---------------
+
+SALTS = st.one_of(st.none(), st.sampled_from([b"", b"a", "a", b"b", "\u00e9", b"\xc3\xa9"]))
+KEY = st.sampled_from([b"", b"x", "x", b"y", b"\x00" * 8])
+BLOCK_KEYS = st.one_of(KEY, st.lists(KEY, max_size=2))
+
+
+def salted_oracle(tokens, block_size, salt=None, extra_keys=None):
+    """The rule of §6.1 from scratch: the chain starts from 32 zero bytes, or from
+    ``sha256(b"hcache prefix-cache salt\\0" || salt)``; block ``k``'s message is the parent
+    digest, its tokens (int64 LE, struct-packed) and ``uint64_le(len(key)) || key`` per key."""
+    def raw(x):
+        return x.encode() if isinstance(x, str) else bytes(x)
+
+    digest = bytes(32) if salt is None else \
+        hashlib.sha256(b"hcache prefix-cache salt\x00" + raw(salt)).digest()
+    out = []
+    for k in range(len(tokens) // block_size):
+        keys = (extra_keys or {}).get(k, ())
+        keys = [keys] if isinstance(keys, (bytes, str)) else keys
+        suffix = b"".join(struct.pack("<Q", len(raw(x))) + raw(x) for x in keys)
+        block = tokens[k * block_size:(k + 1) * block_size]
+        digest = hashlib.sha256(digest + struct.pack(f"<{block_size}q", *block) + suffix).digest()
+        out.append(struct.unpack("<Q", digest[:8])[0] % (2**63 - 1) + 1)
+    return out
+
+
+@given(TOKENS, st.integers(1, 4))
+def test_without_salt_or_keys_hashes_are_byte_identical_to_megatron(tokens, block_size):
+    """No salt and no key (None, an empty mapping, blocks with empty key lists): the plain
+    chain of Megatron-LM, pinned by two oracles written from its definition."""
+    want = spec_hashes(tokens, block_size)
+    assert oracle(tokens, block_size) == want
+    blocks = -(-len(tokens) // block_size)
+    for extra in (None, {}, {k: [] for k in range(blocks)}):
+        assert compute_block_hashes(tokens, block_size, salt=None, extra_keys=extra) == want
+
+
+@given(TOKENS, st.integers(1, 4), SALTS, st.data())
+def test_salted_and_keyed_hashes_follow_the_rule(tokens, block_size, salt, data):
+    blocks = -(-len(tokens) // block_size)
+    extra = data.draw(st.dictionaries(st.integers(0, max(blocks - 1, 0)), BLOCK_KEYS,
+                                      max_size=blocks))
+    got = compute_block_hashes(tokens, block_size, salt=salt, extra_keys=extra)
+    assert got == salted_oracle(tokens, block_size, salt, extra)
+    assert all(1 <= h <= 2**63 - 1 for h in got)
+
+
+def identity(tokens, block_size, salt, extra, k):
+    """What block ``k``'s hash must identify: tokens through block ``k``, the salt (a str as
+    its UTF-8 bytes) and the keys of blocks ``0..k`` (one key as a list of one; none as [])."""
+    def raw(x):
+        return x.encode() if isinstance(x, str) else x
+
+    def keys(j):
+        v = extra.get(j, [])
+        return tuple(map(raw, [v] if isinstance(v, (bytes, str)) else v))
+
+    return (tuple(tokens[:(k + 1) * block_size]), None if salt is None else raw(salt),
+            tuple(keys(j) for j in range(k + 1)))
+
+
+@settings(max_examples=300)
+@given(st.integers(1, 3), st.data())
+def test_equal_hashes_iff_equal_tokens_salt_and_keys_through_the_block(block_size, data):
+    """Two sequences over a tiny alphabet, salts and keys from small sets (so that they often
+    agree): block ``k`` hashes alike exactly when the tokens through it, the salts and the
+    keys of every block up to it agree; a salt is never equal to no salt, a str salt equals
+    its UTF-8 bytes."""
+    sides = []
+    for _ in range(2):
+        tokens = data.draw(st.lists(st.integers(0, 1), min_size=block_size, max_size=9))
+        blocks = -(-len(tokens) // block_size)
+        extra = data.draw(st.dictionaries(st.integers(0, blocks - 1), BLOCK_KEYS,
+                                          max_size=2))
+        salt = data.draw(SALTS)
+        sides.append((tokens, salt, extra,
+                      compute_block_hashes(tokens, block_size, salt=salt, extra_keys=extra)))
+    (ta, sa, ea, ha), (tb, sb, eb, hb) = sides
+    for k in range(min(len(ha), len(hb))):
+        same = identity(ta, block_size, sa, ea, k) == identity(tb, block_size, sb, eb, k)
+        assert (ha[k] == hb[k]) == same, (k, sides)
+
+
+@given(st.integers(1, 4), SALTS, st.lists(st.integers(-2**63, 2**63 - 1), max_size=20),
+       st.data())
+def test_keyed_chains_continued_block_by_block_equal_the_whole_sequence(block_size, salt,
+                                                                        tokens, data):
+    """chain_block_hashes from the salt's root with the encoded keys, one block at a time and
+    all at once, equals compute_block_hashes of the whole sequence."""
+    from hcache.contexts.block_hashing import block_keys, cache_salt, chain_root
+
+    n = len(tokens) // block_size
+    extra = data.draw(st.dictionaries(st.integers(0, max(n - 1, 0)), BLOCK_KEYS, max_size=3)) \
+        if n else {}
+    want = compute_block_hashes(tokens, block_size, salt=salt, extra_keys=extra)
+    keys = block_keys("extra_keys", extra, n)
+    root = np.frombuffer(chain_root(cache_salt("salt", salt)), np.uint8)[None]
+    blocks = np.array(tokens[:n * block_size], np.int64).reshape(n, block_size)
+    whole, _ = chain_block_hashes(root, blocks, np.array([n]), keys)
+    assert whole.tolist() == want
+    digest, one_by_one = root, []
+    for k in range(n):
+        h, d = chain_block_hashes(digest, blocks[k:k + 1], None,
+                                  {0: keys[k]} if k in keys else None)
+        one_by_one.append(int(h[0]))
+        digest = d
+    assert one_by_one == want
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"salt": 1}, TypeError, r"^salt: expected bytes or str, got int$"),
+    ({"salt": ["a"]}, TypeError, r"^salt: expected bytes or str, got list$"),
+    ({"extra_keys": [b"x"]}, TypeError, r"^extra_keys: expected a mapping"),
+    ({"extra_keys": {3: b"x"}}, IndexError, r"^extra_keys: expected block indices in \[0, 3\), "
+                                            r"got 3$"),
+    ({"extra_keys": {-1: b"x"}}, IndexError, r"^extra_keys: expected block indices"),
+    ({"extra_keys": {"0": b"x"}}, TypeError, r"^extra_keys: expected int block indices, "
+                                             r"got str$"),
+    ({"extra_keys": {True: b"x"}}, TypeError, r"^extra_keys: expected int block indices"),
+    ({"extra_keys": {0: 7}}, TypeError, r"^extra_keys\[0\]: expected bytes, str or a list"),
+    ({"extra_keys": {1: [b"x", None]}}, TypeError,
+     r"^extra_keys\[1\]\[1\]: expected bytes or str, got NoneType$"),
+])
+def test_bad_salts_and_keys_are_refused_naming_the_argument(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        compute_block_hashes([1, 2, 3, 4, 5], 2, **kwargs)   # 3 blocks, the last partial

@@ -333,6 +333,8 @@ class EagerVersusLaggingRegistration(RuleBasedStateMachine):
     # bug above changes an outcome (the pressure variant hunts them). The evictable count may
     # still differ (test_a_cached_parent_of_a_backlogged_block_is_not_evictable), unused here.
     blocks_range, policies, drops = (1000, 1000), ["lru"], False
+    # Prefix-cache isolation (docs/design.md §6.1): mostly no salt, so that prompts hit.
+    salts = [None, None, None, b"t1", "t1", b"t2"]
 
     @initialize(data=st.data())
     def setup(self, data):
@@ -343,6 +345,7 @@ class EagerVersusLaggingRegistration(RuleBasedStateMachine):
                                    max_blocks=24 // bs, policy=policy,
                                    registration_budget=budget) for budget in (None, 1))
         self.next_id = 0
+        self.isolation = {}     # request id -> (salt, extra keys)
 
     def both(self, f):
         got = [outcome(lambda c=c: f(c)) for c in (self.a, self.b)]
@@ -350,13 +353,25 @@ class EagerVersusLaggingRegistration(RuleBasedStateMachine):
         return got[0]
 
     def draw_tokens(self, data):
+        """Tokens, a salt and extra keys: a live request's (mostly under its salt and keys),
+        or a stem's."""
         live = self.a.request_ids
+        salt, keys = data.draw(st.sampled_from(self.salts), label="salt"), {}
         if live and data.draw(st.booleans(), label="continue a live request"):
-            base = tokens_of(self.a, data.draw(st.sampled_from(live)))
+            rid = data.draw(st.sampled_from(live))
+            base = tokens_of(self.a, rid)
             base = base[:data.draw(st.integers(1, len(base)))]
+            if data.draw(st.integers(0, 3), label="its salt and keys") > 0:
+                salt, keys = self.isolation[rid]
         else:
             base = data.draw(st.sampled_from(STEMS))[:data.draw(st.integers(1, 6))]
-        return base + data.draw(st.lists(st.integers(0, 3), max_size=3))
+        tokens = base + data.draw(st.lists(st.integers(0, 3), max_size=3))
+        blocks = -(-len(tokens) // self.a.block_size_tokens)
+        keys = {k: v for k, v in keys.items() if k < blocks}
+        if data.draw(st.integers(0, 4), label="a new key") == 0:
+            keys[data.draw(st.integers(0, blocks - 1))] = data.draw(
+                st.sampled_from([b"img1", "img2", [b"img1", b"img2"]]))
+        return tokens, salt, keys
 
     def ready(self):
         t = self.a._requests
@@ -364,12 +379,13 @@ class EagerVersusLaggingRegistration(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def add(self, data):
-        tokens = self.draw_tokens(data)
+        tokens, salt, keys = self.draw_tokens(data)
         rid = self.next_id
         self.next_id += 1
+        self.isolation[rid] = (salt, keys)
 
         def admit(ctx):
-            p = ctx.add_request(rid, tokens)
+            p = ctx.add_request(rid, tokens, salt=salt, extra_keys=keys)
             return (p.row, p.start, p.end, p.tokens.tolist(), len(p.block_ids), p.skip_tokens,
                     p.num_matched_blocks, p.restored_block >= 0, vars(ctx.request_stats(rid)))
         lagging = self.b._registration.queued
@@ -420,8 +436,8 @@ class EagerVersusLaggingRegistration(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def shares(self, data):
-        tokens = self.draw_tokens(data)
-        self.both(lambda ctx: ctx.shares_pending_blocks(tokens))
+        tokens, salt, keys = self.draw_tokens(data)
+        self.both(lambda ctx: ctx.shares_pending_blocks(tokens, salt=salt, extra_keys=keys))
 
     @rule()
     def catch_up(self):
@@ -442,7 +458,10 @@ class EagerVersusLaggingRegistration(RuleBasedStateMachine):
         bs = self.a.block_size_tokens
         for rid in self.a.request_ids:
             done = tokens_of(self.a, rid)[:self.a.num_computed_tokens(rid) // bs * bs]
-            assert set(compute_block_hashes(done, bs)) <= set(kva.kv_hash_to_block_id)
+            salt, keys = self.isolation[rid]
+            keys = {k: v for k, v in keys.items() if k < len(done) // bs}
+            assert set(compute_block_hashes(done, bs, salt=salt, extra_keys=keys)) \
+                <= set(kva.kv_hash_to_block_id)
 
     @invariant()
     def agree_and_consistent(self):

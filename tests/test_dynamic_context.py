@@ -473,13 +473,26 @@ def test_incremental_hashes_equal_hashes_of_the_whole_prefix(bs, chunks):
 # --- stateful: a context driven in batches against a twin driven request by request ----------
 
 STEMS = [[1, 2, 3, 4, 5, 6], [9, 8, 7, 6], [1, 2, 3, 4, 7, 7]]
+# Prefix-cache isolation (docs/design.md §6.1): mostly no salt, so that prompts still hit.
+SALTS = st.sampled_from([None, None, None, b"t1", "t1", b"t2"])
+
+
+def draw_isolation(data, num_tokens, bs):
+    """A salt and, now and then, extra keys on the prompt's blocks (its partial one too)."""
+    salt = data.draw(SALTS, label="salt")
+    blocks = -(-num_tokens // bs)
+    keys = data.draw(st.one_of(st.just({}), st.dictionaries(
+        st.integers(0, blocks - 1), st.sampled_from([b"img1", "img1", [b"img2"]]),
+        max_size=2)), label="extra_keys")
+    return salt, keys
 
 
 class BatchedVersusLoopedContext(RuleBasedStateMachine):
     """Two copies of a context, one extended with ``extend_requests``, the other with a loop
-    of ``extend_request``, through random admissions, batches (unknown, repeated and
-    scheduled ids included), commits and releases: they stay identical, every refused batch
-    changes nothing, and both keep their invariants (hashes included)."""
+    of ``extend_request``, through random admissions (salted and keyed now and then),
+    batches (unknown, repeated and scheduled ids included), commits and releases: they stay
+    identical, every refused batch changes nothing, and both keep their invariants (hashes
+    under their salts and keys included)."""
 
     @initialize(bs=st.sampled_from([1, 2, 3]), blocks=st.integers(5, 20),
                 slots=st.integers(0, 3), policy=st.sampled_from(["lru", "ref_zero"]))
@@ -493,10 +506,12 @@ class BatchedVersusLoopedContext(RuleBasedStateMachine):
     def add(self, data):
         tokens = data.draw(st.sampled_from(STEMS))[:data.draw(st.integers(1, 6))]
         tokens += data.draw(st.lists(st.integers(0, 3), max_size=3))
+        salt, keys = draw_isolation(data, len(tokens), self.ctx.block_size_tokens)
         outcomes = []
         for ctx in (self.ctx, self.loop):
             try:
-                outcomes.append(plans_of([ctx.add_request(self.next_id, tokens)]))
+                outcomes.append(plans_of([ctx.add_request(self.next_id, tokens, salt=salt,
+                                                          extra_keys=keys)]))
             except (ValueError, CacheCapacityError) as exc:
                 outcomes.append(type(exc))
         assert outcomes[0] == outcomes[1]

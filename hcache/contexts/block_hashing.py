@@ -8,24 +8,106 @@ the hashes Megatron-LM computes, so they are interchangeable with it.
 
 :func:`compute_block_hashes` hashes a whole sequence; :func:`chain_block_hashes` continues chains
 from their last digests, so a growing sequence hashes each block once, when it completes.
+
+Isolation (docs/design.md §6.1): a request's optional *salt* replaces the 32 zero bytes the
+chain starts from by ``sha256(SALT_DOMAIN || salt)``, so it enters the first block's hash and,
+through the chain, every later one; optional *extra keys* of block ``k`` are appended to its
+message, ``sha256(digest_{k-1} || tokens of block k || keys_k)`` with ``keys_k`` the
+concatenation of ``uint64_le(len(key)) || key`` over its keys, so they enter that block's hash
+and every later one. Without a salt and keys every hash is the plain rule's.
+:func:`cache_salt` and :func:`block_keys` check and encode them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
+from collections.abc import Mapping
 
 import numpy as np
 
 from .._checks import as_int, host_array
 from ..device import array_module_of
 
-__all__ = ["compute_block_hashes", "chain_block_hashes", "DIGEST_BYTES"]
+__all__ = ["compute_block_hashes", "chain_block_hashes", "DIGEST_BYTES", "cache_salt",
+           "block_keys", "chain_root"]
 
 _MOD = (1 << 63) - 1
-DIGEST_BYTES = 32   # a SHA-256 digest; a chain starts from DIGEST_BYTES zero bytes
+DIGEST_BYTES = 32   # a SHA-256 digest; an unsalted chain starts from DIGEST_BYTES zero bytes
+# Prefix of a salt's root message: it is no block message (those start with a digest, and no
+# digest starts with these bytes but by a 2^-144 chance), so a salted root is no block's digest.
+SALT_DOMAIN = b"hcache prefix-cache salt\x00"
 
 
-def compute_block_hashes(tokens, block_size: int) -> list[int]:
+def cache_salt(name: str, salt) -> bytes | None:
+    """A salt as bytes (a str as its UTF-8 bytes), or None for no salt.
+
+    Raises
+    ------
+    TypeError
+        ``salt`` is neither None, bytes, bytearray nor str.
+    """
+    if salt is None:
+        return None
+    if isinstance(salt, str):
+        return salt.encode("utf-8", "surrogatepass")
+    if isinstance(salt, (bytes, bytearray)):
+        return bytes(salt)
+    raise TypeError(f"{name}: expected bytes or str, got {type(salt).__name__}")
+
+
+def block_keys(name: str, extra_keys, num_blocks: int) -> dict[int, bytes]:
+    """Extra keys by block index, checked and encoded: ``{k: keys_k}`` for every block with at
+    least one key (``keys_k``: ``uint64_le(len(key)) || key`` per key, in order).
+
+    Parameters
+    ----------
+    extra_keys : None or mapping of int to (bytes, str, or a sequence of bytes and str)
+        A block's key or keys (a str as its UTF-8 bytes); an empty sequence is no key.
+    num_blocks : int
+        Blocks of the sequence, the partial tail included: indices are in ``[0, num_blocks)``.
+
+    Raises
+    ------
+    TypeError
+        Not a mapping, an index that is not an int, a key that is not bytes or str.
+    IndexError
+        An index of a block the sequence does not have.
+    """
+    if extra_keys is None:
+        return {}
+    if not isinstance(extra_keys, Mapping):
+        raise TypeError(f"{name}: expected a mapping of block index to keys, "
+                        f"got {type(extra_keys).__name__}")
+    out = {}
+    for index, keys in extra_keys.items():
+        if isinstance(index, (bool, np.bool_)) or not hasattr(index, "__index__"):
+            raise TypeError(f"{name}: expected int block indices, got {type(index).__name__}")
+        k = operator.index(index)
+        if not 0 <= k < num_blocks:
+            raise IndexError(f"{name}: expected block indices in [0, {num_blocks}), got {k}")
+        if isinstance(keys, (bytes, bytearray, str)):
+            keys = (keys,)
+        elif not isinstance(keys, (list, tuple)):
+            raise TypeError(f"{name}[{k}]: expected bytes, str or a list of them, "
+                            f"got {type(keys).__name__}")
+        parts = []
+        for j, key in enumerate(keys):
+            raw = cache_salt(f"{name}[{k}][{j}]", key)
+            if raw is None:
+                raise TypeError(f"{name}[{k}][{j}]: expected bytes or str, got NoneType")
+            parts.append(len(raw).to_bytes(8, "little") + raw)
+        if parts:
+            out[k] = b"".join(parts)
+    return out
+
+
+def chain_root(salt: bytes | None) -> bytes:
+    """The digest a chain starts from: 32 zero bytes, or ``sha256(SALT_DOMAIN || salt)``."""
+    return bytes(DIGEST_BYTES) if salt is None else hashlib.sha256(SALT_DOMAIN + salt).digest()
+
+
+def compute_block_hashes(tokens, block_size: int, *, salt=None, extra_keys=None) -> list[int]:
     """Hashes of the complete blocks of ``tokens``; a trailing partial block has none.
 
     Parameters
@@ -34,6 +116,12 @@ def compute_block_hashes(tokens, block_size: int) -> list[int]:
         Token ids (NumPy or CuPy arrays, lists, tuples); each must fit in int64.
     block_size : int
         Tokens per block (>= 1).
+    salt : bytes or str, optional
+        The request's isolation key (a str as its UTF-8 bytes), mixed into the first block's
+        hash and so into every later one; None: the plain chain.
+    extra_keys : mapping of int to (bytes, str or a list of them), optional
+        Keys of block ``k`` (``0 <= k < ceil(num_tokens / block_size)``), mixed into its hash
+        and so into every later one (a key of the partial tail block enters no hash here).
 
     Returns
     -------
@@ -44,9 +132,12 @@ def compute_block_hashes(tokens, block_size: int) -> list[int]:
     Raises
     ------
     TypeError
-        ``block_size`` is not an int, or ``tokens`` are not integers.
+        ``block_size`` is not an int, ``tokens`` are not integers, ``salt`` is not bytes or
+        str, or ``extra_keys`` is not a mapping of int to keys.
     ValueError
         ``block_size < 1``, or ``tokens`` is not 1-D.
+    IndexError
+        ``extra_keys`` names a block the tokens do not have.
     """
     block_size = as_int("block_size", block_size, 1)
     if array_module_of(tokens) is not np:
@@ -57,24 +148,26 @@ def compute_block_hashes(tokens, block_size: int) -> list[int]:
         raise TypeError(str(exc)) from None
     if arr.ndim != 1:
         raise ValueError(f"tokens: expected a 1-D sequence, got shape {arr.shape}")
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)
+                     or (arr.dtype == np.uint64 and bool((arr > np.iinfo(np.int64).max).any()))):
+        raise TypeError(f"tokens: expected int64 token ids, got dtype {arr.dtype}")
+    root = chain_root(cache_salt("salt", salt))
+    keys = block_keys("extra_keys", extra_keys, -(-arr.shape[0] // block_size))
     if arr.size == 0:
         return []
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer) \
-            or (arr.dtype == np.uint64 and bool((arr > np.iinfo(np.int64).max).any())):
-        raise TypeError(f"tokens: expected int64 token ids, got dtype {arr.dtype}")
     num_blocks = arr.shape[0] // block_size
     data = arr[: num_blocks * block_size].astype("<i8").tobytes()
     step = 8 * block_size
-    digest = bytes(32)
-    out = []
+    digest, out = root, []
     for k in range(num_blocks):
-        digest = hashlib.sha256(digest + data[k * step: (k + 1) * step]).digest()
+        message = digest + data[k * step: (k + 1) * step] + keys.get(k, b"")
+        digest = hashlib.sha256(message).digest()
         out.append(int.from_bytes(digest[:8], "little") % _MOD + 1)
     return out
 
 
 def chain_block_hashes(parent_digests: np.ndarray, blocks: np.ndarray,
-                       chain_lengths: np.ndarray | None = None):
+                       chain_lengths: np.ndarray | None = None, keys: dict | None = None):
     """Hashes of blocks that continue chains whose last digests are known.
 
     Chain ``i`` continues from ``parent_digests[i]`` with ``chain_lengths[i]`` consecutive
@@ -84,12 +177,14 @@ def chain_block_hashes(parent_digests: np.ndarray, blocks: np.ndarray,
     Parameters
     ----------
     parent_digests : uint8 [num_chains, 32]
-        The digest of the block before each chain's first new block (32 zero bytes for a chain
-        that starts at block 0).
+        The digest of the block before each chain's first new block (:func:`chain_root` of
+        the salt for a chain that starts at block 0).
     blocks : int64 [num_new_blocks, block_size]
         The new blocks' tokens, chain after chain, in order within each chain.
     chain_lengths : int64 [num_chains], optional
         New blocks per chain (each >= 1); by default one per chain.
+    keys : dict of int to bytes, optional
+        Encoded extra keys (:func:`block_keys`) by row of ``blocks``.
 
     Returns
     -------
@@ -114,14 +209,20 @@ def chain_block_hashes(parent_digests: np.ndarray, blocks: np.ndarray,
         msg[:, :DIGEST_BYTES] = parent_digests
         msg[:, DIGEST_BYTES:] = data
         digests = [sha(row).digest() for row in msg]
+        for i, suffix in (keys or {}).items():
+            digests[i] = sha(msg[i].tobytes() + suffix).digest()
     else:
         # A block's parent is the previous block of its chain: hash chain by chain.
         raw, step = data.tobytes(), data.shape[1]
-        digests, pos = [], 0
+        digests, pos, keyed = [], 0, keys or {}
         for parent, n in zip(parent_digests, np.asarray(chain_lengths).tolist(), strict=True):
             digest = parent.tobytes()
             for _ in range(n):
-                digest = sha(digest + raw[pos:pos + step]).digest()
+                if keyed:
+                    digest = sha(digest + raw[pos:pos + step]
+                                 + keyed.get(len(digests), b"")).digest()
+                else:
+                    digest = sha(digest + raw[pos:pos + step]).digest()
                 digests.append(digest)
                 pos += step
     joined = b"".join(digests)

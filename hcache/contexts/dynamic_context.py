@@ -210,30 +210,30 @@ class DynamicInferenceContext:
         return [(id_of(row), off, idx)
                 for row, off, idx in self.mamba_slot_allocator.intermediate_targets()]
 
-    def shares_pending_blocks(self, tokens) -> bool:
-        """Whether a complete block of ``tokens`` is being computed by a scheduled step and is
-        not cached yet: a scheduler can defer such a request one step to hit the cache."""
-        if not self.prefix_caching_enabled:
-            return False
-        return self._registration.computing_any(
-            compute_block_hashes(token_array("tokens", tokens), self.block_size_tokens))
+    def shares_pending_blocks(self, tokens, *, salt=None, extra_keys=None) -> bool:
+        """Whether a block of ``tokens`` (hashed as :meth:`add_request` would) is computed by a
+        scheduled step, not cached yet: a scheduler can defer it one step to hit the cache."""
+        return self.prefix_caching_enabled and self._registration.computing_any(
+            compute_block_hashes(tokens, self.block_size_tokens, salt=salt, extra_keys=extra_keys))
 
     # --- commands -------------------------------------------------------------------------------
 
-    def add_request(self, request_id, tokens, *, stream=None) -> StepPlan:
+    def add_request(self, request_id, tokens, *, stream=None, salt=None, extra_keys=None):
         """Admit a request and schedule its prompt (minus the cached prefix) for this step.
 
-        Pins the matched KV blocks, allocates the rest, takes a row and a live Mamba slot,
-        restores the deepest cached Mamba state (or zeroes the slot) and records which block
-        boundaries to snapshot.
+        Pins the matched KV blocks, allocates the rest, takes a row and a live Mamba slot, restores
+        the deepest cached Mamba state (or zeroes the slot), records which block boundaries to
+        snapshot; returns the ``StepPlan``. ``salt`` and ``extra_keys`` isolate it (design §6.1).
 
         Raises
         ------
         ValueError
             ``request_id`` is already active, ``tokens`` is empty, too long or not 1-D.
         TypeError
-            ``request_id`` is not hashable, ``tokens`` are not integers, or ``stream`` is not
-            a stream.
+            ``request_id`` is not hashable, ``tokens`` are not integers, ``stream`` is not
+            a stream, ``salt`` or ``extra_keys`` are of the wrong types.
+        IndexError
+            ``extra_keys`` names a block the prompt does not have.
         CacheCapacityError
             No free row, or not enough KV blocks even after eviction. Nothing changes.
         """
@@ -250,7 +250,8 @@ class DynamicInferenceContext:
             raise ValueError(f"tokens: expected 1..{self.max_sequence_length} tokens, got {n}")
         if stream is not None:
             stream_handle(stream)   # validated before anything changes
-        plan, stats = self._scheduler.admit(request_id, toks, stream=stream)
+        plan, stats = self._scheduler.admit(request_id, toks, stream=stream, salt=salt,
+                                            extra_keys=extra_keys)
         self.stats.add(stats)
         return plan
 

@@ -15,8 +15,10 @@ Invariants (checked by :meth:`RequestTable.broken_invariants`), for an active ro
   ``lengths`` (a step is scheduled over ``[computed, lengths)``);
 - ``num_blocks == ceil(lengths / block_size)`` and ``request_to_kv_block_ids[r]`` holds that
   many block ids, then -1; ``registered <= hashed <= lengths // block_size``;
-- with hashing on, ``hashes[r, :hashed]`` are the chained hashes of the row's tokens and
-  ``digests[r]`` is the digest of block ``hashed - 1`` (zeros when none);
+- with hashing on, ``hashes[r, :hashed]`` are the chained hashes of the row's tokens (under
+  its salt and extra keys) and ``digests[r]`` is the digest of block ``hashed - 1`` (the
+  chain's root when none); ``pending_key_cols[r]`` is the column of its keyed block not hashed
+  yet (only a prompt's partial tail block can be one), else -1;
 - rows and live slots of no request are on the free lists, and their table entries are -1.
 """
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import host_array, is_array
-from .block_hashing import DIGEST_BYTES, chain_block_hashes, compute_block_hashes
+from .block_hashing import DIGEST_BYTES, chain_block_hashes, chain_root
 from .step_plans import PrefixCacheStats
 from .token_batches import ragged_columns
 
@@ -58,7 +60,13 @@ class RequestTable:
     hashes : int64 [max_requests, max_blocks_per_request]
         Chained hashes of each row's first ``hashed`` blocks.
     digests : uint8 [max_requests, 32]
-        Digest of each row's last hashed block.
+        Digest of each row's last hashed block (its chain's root before the first).
+    salts : list of (bytes or None) [max_requests]
+        Each row's salt (docs/design.md §6.1).
+    keys : list of dict [max_requests]
+        Each row's encoded extra keys by block column (see :func:`.block_hashing.block_keys`).
+    pending_key_cols : int64 [max_requests]
+        The column of each row's keyed block not hashed yet; -1 = none.
     """
 
     def __init__(self, max_requests: int, max_blocks_per_request: int, block_size: int, *,
@@ -74,6 +82,10 @@ class RequestTable:
         for name in ("lengths", "num_blocks", "computed", "pending_end", "kv_cached",
                      "registered", "hashed"):
             setattr(self, name, np.zeros(R, dtype=np.int64))
+        self.salts: list = [None] * R
+        self.keys: list = [{} for _ in range(R)]
+        self.pending_key_cols = np.full(R, -1, dtype=np.int64)
+        self._pending_keys = 0                  # rows with a pending key column
         self._row_of: dict = {}                 # request id -> row, in admission order
         self._id_of: list = [None] * R
         self._stats: list = [None] * R          # admission counters
@@ -87,6 +99,10 @@ class RequestTable:
         self._version += 1
         self._row_of.clear()
         self._id_of[:] = [None] * self.max_requests
+        self.salts[:] = [None] * self.max_requests
+        self.keys[:] = [{} for _ in range(self.max_requests)]
+        self.pending_key_cols.fill(-1)
+        self._pending_keys = 0
         self.request_to_kv_block_ids.fill(-1)
         self.request_to_mamba_state_idx.fill(-1)
         self.pending_end.fill(-1)
@@ -186,13 +202,15 @@ class RequestTable:
     # --- commands -------------------------------------------------------------------------------
 
     def admit(self, request_id, tokens: np.ndarray, blocks, hashes: np.ndarray,
-              digest: np.ndarray, *, kv_cached: int, registered: int, computed: int,
-              stats: PrefixCacheStats) -> int:
+              digest, *, kv_cached: int, registered: int, computed: int,
+              stats: PrefixCacheStats, salt: bytes | None = None,
+              keys: dict | None = None) -> int:
         """Take the lowest free row and a free live slot for a new request (the caller checked
         :attr:`has_free_row`) and fill them; returns the row.
 
         ``hashes`` / ``digest`` are the hashes of the complete blocks of ``tokens`` and the
-        last one's digest (ignored without hashing).
+        last one's digest (the chain's root when none), under ``salt`` and the encoded extra
+        ``keys`` by block (ignored without hashing).
         """
         row, slot = self._free_rows.pop(), self._free_live_slots.pop()
         self._version += 1
@@ -207,6 +225,11 @@ class RequestTable:
             self.hashes[row, :len(hashes)] = hashes
             self.digests[row] = digest
             self.hashed[row] = len(hashes)
+            self.salts[row], self.keys[row] = salt, dict(keys or {})
+            tail = len(hashes)   # a key of the partial tail block waits for it to complete
+            if tail in self.keys[row]:
+                self.pending_key_cols[row] = tail
+                self._pending_keys += 1
         self._row_of[request_id] = row
         self._id_of[row] = request_id
         self._stats[row] = stats
@@ -268,10 +291,23 @@ class RequestTable:
             owners = rows[which]
         blocks = self.tokens.reshape(self.max_requests, -1, self.block_size)[owners, cols]
         chains = None if counts is None or len(cols) == len(rows) else counts
-        hashes, digests = chain_block_hashes(self.digests[rows], blocks, chains)
+        keys = self._take_pending_keys(owners, cols) if self._pending_keys else None
+        hashes, digests = chain_block_hashes(self.digests[rows], blocks, chains, keys)
         self.hashes[owners, cols] = hashes
         self.digests[rows] = digests if chains is None else digests[np.cumsum(counts) - 1]
         return hashes
+
+    def _take_pending_keys(self, owners: np.ndarray, cols: np.ndarray) -> dict:
+        """The encoded keys of the blocks ``(owners[i], cols[i])`` that wait for one, by
+        ``i`` (they stop waiting: :attr:`pending_key_cols` -1)."""
+        hits = np.flatnonzero(self.pending_key_cols[owners] == cols)
+        if not len(hits):
+            return {}
+        taken = owners[hits]
+        self.pending_key_cols[taken] = -1
+        self._pending_keys -= len(hits)
+        return {i: self.keys[row][col]
+                for i, row, col in zip(hits.tolist(), taken.tolist(), cols[hits].tolist())}
 
     def complete_steps(self):
         """Mark every scheduled step computed; returns its ``rows`` (ascending) and their
@@ -293,7 +329,10 @@ class RequestTable:
             self._free_rows.append(row)
             self._free_live_slots.append(int(self.request_to_mamba_state_idx[row]))
             del self._row_of[self._id_of[row]]
-            self._id_of[row] = self._stats[row] = None
+            self._id_of[row] = self._stats[row] = self.salts[row] = None
+            self.keys[row] = {}
+            self._pending_keys -= int(self.pending_key_cols[row] >= 0)
+            self.pending_key_cols[row] = -1
         self.request_to_kv_block_ids[rows] = -1
         self.request_to_mamba_state_idx[rows] = -1
         self.pending_end[rows] = -1
@@ -327,15 +366,28 @@ class RequestTable:
             if not self.registered[row] <= (h if self.hashing else n // bs) <= n // bs:
                 problems.append(f"row {row}: {self.registered[row]} blocks registered, {h} "
                                 f"hashed, {n // bs} complete")
-            if self.hashing and h:
-                _, digests = chain_block_hashes(np.zeros((1, DIGEST_BYTES), np.uint8),
-                                                self.tokens[row, :h * bs].reshape(-1, bs),
-                                                np.array([h]))
-                if self.hashes[row, :h].tolist() \
-                        != compute_block_hashes(self.tokens[row, :h * bs], bs) \
-                        or (self.digests[row] != digests[-1]).any():
-                    problems.append(f"row {row}: block hashes disagree with its tokens")
+            if self.hashing:
+                root = np.frombuffer(chain_root(self.salts[row]), np.uint8)
+                keys = self.keys[row]
+                hashes, digests = chain_block_hashes(
+                    root[None], self.tokens[row, :h * bs].reshape(-1, bs), np.array([h]),
+                    {k: v for k, v in keys.items() if k < h})
+                last = digests[-1] if h else root
+                if (self.hashes[row, :h] != hashes).any() or (self.digests[row] != last).any():
+                    problems.append(f"row {row}: block hashes disagree with its tokens, salt "
+                                    f"and extra keys")
+                waiting = [c for c in keys if c >= h]
+                if waiting != ([self.pending_key_cols[row]] if self.pending_key_cols[row] >= 0
+                               else []):
+                    problems.append(f"row {row}: extra keys of unhashed blocks {waiting}, "
+                                    f"pending column {self.pending_key_cols[row]}")
         free = [r for r in range(self.max_requests) if r not in set(active)]
+        if any(self.salts[r] is not None or self.keys[r] for r in free) \
+                or (self.pending_key_cols[free] != -1).any():
+            problems.append("free rows with salts or extra keys")
+        if self._pending_keys != int(np.count_nonzero(self.pending_key_cols >= 0)):
+            problems.append(f"{self._pending_keys} pending keys counted, "
+                            f"{np.count_nonzero(self.pending_key_cols >= 0)} columns")
         if (self.request_to_kv_block_ids[free] != -1).any() \
                 or (self.request_to_mamba_state_idx[free] != -1).any():
             problems.append("free rows with table entries")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CacheCapacityError
-from .block_hashing import DIGEST_BYTES, chain_block_hashes
+from .block_hashing import block_keys, cache_salt, chain_block_hashes, chain_root
 from .prefix_match import match_prefix, restore_depth_tokens
 from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan, _Chunk
 
@@ -46,9 +46,10 @@ class StepScheduler:
         self.block_size = requests.block_size
         self.max_sequence_length = requests.max_sequence_length
 
-    def admit(self, request_id, tokens: np.ndarray, *, stream=None):
+    def admit(self, request_id, tokens: np.ndarray, *, stream=None, salt=None, extra_keys=None):
         """Admit a new request with checked ``tokens`` (1-D int64, 1..max_sequence_length of
-        them) and schedule its prompt minus the restored prefix.
+        them) and schedule its prompt minus the restored prefix; its blocks hash under ``salt``
+        and ``extra_keys`` (docs/design.md §6.1).
 
         Returns
         -------
@@ -57,15 +58,22 @@ class StepScheduler:
 
         Raises
         ------
+        TypeError, IndexError
+            ``salt`` is not bytes or str, ``extra_keys`` not a mapping of block indices of the
+            prompt to keys. Nothing changes.
         CacheCapacityError
             No free row, or not enough KV blocks even after eviction. Nothing changes.
         """
         requests, kv, bs, mamba = self.requests, self.kv, self.block_size, self.mamba
         n = len(tokens)
+        salt, keys = cache_salt("salt", salt), block_keys("extra_keys", extra_keys, -(-n // bs))
         full = n // bs if requests.hashing else 0
-        hashes, digests = chain_block_hashes(np.zeros((1, DIGEST_BYTES), np.uint8),
+        root = np.frombuffer(chain_root(salt), np.uint8)
+        hashes, digests = chain_block_hashes(root[None],
                                              tokens[:full * bs].reshape(full, bs),
-                                             np.array([full]))
+                                             np.array([full]),
+                                             {k: v for k, v in keys.items() if k < full}
+                                             if keys else None)
         if self.registration is not None:
             self.registration.flush_for_prompt(hashes)
         listed = hashes.tolist()
@@ -106,8 +114,9 @@ class StepScheduler:
             requests=1, prompt_tokens=n, skipped_tokens=skip, kv_hit_blocks=len(matched),
             kv_miss_blocks=len(hashes) - len(matched), mamba_hits=int(restored >= 0))
         row = requests.admit(request_id, tokens, matched + new.tolist(), hashes,
-                             digests[-1] if full else 0, kv_cached=len(matched) * bs,
-                             registered=len(matched), computed=skip, stats=stats)
+                             digests[-1] if full else root, kv_cached=len(matched) * bs,
+                             registered=len(matched), computed=skip, stats=stats, salt=salt,
+                             keys=keys)
         if self.window is not None:
             self.window.admit(row, lo, local_ids, num_new)
         slot = int(requests.request_to_mamba_state_idx[row])
