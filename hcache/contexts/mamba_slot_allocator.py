@@ -114,14 +114,26 @@ class MambaSlotAllocator:
     # --- queries --------------------------------------------------------------------------------
 
     # Views of the collaborators' state (arrays are written in place by the methods).
-    conv_states = property(attrgetter("_copies.conv_states"))
-    ssm_states = property(attrgetter("_copies.ssm_states"))
-    block_to_slot = property(attrgetter("_pool.block_to_slot"))
-    slot_to_block = property(attrgetter("_pool.slot_to_block"))
-    free_slots = property(attrgetter("_pool.free_slots"))
-    hash_to_block_id = property(attrgetter("_hashes.hash_to_block_id"))
-    intermediate_conv_out = property(attrgetter("_intermediate.conv_out"))
-    intermediate_ssm_out = property(attrgetter("_intermediate.ssm_out"))
+    conv_states = property(attrgetter("_copies.conv_states"), doc=(
+        "Cached conv states ``[num_mamba_layers, max_slots, *conv_states_shape]``, or None "
+        "without a conv state."))
+    ssm_states = property(attrgetter("_copies.ssm_states"), doc=(
+        "Cached SSM states ``[num_mamba_layers, max_slots, *ssm_states_shape]``, or None "
+        "without a recurrent state."))
+    block_to_slot = property(attrgetter("_pool.block_to_slot"), doc=(
+        "``int32 [num_blocks]``: the cache slot holding each KV block's state, -1 = none."))
+    slot_to_block = property(attrgetter("_pool.slot_to_block"), doc=(
+        "``int32 [max_slots]``: the KV block whose state each slot holds, -1 = free."))
+    free_slots = property(attrgetter("_pool.free_slots"), doc=(
+        "``int32 [max_slots]``: the free stack; its first ``free_count`` entries are free."))
+    hash_to_block_id = property(attrgetter("_hashes.hash_to_block_id"), doc=(
+        "``dict[int, int]``: KV hash -> block whose cached state a prefix match can reach."))
+    intermediate_conv_out = property(attrgetter("_intermediate.conv_out"), doc=(
+        "Scratch conv states the model fills at snapshot targets, ``[num_mamba_layers, "
+        "max_intermediate_count, *conv_states_shape]`` (None without a conv state)."))
+    intermediate_ssm_out = property(attrgetter("_intermediate.ssm_out"), doc=(
+        "Scratch SSM states the model fills at snapshot targets, ``[num_mamba_layers, "
+        "max_intermediate_count, *ssm_states_shape]`` (None without a recurrent state)."))
     _intermediate_block_ids = property(attrgetter("_intermediate.block_ids"))
     _eos_cache_block_id = property(attrgetter("_intermediate.eos_block_ids"))
 
@@ -131,7 +143,8 @@ class MambaSlotAllocator:
         return self._hashes.block_hashes(self.num_blocks)
 
     free_count = property(attrgetter("_pool.free_count"),
-                          lambda self, value: setattr(self._pool, "free_count", value))
+                          lambda self, value: setattr(self._pool, "free_count", value),
+                          doc="Free cache slots (the top of ``free_slots``).")
 
     @property
     def _kv(self):

@@ -159,6 +159,7 @@ class PagedKVPool:
 
     @property
     def num_layers(self) -> int:
+        """Attention layers of the pool (``len(layers)``)."""
         return len(self.layers)
 
     @property

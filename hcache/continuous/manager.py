@@ -140,11 +140,13 @@ class ContinuousBatchingKVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no live sequence holds (thread-safe)."""
         with self._cond:
             return len(self._sequences.free)
 
     @property
     def num_live_sequences(self) -> int:
+        """Claimed and not released sequences (thread-safe)."""
         with self._cond:
             return len(self._sequences.block_of)
 

@@ -121,6 +121,7 @@ class HybridCacheManager(BatchAPI):
 
     @property
     def config(self) -> HybridCacheConfig:
+        """The layout this manager was built from."""
         return self._config
 
     @property

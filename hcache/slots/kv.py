@@ -81,14 +81,17 @@ class KVCacheManager:
 
     @property
     def config(self) -> KVCacheConfig:
+        """The layout this manager was built from."""
         return self._config
 
     @property
     def device(self):
+        """The resolved device."""
         return self._device
 
     @property
     def num_layers(self) -> int:
+        """Attention layers (each owns one cache)."""
         return len(self._caches)
 
     @property

@@ -73,6 +73,7 @@ class LinearKVCache(BatchAPI):
 
     @property
     def config(self) -> LinearCacheConfig:
+        """The layout this cache was built from."""
         return self._config
 
     def get_kv_cache_buffer(self):

@@ -83,14 +83,17 @@ class MambaCacheManager:
 
     @property
     def config(self) -> MambaCacheConfig:
+        """The layout this manager was built from."""
         return self._config
 
     @property
     def device(self):
+        """The resolved device."""
         return self._device
 
     @property
     def num_layers(self) -> int:
+        """Mamba layers (the manager's layers are Mamba indices)."""
         return self._config.num_layers
 
     @property
