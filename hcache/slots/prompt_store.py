@@ -1,0 +1,154 @@
+"""A keyed store of captured prompt caches, restored into slots of a running batch
+(TensorRT-Edge-LLM's system-prompt cache; docs/design.md §4.12).
+
+:class:`PromptCacheStore` keeps, per key, what :class:`~hcache.HybridCacheManager` captures of
+one slot: the first ``length`` tokens of every attention layer (``capture_kv_cache``), the
+slot's recurrent and conv states, and ``length``. :meth:`PromptCacheStore.restore` puts one
+prompt into several slots: the states of every slot in one launch, the KV prefix with one launch
+per head-dim group per slot, and the lengths with
+:meth:`~hcache.slots.batch.BatchAPI.admit_sequences` (one launch), leaving the other rows alone,
+with no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .._checks import index_array
+from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
+from ..device import stream_handle
+
+__all__ = ["PromptCacheStore", "CapturedPrompt"]
+
+
+@dataclass(frozen=True, eq=False)
+class CapturedPrompt:
+    """One captured prompt: ``kv[i]`` ``[C_i, H_i, m_i, D_i]`` per cache-owning attention layer
+    (as :meth:`~hcache.HybridCacheManager.capture_kv_cache` gives them), ``recurrent`` /
+    ``conv`` ``[1, *slot_shape]`` per Mamba layer (empty for a state the layers do not have),
+    ``length`` the tokens it holds, ``scales`` the FP8 scale tables (or None)."""
+
+    kv: list
+    recurrent: list
+    conv: list
+    length: int
+    scales: tuple | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the captured arrays hold."""
+        return int(sum(a.nbytes for a in (*self.kv, *self.recurrent, *self.conv)))
+
+
+class PromptCacheStore:
+    """Captured prompt caches of a :class:`~hcache.HybridCacheManager`, by key.
+
+    Parameters
+    ----------
+    manager : HybridCacheManager
+
+    Notes
+    -----
+    Each capture allocates its arrays (a capture is not a steady-state call); a restore
+    allocates nothing. Driven by one thread, as the manager is.
+    """
+
+    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
+
+    def __init__(self, manager):
+        from .hybrid import HybridCacheManager
+        if not isinstance(manager, HybridCacheManager):
+            raise TypeError(f"manager: expected HybridCacheManager, "
+                            f"got {type(manager).__name__}")
+        self._manager = manager
+        self._prompts: dict = {}
+
+    # --- queries ------------------------------------------------------------------------
+
+    @property
+    def manager(self):
+        """The manager whose slots this store captures and restores."""
+        return self._manager
+
+    def __contains__(self, key) -> bool:
+        return key in self._prompts
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def keys(self) -> list:
+        """The stored keys, in capture order."""
+        return list(self._prompts)
+
+    def get(self, key) -> CapturedPrompt:
+        """The prompt stored under ``key``. Raises ``KeyError`` for an unknown key."""
+        return self._prompts[key]
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of every stored prompt."""
+        return sum(p.nbytes for p in self._prompts.values())
+
+    # --- commands -----------------------------------------------------------------------
+
+    def capture(self, key, slot, length, stream=None) -> CapturedPrompt:
+        """Capture tokens ``[0, length)`` of ``slot`` (every attention layer, with the FP8
+        scales of an FP8 cache) and the slot's Mamba states under ``key`` (replacing what was
+        stored there). Call it when the slot's states are those after ``length`` tokens.
+
+        Raises
+        ------
+        TypeError
+            ``key`` is not hashable, or a bad slot, length or stream type.
+        IndexError, ValueError
+            As :meth:`~hcache.HybridCacheManager.capture_kv_cache`. Nothing is stored.
+        """
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"key: expected a hashable key, got {type(key).__name__}") from None
+        m = self._manager
+        fp8 = m.config.kv.dtype.startswith("float8")
+        captured = m.capture_kv_cache(slot, length, stream, with_scales=fp8)
+        kv, scales = captured if fp8 else (captured, None)
+        prompt = CapturedPrompt(kv, m.capture_recurrent_states(slot, stream),
+                                m.capture_conv_states(slot, stream), int(length), scales)
+        self._prompts[key] = prompt
+        return prompt
+
+    def restore(self, key, slots, stream=None) -> None:
+        """Restore the prompt stored under ``key`` into every slot of ``slots`` and admit them
+        (:meth:`~hcache.slots.batch.BatchAPI.admit_sequences` with the prompt's length):
+        the Mamba states of all slots in one launch, the KV prefix one launch per head-dim
+        group per slot, the lengths in one launch; other rows untouched, no host sync, no
+        allocation.
+
+        Raises
+        ------
+        KeyError
+            Unknown ``key``.
+        TypeError, IndexError, ValueError
+            Bad ``slots`` (as :meth:`admit_sequences`), or a bad stream; nothing changes.
+        """
+        try:
+            prompt = self._prompts[key]
+        except TypeError:
+            raise TypeError(f"key: expected a hashable key, got {type(key).__name__}") from None
+        except KeyError:
+            raise KeyError(f"key: expected a stored key, got {key!r}") from None
+        m = self._manager
+        index = index_array("slots", slots, m.config.max_batch_size, distinct=True)
+        m._check_admission(index, [prompt.length] * len(index))
+        if stream is not None:
+            stream_handle(stream)   # validated before anything changes
+        if m.mamba_cache_manager is not None:
+            m.mamba_cache_manager._state_writer.broadcast(
+                {"recurrent": prompt.recurrent, "conv": prompt.conv}, index, stream)
+        for slot in index.tolist():
+            m.restore_kv_cache(prompt.kv, slot, stream, scales=prompt.scales,
+                               sequence_length=prompt.length)
+        m.admit_sequences(index, [prompt.length] * len(index), stream)
+
+    def discard(self, key) -> None:
+        """Forget the prompt stored under ``key`` (nothing if there is none)."""
+        self._prompts.pop(key, None)
