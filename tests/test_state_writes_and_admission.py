@@ -289,7 +289,7 @@ def test_prompt_store_refusals_change_nothing():
     m.reset_for_new_sequences([5, 1])
     store = hcache.PromptCacheStore(m)
     store.capture("p", 0, 5)
-    with pytest.raises(KeyError, match="stored key"):
+    with pytest.raises(ValueError, match="stored key"):
         store.restore("q", [2])
     with pytest.raises(ValueError, match="missing 2"):
         store.restore("p", [3])

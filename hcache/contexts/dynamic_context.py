@@ -228,8 +228,10 @@ class DynamicInferenceContext:
         layers paged at full length: pass ``num_local_blocks`` for their own block space), then
         :meth:`from_config` with ``block_size_tokens`` and ``**options``. Raises as both."""
         from ..config.caches import HybridCacheConfig
+        rows = as_int("max_requests", max_requests, 1)   # named as passed, checked first
+        block_size_tokens = as_int("block_size_tokens", block_size_tokens, 1)
         config = HybridCacheConfig.from_hf_config(
-            config_dict, max_batch_size=max_requests, max_sequence_length=max_sequence_length,
+            config_dict, max_batch_size=rows, max_sequence_length=max_sequence_length,
             kv_dtype=kv_dtype, ssm_dtype=ssm_dtype, conv_dtype=conv_dtype, ring_windows=False)
         return cls.from_config(config, block_size_tokens=block_size_tokens, **options)
 

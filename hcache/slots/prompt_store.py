@@ -81,8 +81,14 @@ class PromptCacheStore:
         return list(self._prompts)
 
     def get(self, key) -> CapturedPrompt:
-        """The prompt stored under ``key``. Raises ``KeyError`` for an unknown key."""
-        return self._prompts[key]
+        """The prompt stored under ``key``. Raises ``ValueError`` for an unknown key (as an
+        unknown id anywhere in hcache), ``TypeError`` for an unhashable one."""
+        try:
+            return self._prompts[key]
+        except TypeError:
+            raise TypeError(f"key: expected a hashable key, got {type(key).__name__}") from None
+        except KeyError:
+            raise ValueError(f"key: expected a stored key, got {key!r}") from None
 
     @property
     def nbytes(self) -> int:
@@ -91,10 +97,11 @@ class PromptCacheStore:
 
     # --- commands -----------------------------------------------------------------------
 
-    def capture(self, key, slot, length, stream=None) -> CapturedPrompt:
-        """Capture tokens ``[0, length)`` of ``slot`` (every attention layer, with the FP8
-        scales of an FP8 cache) and the slot's Mamba states under ``key`` (replacing what was
-        stored there). Call it when the slot's states are those after ``length`` tokens.
+    def capture(self, key, b, sequence_length, stream=None) -> CapturedPrompt:
+        """Capture tokens ``[0, sequence_length)`` of slot ``b`` (every attention layer, with
+        the FP8 scales of an FP8 cache) and the slot's Mamba states under ``key`` (replacing
+        what was stored there); the arguments are :meth:`capture_kv_cache`'s. Call it when the
+        slot's states are those after ``sequence_length`` tokens.
 
         Raises
         ------
@@ -109,10 +116,10 @@ class PromptCacheStore:
             raise TypeError(f"key: expected a hashable key, got {type(key).__name__}") from None
         m = self._manager
         fp8 = m.config.kv.dtype.startswith("float8")
-        captured = m.capture_kv_cache(slot, length, stream, with_scales=fp8)
+        captured = m.capture_kv_cache(b, sequence_length, stream, with_scales=fp8)
         kv, scales = captured if fp8 else (captured, None)
-        prompt = CapturedPrompt(kv, m.capture_recurrent_states(slot, stream),
-                                m.capture_conv_states(slot, stream), int(length), scales)
+        prompt = CapturedPrompt(kv, m.capture_recurrent_states(b, stream),
+                                m.capture_conv_states(b, stream), int(sequence_length), scales)
         self._prompts[key] = prompt
         return prompt
 
@@ -125,17 +132,10 @@ class PromptCacheStore:
 
         Raises
         ------
-        KeyError
-            Unknown ``key``.
         TypeError, IndexError, ValueError
-            Bad ``slots`` (as :meth:`admit_sequences`), or a bad stream; nothing changes.
+            An unknown or unhashable ``key``, bad ``slots`` (as :meth:`admit_sequences`), or a bad stream; nothing changes.
         """
-        try:
-            prompt = self._prompts[key]
-        except TypeError:
-            raise TypeError(f"key: expected a hashable key, got {type(key).__name__}") from None
-        except KeyError:
-            raise KeyError(f"key: expected a stored key, got {key!r}") from None
+        prompt = self.get(key)
         m = self._manager
         index = index_array("slots", slots, m.config.max_batch_size, distinct=True)
         m._check_admission(index, [prompt.length] * len(index))
