@@ -7,35 +7,35 @@ live in :mod:`hcache.ops` (with their NumPy reference in :mod:`hcache.ops.refere
 from __future__ import annotations
 
 from .config import (
-                      HybridCacheConfig,
-                      KVCacheConfig,
-                      KVLayerConfig,
-                      LayerType,
-                      LinearCacheConfig,
-                      MambaCacheConfig,
+    HybridCacheConfig,
+    KVCacheConfig,
+    KVLayerConfig,
+    LayerType,
+    LinearCacheConfig,
+    MambaCacheConfig,
 )
 from .contexts import (
-                      DynamicInferenceContext,
-                      KVBlockAllocator,
-                      MambaSlotAllocator,
-                      MambaSlotCapacityError,
-                      PagedKVPool,
-                      compute_block_hashes,
+    DynamicInferenceContext,
+    KVBlockAllocator,
+    MambaSlotAllocator,
+    MambaSlotCapacityError,
+    PagedKVPool,
+    compute_block_hashes,
 )
 from .continuous.manager import (
-                      BatchInFlightError,
-                      ContinuousBatchingKVCacheCollection,
-                      ContinuousBatchingKVCacheManager,
-                      KVCacheStaticParams,
+    BatchInFlightError,
+    ContinuousBatchingKVCacheCollection,
+    ContinuousBatchingKVCacheManager,
+    KVCacheStaticParams,
 )
 from .device import Device, resolve_device
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
 from .errors import CacheCapacityError, KernelCompileError, KernelLaunchError
 from .slots.hybrid import HybridCacheManager, KVHeadDimGroupView
-from .slots.prompt_store import CapturedPrompt, PromptCacheStore
 from .slots.kv import KVCacheManager
 from .slots.linear import LinearKVCache
 from .slots.mamba import MambaCacheManager
+from .slots.prompt_store import CapturedPrompt, PromptCacheStore
 
 __version__ = "0.1.0"
 

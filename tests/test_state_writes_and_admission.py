@@ -15,7 +15,7 @@ from hypothesis import given, settings
 
 import hcache
 
-from helpers import DEVICES, host, put, randomize
+from helpers import DEVICES, host, randomize
 
 B, S = 6, 16
 KV = hcache.KVCacheConfig(B, S, [hcache.KVLayerConfig(2, 8), hcache.KVLayerConfig(1, 16)],

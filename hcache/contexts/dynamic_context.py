@@ -196,7 +196,7 @@ class DynamicInferenceContext:
         ValueError, CacheCapacityError
             As the constructor.
         """
-        from ..config.caches import HybridCacheConfig   # the config package imports contexts
+        from ..config.caches import HybridCacheConfig  # the config package imports contexts
         if not isinstance(config, HybridCacheConfig):
             raise TypeError(f"config: expected HybridCacheConfig, got {type(config).__name__}")
         block = as_int("block_size_tokens", block_size_tokens, 1)

@@ -97,7 +97,8 @@ class KVBlockAllocator:
 
     # --- derived values -----------------------------------------------------------------
 
-    num_blocks = property(attrgetter("_num_blocks"), doc="Blocks in the pool (block ids ``0 .. num_blocks - 1``).")
+    num_blocks = property(attrgetter("_num_blocks"),
+                          doc="Blocks in the pool (block ids ``0 .. num_blocks - 1``).")
     # Views of the forest's arrays (see Attributes): written in place by the methods.
     block_hashes = property(attrgetter("_forest.hashes"), doc=(
         "``int64 [num_blocks]``: each block's chained hash, -1 = not registered (a view, "

@@ -133,7 +133,8 @@ class PromptCacheStore:
         Raises
         ------
         TypeError, IndexError, ValueError
-            An unknown or unhashable ``key``, bad ``slots`` (as :meth:`admit_sequences`), or a bad stream; nothing changes.
+            An unknown or unhashable ``key``, bad ``slots`` (as :meth:`admit_sequences`), or
+            a bad stream; nothing changes.
         """
         prompt = self.get(key)
         m = self._manager
