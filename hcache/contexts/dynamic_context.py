@@ -24,8 +24,6 @@ block space (:class:`~.window_blocks.WindowBlocks`), the invariants of the whole
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import numpy as np
 
 from .._checks import as_int
@@ -36,7 +34,9 @@ from ..device import resolve_device, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
 from .block_registration import BlockRegistration
+from .context_configs import ContextConstructors
 from .context_invariants import broken_context_invariants
+from .context_views import ContextViews
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
@@ -52,7 +52,7 @@ from .window_blocks import WindowBlocks
 __all__ = ["DynamicInferenceContext", "StepPlan", "BatchStepPlan", "PrefixCacheStats"]
 
 
-class DynamicInferenceContext:
+class DynamicInferenceContext(ContextConstructors, ContextViews):
     """Paged KV pool, live Mamba states, Mamba state cache, request rows and prefix matching.
 
     Parameters
@@ -159,138 +159,7 @@ class DynamicInferenceContext:
         self.stats = PrefixCacheStats()
         settle(self.device)   # the step tables and live states are ready for any stream
 
-    # --- constructors from a model's layout ------------------------------------------------------
-
-    @classmethod
-    def from_config(cls, config, *, block_size_tokens=16, num_blocks=None, max_requests=None,
-                    mamba_cache_slots=None, **options) -> DynamicInferenceContext:
-        """A context for the layout of a :class:`~hcache.HybridCacheConfig`.
-
-        Parameters
-        ----------
-        config : HybridCacheConfig
-            Its attention layers that own a cache become the pool's layers (attention-index
-            order; a layer in ``kv_sharing`` reads its owner's), its Mamba layers the live and
-            cached states (shapes and dtypes of ``config.mamba``), ``config.kv.dtype`` the pool
-            dtype. ``config.kv.max_sequence_length`` is the longest request (rounded up to whole
-            blocks), ``config.max_batch_size`` the default ``max_requests``.
-        block_size_tokens : int
-            Tokens per KV block (default 16).
-        num_blocks : int, optional
-            Pool blocks; default: every request at full length
-            (``max_requests * max_blocks_per_request``).
-        max_requests : int, optional
-            Request rows; default ``config.max_batch_size``.
-        mamba_cache_slots : int, optional
-            Cached Mamba states for prefix hits; default ``max_requests`` (0 without Mamba
-            layers).
-        **options
-            Any other keyword of the constructor (``enable_prefix_caching``,
-            ``eviction_policy``, ``mamba_chunk_size``, ``max_step_tokens``, ``device``,
-            ``num_local_blocks``, ``registration_budget``).
-
-        Raises
-        ------
-        TypeError
-            ``config`` is not a ``HybridCacheConfig``, or an unknown keyword.
-        ValueError, CacheCapacityError
-            As the constructor.
-        """
-        from ..config.caches import HybridCacheConfig  # the config package imports contexts
-        if not isinstance(config, HybridCacheConfig):
-            raise TypeError(f"config: expected HybridCacheConfig, got {type(config).__name__}")
-        block = as_int("block_size_tokens", block_size_tokens, 1)
-        rows = config.max_batch_size if max_requests is None \
-            else as_int("max_requests", max_requests, 1)
-        per_request = -(-config.kv.max_sequence_length // block)
-        mamba = config.mamba
-        if mamba is not None:
-            options.update(
-                num_mamba_layers=mamba.num_layers,
-                conv_states_shape=mamba.conv_state_shape if mamba.has_conv_state else None,
-                ssm_states_shape=(mamba.recurrent_state_shape if mamba.has_recurrent_state
-                                  else None),
-                conv_states_dtype=mamba.conv_dtype, ssm_states_dtype=mamba.ssm_dtype)
-        slots = (rows if mamba is not None else 0) if mamba_cache_slots is None \
-            else mamba_cache_slots
-        return cls(kv_layer_configs=config.kv.layer_configs,
-                   num_blocks=rows * per_request if num_blocks is None else num_blocks,
-                   block_size_tokens=block, max_requests=rows,
-                   max_blocks_per_request=per_request, kv_dtype=config.kv.dtype,
-                   mamba_cache_slots=slots, **options)
-
-    @classmethod
-    def from_hf_config(cls, config_dict, *, max_requests, max_sequence_length,
-                       block_size_tokens=16, kv_dtype="float16", ssm_dtype="float32",
-                       conv_dtype=None, **options) -> DynamicInferenceContext:
-        """A context for a model's Hugging Face ``config.json`` dict: the layout of
-        :meth:`HybridCacheConfig.from_hf_config` (``max_batch_size=max_requests``, sliding-window
-        layers paged at full length: pass ``num_local_blocks`` for their own block space), then
-        :meth:`from_config` with ``block_size_tokens`` and ``**options``. Raises as both."""
-        from ..config.caches import HybridCacheConfig
-        rows = as_int("max_requests", max_requests, 1)   # named as passed, checked first
-        block_size_tokens = as_int("block_size_tokens", block_size_tokens, 1)
-        config = HybridCacheConfig.from_hf_config(
-            config_dict, max_batch_size=rows, max_sequence_length=max_sequence_length,
-            kv_dtype=kv_dtype, ssm_dtype=ssm_dtype, conv_dtype=conv_dtype, ring_windows=False)
-        return cls.from_config(config, block_size_tokens=block_size_tokens, **options)
-
     # --- queries --------------------------------------------------------------------------------
-
-    # The collaborators' arrays (see Attributes), written in place by the methods.
-    mamba_conv_states = property(attrgetter("_live.conv_states"), doc=(
-        "Live conv states ``[num_mamba_layers, max_requests, *conv_states_shape]`` (the model "
-        "reads and writes column ``plan.mamba_slot``); None without a conv state."))
-    mamba_ssm_states = property(attrgetter("_live.ssm_states"), doc=(
-        "Live SSM states ``[num_mamba_layers, max_requests, *ssm_states_shape]`` (column "
-        "``plan.mamba_slot``); None without a recurrent state."))
-    request_to_kv_block_ids = property(attrgetter("_requests.request_to_kv_block_ids"), doc=(
-        "Host block table ``int32 [max_requests, max_blocks_per_request]`` by request row; "
-        "-1 = no block."))
-    request_to_mamba_state_idx = property(attrgetter("_requests.request_to_mamba_state_idx"),
-                                          doc="Host ``int32 [max_requests]``: request row -> "
-                                              "live Mamba slot; -1 = none.")
-
-    @property
-    def intermediate_conv_out(self):
-        """Scratch conv states the model writes at :meth:`snapshot_targets`,
-        ``[num_mamba_layers, max_intermediate_count, *conv_states_shape]``: the state after
-        ``offset`` computed tokens goes to ``[:, scratch_index]``. None without Mamba state
-        caching (``mamba_cache_slots=0``, prefix caching off, no Mamba layers) or without a
-        conv state. The same array as ``mamba_slot_allocator.intermediate_conv_out``."""
-        allocator = self.mamba_slot_allocator
-        return None if allocator is None else allocator.intermediate_conv_out
-
-    @property
-    def intermediate_ssm_out(self):
-        """Scratch SSM states, ``[num_mamba_layers, max_intermediate_count,
-        *ssm_states_shape]``; as :attr:`intermediate_conv_out`."""
-        allocator = self.mamba_slot_allocator
-        return None if allocator is None else allocator.intermediate_ssm_out
-
-    @property
-    def block_size(self) -> int:
-        """Alias of :attr:`block_size_tokens` (Megatron-LM's name), the name
-        :class:`PagedKVPool` uses."""
-        return self.block_size_tokens
-
-    @property
-    def prefix_caching_enabled(self) -> bool:
-        """Whether complete blocks are hashed, registered and shared between requests."""
-        return self.kv_block_allocator.enable_prefix_caching
-
-    @property
-    def prefix_cache_lru_clock(self) -> int:
-        """The KV block allocator's LRU clock (advanced once per :meth:`commit_step`)."""
-        return self.kv_block_allocator.clock
-
-    @property
-    def num_active_requests(self) -> int:
-        """Requests added and not released."""
-        return len(self._requests)
-
-    request_ids = property(attrgetter("_requests.ids"),
-                           doc="The active request ids, in admission order (a new list).")
 
     def request_stats(self, request_id) -> PrefixCacheStats:
         """Counters of one live request (a copy)."""

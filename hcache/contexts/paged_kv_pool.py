@@ -157,10 +157,8 @@ class PagedKVPool:
 
     # --- derived values -----------------------------------------------------------------
 
-    @property
-    def num_layers(self) -> int:
-        """Attention layers of the pool (``len(layers)``)."""
-        return len(self.layers)
+    num_layers = property(lambda self: len(self.layers),
+                          doc="Attention layers of the pool (``len(layers)``).")
 
     @property
     def has_local_space(self) -> bool:
