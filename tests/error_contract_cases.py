@@ -284,7 +284,7 @@ _LAYER_GETTERS = {
     "LinearKVCache": (("get_combined_kv_cache_for_decoder_layer", 2),
                       ("get_separate_kv_cache_for_decoder_layer", 2),
                       ("get_ssm_state_for_layer", 1), ("get_conv_state_for_layer", 1),
-                      ("get_recurrent_state", 1)),
+                      ("get_recurrent_state", 1), ("get_conv_state", 1)),
 }
 _VALID_LAYER = {("HybridCacheManager", "get_recurrent_state"): 0,
                 ("HybridCacheManager", "get_conv_state"): 0,

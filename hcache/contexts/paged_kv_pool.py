@@ -280,6 +280,7 @@ class PagedKVPool:
                           local_block_table=local_block_table)
 
     write = write_kv
+    block_size_tokens = property(lambda self: self.block_size, doc="Alias of block_size.")
 
     def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None):
         """The row and scale checks of :meth:`write_kv` (nothing else is read); returns the

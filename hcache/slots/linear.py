@@ -103,6 +103,10 @@ class LinearKVCache(BatchAPI):
         names it here), the name the hybrid and Mamba managers use."""
         return self.get_ssm_state_for_layer(i)
 
+    def get_conv_state(self, i):
+        """Alias of :meth:`get_conv_state_for_layer`, the hybrid and Mamba managers' name."""
+        return self.get_conv_state_for_layer(i)
+
     def get_conv_state_for_layer(self, i):
         """The conv state of Mamba layer ``i`` (a Mamba index), a view ``[max_batch, conv_dim,
         conv_kernel]``. Raises ``IndexError`` for a bad layer (any ``i`` without Mamba
