@@ -4,8 +4,8 @@
 :class:`PromptCacheStore` keeps, per key, what :class:`~hcache.HybridCacheManager` captures of
 one slot: the first ``length`` tokens of every attention layer (``capture_kv_cache``), the
 slot's recurrent and conv states, and ``length``. :meth:`PromptCacheStore.restore` puts one
-prompt into several slots: the states of every slot in one launch, the KV prefix with one launch
-per head-dim group per slot, and the lengths with
+prompt into several slots: the states of every slot in one launch, the KV prefix of every slot
+with one launch per head-dim group, and the lengths with
 :meth:`~hcache.slots.batch.BatchAPI.admit_sequences` (one launch), leaving the other rows alone,
 with no host sync.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .._checks import index_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import stream_handle
+from ..device import launch_scope, stream_handle, upload_ints
 
 __all__ = ["PromptCacheStore", "CapturedPrompt"]
 
@@ -126,8 +126,8 @@ class PromptCacheStore:
     def restore(self, key, slots, stream=None) -> None:
         """Restore the prompt stored under ``key`` into every slot of ``slots`` and admit them
         (:meth:`~hcache.slots.batch.BatchAPI.admit_sequences` with the prompt's length):
-        the Mamba states of all slots in one launch, the KV prefix one launch per head-dim
-        group per slot, the lengths in one launch; other rows untouched, no host sync, no
+        the Mamba states of all slots in one launch, the KV prefix of all slots in one launch per
+        head-dim group, the lengths in one launch; other rows untouched, no host sync, no
         allocation.
 
         Raises
@@ -142,12 +142,21 @@ class PromptCacheStore:
         m._check_admission(index, [prompt.length] * len(index))
         if stream is not None:
             stream_handle(stream)   # validated before anything changes
+        if not len(index):
+            return
+        kv = m.kv_cache_manager
+        saved, n = kv._check_saved(prompt.kv, prompt.length, stream)
         if m.mamba_cache_manager is not None:
             m.mamba_cache_manager._state_writer.broadcast(
                 {"recurrent": prompt.recurrent, "conv": prompt.conv}, index, stream)
-        for slot in index.tolist():
-            m.restore_kv_cache(prompt.kv, slot, stream, scales=prompt.scales,
-                               sequence_length=prompt.length)
+        with launch_scope(m.device, stream, m._order):
+            more = None
+            if len(index) > 1:   # the further targets, staged where admission stages its slots
+                upload_ints(m._admit_slots, index[1:])
+                more = m._admit_slots[:len(index) - 1]
+            kv._restore_groups(saved, int(index[0]), n, more, stream)
+        if prompt.scales is not None:
+            kv.set_kv_scales(prompt.scales[0], prompt.scales[1], stream)
         m.admit_sequences(index, [prompt.length] * len(index), stream)
 
     def discard(self, key) -> None:
