@@ -298,3 +298,21 @@ def test_prompt_store_refusals_change_nothing():
     with pytest.raises(TypeError, match="manager: expected HybridCacheManager"):
         hcache.PromptCacheStore(object())
     assert m.get_kv_cache_lengths().tolist() == [5, 1] and m.active_batch_size == 2
+
+
+@pytest.mark.emulated
+def test_write_states_with_device_slots_in_one_launch_without_sync(emu_rt):
+    m = hybrid("cuda")
+    xp = emu_rt.xp
+    rec = [xp.asarray(np.full((2, 2, 4, 3), j + 1.0, np.float32)) for j in range(3)]
+    slots = xp.asarray(np.array([5, 2], np.int32))
+    emu_rt.synchronize()
+    syncs, allocations = emu_rt.counters["syncs"], emu_rt.counters["allocations"]
+    launches = len(emu_rt.launches)
+    m.write_states(None, rec, slots=slots)
+    assert emu_rt.counters["syncs"] == syncs
+    emu_rt.synchronize()
+    assert emu_rt.counters["allocations"] == allocations
+    assert len(emu_rt.launches) - launches == 1
+    got = host(m.get_recurrent_state(5))[:, 0, 0, 0]
+    assert got.tolist() == [0, 0, 3, 0, 0, 3]
