@@ -7,26 +7,26 @@ live in :mod:`hcache.ops` (with their NumPy reference in :mod:`hcache.ops.refere
 from __future__ import annotations
 
 from .config import (
-                      HybridCacheConfig,
-                      KVCacheConfig,
-                      KVLayerConfig,
-                      LayerType,
-                      LinearCacheConfig,
-                      MambaCacheConfig,
+    HybridCacheConfig,
+    KVCacheConfig,
+    KVLayerConfig,
+    LayerType,
+    LinearCacheConfig,
+    MambaCacheConfig,
 )
 from .contexts import (
-                      DynamicInferenceContext,
-                      KVBlockAllocator,
-                      MambaSlotAllocator,
-                      MambaSlotCapacityError,
-                      PagedKVPool,
-                      compute_block_hashes,
+    DynamicInferenceContext,
+    KVBlockAllocator,
+    MambaSlotAllocator,
+    MambaSlotCapacityError,
+    PagedKVPool,
+    compute_block_hashes,
 )
 from .continuous.manager import (
-                      BatchInFlightError,
-                      ContinuousBatchingKVCacheCollection,
-                      ContinuousBatchingKVCacheManager,
-                      KVCacheStaticParams,
+    BatchInFlightError,
+    ContinuousBatchingKVCacheCollection,
+    ContinuousBatchingKVCacheManager,
+    KVCacheStaticParams,
 )
 from .device import Device, resolve_device
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
@@ -35,6 +35,7 @@ from .slots.hybrid import HybridCacheManager, KVHeadDimGroupView
 from .slots.kv import KVCacheManager
 from .slots.linear import LinearKVCache
 from .slots.mamba import MambaCacheManager
+from .slots.prompt_store import CapturedPrompt, PromptCacheStore
 
 __version__ = "0.1.0"
 
@@ -67,7 +68,7 @@ __all__ = ["__version__", "CacheCapacityError", "KernelCompileError", "KernelLau
            "LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
            "HybridCacheConfig", "LinearCacheConfig",
            "KVCacheManager", "MambaCacheManager", "HybridCacheManager", "KVHeadDimGroupView",
-           "LinearKVCache",
+           "LinearKVCache", "PromptCacheStore", "CapturedPrompt",
            "KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
            "ContinuousBatchingKVCacheCollection",
            "compute_block_hashes", "KVBlockAllocator", "PagedKVPool", "MambaSlotAllocator",

@@ -6,6 +6,15 @@ import argparse
 import platform
 import sys
 
+DESCRIPTION = ("hcache: inference caches (KV, Mamba / recurrent states) of hybrid and\n"
+               "attention models, for engines that do not use torch.")
+EPILOG = """commands:
+  python -m hcache info                       versions, device, dtypes, kernel compile check
+  python -m hcache info --config config.json  a model's cache layout and bytes
+  python -m hcache demo                       a small hybrid model served by hcache
+  python -m hcache bench [--host]             kernel or host-overhead benchmarks
+run 'python -m hcache <command> --help' for a command's options."""
+
 
 def layout(args) -> int:
     """Print the cache layout of a ``config.json`` and its bytes per token and per sequence;
@@ -56,6 +65,7 @@ def info(args) -> int:
     from hcache.device import cupy_available, resolve_device
     from hcache.dtypes import DTYPE_NAMES, resolve_dtype, storage_dtype
     from hcache.ops import _loader, _nvrtc
+    from hcache.ops._compile_cache import cache_dir, checked_compile
 
     print(f"hcache      {hcache.__version__}")
     print(f"python      {platform.python_version()} ({sys.platform})")
@@ -77,14 +87,15 @@ def info(args) -> int:
         stored = storage_dtype(name, device.xp) if device.is_cuda else dt
         note = "" if stored == dt else f" (stored as {stored})"
         print(f"  {name:<14} itemsize {dt.itemsize}{note}")
-    print("kernels compile (NVRTC, sm_80 / sm_90):")
+    print(f"kernels compile (NVRTC, sm_80 / sm_90; results cached in {cache_dir()}"
+          f"{', off' if args.no_cache else ''}):")
     ok = True
     for family in _loader.FAMILIES:
         results = []
         for arch in ("sm_80", "sm_90"):
             try:
-                _nvrtc.compile_family(family, arch)
-                results.append("ok")
+                _, cached = checked_compile(family, arch, use_cache=not args.no_cache)
+                results.append("ok (cached)" if cached else "ok")
             except Exception as exc:  # noqa: BLE001 - report, don't crash
                 results.append(f"FAILED: {str(exc).splitlines()[0]}")
                 ok = ok and version is None
@@ -120,7 +131,9 @@ def main(argv=None) -> int:
     from hcache import __version__
     from hcache.device import resolve_device
 
-    parser = argparse.ArgumentParser(prog="python -m hcache", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hcache", description=DESCRIPTION,
+                                     epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, fn, text in (("info", info, "versions, device, dtypes, kernel compilation"),
@@ -130,6 +143,9 @@ def main(argv=None) -> int:
         p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
         p.set_defaults(fn=fn)
         if name == "info":
+            p.add_argument("--no-cache", action="store_true",
+                           help="compile every kernel again (ignore and do not store cached "
+                                "compile results)")
             p.add_argument("--config", default=None, metavar="PATH",
                            help="a model's config.json: print its cache layout and the bytes "
                                 "per token and per sequence (nothing is allocated)")

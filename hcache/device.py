@@ -55,6 +55,7 @@ class Device:
 
     @property
     def is_cuda(self) -> bool:
+        """Whether this is a CUDA device (CuPy arrays)."""
         return self.kind == "cuda"
 
     @property

@@ -94,8 +94,9 @@ def dlpack_view(array):
     """``array`` in a dtype that DLPack carries: the array itself, or for bfloat16 and float8
     (ml_dtypes types that NumPy cannot export through DLPack) a view of the same memory as
     the unsigned integer of its size, its storage type (``uint16`` / ``uint8``). No copy
-    either way; the importer views the bytes back as the cache dtype (JAX:
-    ``jax.numpy.from_dlpack(dlpack_view(a)).view(jax.numpy.bfloat16)``).
+    either way; the importer views the bytes back as the cache dtype. JAX: a ``.view`` outside
+    ``jit`` copies, so use :mod:`hcache.interop.jax` (import with ``storage_array``, pass the
+    array into the jitted step, reinterpret there with ``as_cache_dtype``).
 
     Parameters
     ----------

@@ -12,7 +12,10 @@
 // compact: KVLayerInfo [num_layers], data = compact tensor, num_kv_heads = H_l, max_seq_len = n
 // to_cache != 0 restores (compact -> cache); 0 captures (cache -> compact).
 // A slot outside [0, num_slots), n > S, or a head-count mismatch skips the layer and counts it.
-// Launch: grid (C * max_kv_heads, num_layers, z), block (B).
+// Restore into several slots (one prompt, many requests): more_slots[0 .. num_more) are targets
+// besides `slot`; grid.x holds 1 + num_more blocks of C * max_kv_heads, block group t writing
+// target t (0: `slot`). A capture takes num_more = 0 (several targets would race on `compact`).
+// Launch: grid ((1 + num_more) * C * max_kv_heads, num_layers, z), block (B).
 
 #include "common.cuh"
 
@@ -38,10 +41,17 @@ __device__ void hc_kv_capture_body(char* cache_span, char* compact_span, hc_i64 
 extern "C" __global__ void hc_kv_capture(const KVLayerInfo* __restrict__ cache,
                                          const KVLayerInfo* __restrict__ compact, int slot,
                                          int num_tokens, int components, int row_bytes,
-                                         int num_slots, int to_cache, int* status) {
+                                         int num_slots, int to_cache, int* status,
+                                         const int* __restrict__ more_slots, int num_more) {
     const KVLayerInfo info = cache[blockIdx.y];
     const KVLayerInfo saved = compact[blockIdx.y];
-    const int kvh = blockIdx.x;
+    const int per_target = (int)gridDim.x / (1 + (num_more > 0 ? num_more : 0));
+    const int target = (int)blockIdx.x / per_target;
+    const int kvh = (int)blockIdx.x - target * per_target;
+    if (target > 0) {
+        if (!to_cache) return;   // one compact tensor per capture
+        slot = more_slots[target - 1];
+    }
     if (kvh >= components * info.num_kv_heads) return;
     const bool ring = info.ring_window > 0;
     // m: tokens held (the last min(n, W) of a ring); first: ring entry of the oldest of them

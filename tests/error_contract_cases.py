@@ -287,7 +287,8 @@ _LAYER_GETTERS = {
                            ("get_conv_state", 4)),
     "LinearKVCache": (("get_combined_kv_cache_for_decoder_layer", 2),
                       ("get_separate_kv_cache_for_decoder_layer", 2),
-                      ("get_ssm_state_for_layer", 1), ("get_conv_state_for_layer", 1)),
+                      ("get_ssm_state_for_layer", 1), ("get_conv_state_for_layer", 1),
+                      ("get_recurrent_state", 1), ("get_conv_state", 1)),
 }
 _VALID_LAYER = {("HybridCacheManager", "get_recurrent_state"): 0,
                 ("HybridCacheManager", "get_conv_state"): 0,
@@ -1038,3 +1039,54 @@ for _meth, _make, _args, _kinds in (
         ("extend_requests", make_ctx_local(pending=False), {"request_ids": ["a"], "tokens": [6]},
          {"request_ids": Keys(nonempty=False), "tokens": Ints(*TOKENS, nested_ok=True)})):
     variant(CTX, _meth, "local", _make, lambda _, a=_args: dict(a), **_kinds)
+
+
+# --- issue 25: state writes, admission, the prompt store, the context from a config ---------
+
+for owner, make, layer, nl in (("HybridCacheManager", make_hybrid, Index(4, none_ok=True), 2),
+                               ("MambaCacheManager", make_mamba, Index(2, none_ok=True), 2),
+                               ("LinearKVCache", make_linear, Index(1, none_ok=True), 1)):
+    case(owner, "write_states", make,
+         lambda _, nl=nl: {"layer": None,
+                           "recurrent": [rows((2, 1, 2, 3), np.float32, seed=i)
+                                         for i in range(nl)],
+                           "conv": [rows((2, 4, 2), seed=i) for i in range(nl)],
+                           "slots": [2, 0], "stream": None},
+         layer=layer, recurrent=Arrays(none_ok=True), conv=Arrays(none_ok=True),
+         slots=Ints(0, 2, unique=True, none_ok=True), stream=Stream())
+for owner, make in (("HybridCacheManager", make_hybrid), ("LinearKVCache", make_linear)):
+    case(owner, "admit_sequences", make,
+         lambda _: {"slots": [2, 0], "lengths": [3, 1], "stream": None},
+         slots=Ints(0, 2, unique=True).relating("lengths"), lengths=Ints(0, 6), stream=Stream())
+
+def make_store():
+    m, _ = make_hybrid()
+    store = hcache.PromptCacheStore(m)
+    store.capture("p", 0, 2)
+    return m, store
+
+
+ctor(hcache.PromptCacheStore, {"manager": make_hybrid()[0]}, manager=Instance())
+case("PromptCacheStore", "capture", make_store,
+     lambda _: {"key": "q", "b": 1, "sequence_length": 2, "stream": None},
+     key=Fixed("any hashable key: a new one stores, a stored one is replaced"), b=B3,
+     sequence_length=S6, stream=Stream())
+case("PromptCacheStore", "restore", make_store,
+     lambda _: {"key": "p", "slots": [2], "stream": None},
+     key=Key(), slots=Ints(0, 2, unique=True, fixed_length=False), stream=Stream())
+case("PromptCacheStore", "get", make_store, lambda _: {"key": "p"}, key=Key())
+case("PromptCacheStore", "discard", make_store, lambda _: {"key": "p"},
+     key=Fixed("any key: discarding an absent one does nothing"))
+
+case(CTX, "from_config", lambda: (None, DynamicInferenceContext),
+     lambda _: {"config": HYB_CFG, "block_size_tokens": 2, "num_blocks": None,
+                "max_requests": None, "mamba_cache_slots": None},
+     config=Instance(), block_size_tokens=Int(1), num_blocks=Int(1, none_ok=True),
+     max_requests=Int(1, none_ok=True), mamba_cache_slots=Int(0, none_ok=True))
+case(CTX, "from_hf_config", lambda: (None, DynamicInferenceContext),
+     lambda _: {"config_dict": _hf(), "max_requests": 2, "max_sequence_length": 8,
+                "block_size_tokens": 2, "kv_dtype": "float16", "ssm_dtype": "float32",
+                "conv_dtype": None},
+     config_dict=Instance().relating("model_type"), max_requests=Int(1),
+     max_sequence_length=Int(1, 2**31 - 1), block_size_tokens=Int(1), kv_dtype=Choice(),
+     ssm_dtype=Choice(), conv_dtype=Choice(none_ok=True))

@@ -475,11 +475,15 @@ def test_memory_report_total_counts_every_descriptor_table():
     mapping [b], status [1] and plan [4 + 8 b]; one 32-byte SlotTensorInfo per tensor that
     compaction moves (recurrent, conv, lengths); the Mamba copies' two int32 slot indices and
     their SlotTensorInfo tables (capture: 1 + 1 tensors, restore: 2); write_kv's int32 staging:
-    row offsets [b + 1], positions [b] and its status word [1]."""
+    row offsets [b + 1], positions [b] and its status word [1]; write_states' three int32 [b]
+    index buffers and its one-layer tables (recurrent: 1, conv: 1, both: 2 rows);
+    admit_sequences' int32 rows and slots [b] and its one-row lengths table."""
     b, s = 3, 6
     kv, rec, conv = b * 2 * 1 * s * 8 * 2, b * 1 * 2 * 3 * 4, b * 2 * 3 * 2
     metadata = (2 * 24 + 4 + (3 * b + 1 + 4 + 8 * b) * 4 + 3 * 32 + 2 * 4 + (1 + 1 + 2) * 32
-                + (b + 1 + b + 1) * 4)
+                + (b + 1 + b + 1) * 4
+                + 3 * b * 4 + (1 + 1 + 2) * 32      # write_states
+                + 2 * b * 4 + 32)                   # admit_sequences
     for m in (one_layer_hybrid(b, s), one_layer_linear(b, s)):
         report = m.memory_report()
         assert (report["kv_cache"], report["recurrent"], report["conv"]) == (kv, rec, conv)

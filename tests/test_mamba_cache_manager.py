@@ -162,9 +162,10 @@ def test_zero_layers():
     m.restore_states([], [], 1)
     m.clear_states()
     m.clear_slot(0)
-    # two int32 slot indices, no descriptor table
-    assert m.memory_report() == {"recurrent": 0, "conv": 0, "metadata": 8, "total": 8,
-                                 "layers": ()}
+    # two int32 slot indices and write_states' three int32 [B] indices, no descriptor table
+    metadata = 2 * 4 + 3 * B * 4
+    assert m.memory_report() == {"recurrent": 0, "conv": 0, "metadata": metadata,
+                                 "total": metadata, "layers": ()}
     with pytest.raises(IndexError):
         m.get_recurrent_state(0)
 
@@ -174,8 +175,9 @@ def test_memory_report_by_hand():
     rec = B * int(np.prod(REC)) * 4
     conv = B * int(np.prod(CONV)) * 1
     # metadata: two int32 slot indices and one 32-byte SlotTensorInfo per state view in the
-    # capture tables (L recurrent, L conv) and the restore table (2 L)
-    metadata = 2 * 4 + 4 * L * 32
+    # capture tables (L recurrent, L conv) and the restore table (2 L); write_states' three
+    # int32 [B] indices and its one-layer tables (recurrent 1, conv 1, both 2 rows)
+    metadata = 2 * 4 + 4 * L * 32 + 3 * B * 4 + 4 * 32
     assert m.memory_report() == {"recurrent": L * rec, "conv": L * conv, "metadata": metadata,
                                  "total": L * (rec + conv) + metadata,
                                  "layers": (rec + conv,) * L}

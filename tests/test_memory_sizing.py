@@ -179,11 +179,15 @@ def test_kv_nbytes_by_hand_counts_one_plane_for_a_latent_layer():
 ], ids=["conv-only", "recurrent-only", "both"])
 def test_mamba_nbytes_by_hand_counts_an_absent_state_as_zero(fields, states):
     """``layers * slots * (bytes of the states that exist)``, the two slot indices (int32) and
-    one descriptor row (32 B) per state tensor in each of the capture and restore tables."""
+    one descriptor row (32 B) per state tensor in each of the capture and restore tables;
+    ``write_states``' three int32 ``[slots]`` indices and its one-layer tables (a row per
+    kind, and two more for both kinds together)."""
     n, b = 3, 2
     config = MambaCacheConfig(n, b, *fields, ssm_dtype="float32", conv_dtype="float16")
     kinds = 1 + (0 not in fields)
-    assert config.nbytes == n * b * states + 2 * 4 + 2 * kinds * n * 32
+    one_layer_rows = {1: 1, 2: 4}[kinds]
+    assert config.nbytes == n * b * states + 2 * 4 + 2 * kinds * n * 32 \
+        + 3 * b * 4 + one_layer_rows * 32
     report = MambaCacheManager(config, device="cpu").memory_report()
     assert report["total"] == config.nbytes
     assert (report["recurrent"] == 0) == (fields[0] == 0)

@@ -138,6 +138,31 @@ def test_capture_restore_round_trip(kind, dtype, head_dim):
 
 
 @pytest.mark.parametrize("kind", WITH_REFERENCE)
+@settings(max_examples=20, deadline=None)
+@given(targets=st.lists(st.integers(-1, 4), min_size=0, max_size=4),
+       head_dim=st.sampled_from((8, 36, 80)), n=st.integers(1, 5))
+def test_restore_into_several_slots_in_one_launch(kind, targets, head_dim, n):
+    """kv_restore with ``more_slots``: slot 0 and every in-range target get the prefix, other
+    slots (and out-of-range targets: skipped) are untouched; the reference agrees, one launch
+    (slicing model)."""
+    xp, backend = kernel_env(kind)
+    arena = Arena(np.random.default_rng(head_dim + n), xp)
+    layers = [arena.array((4, 2, h, 5, head_dim), np.float16) for h in (2, 1)]
+    group = KVGroup(layers)
+    saved = [arena.array((2, h, n, head_dim), np.float16) for h in (2, 1)]
+    before = [host(a).copy() for a in layers]
+    more = xp.asarray(np.array(targets, np.int32))
+    ops.kv_restore(group, saved, 0, more_slots=more, backend=backend)
+    for layer, b, s in zip(layers, before, saved):
+        want = b.copy()
+        for slot in [0, *targets]:
+            if 0 <= slot < 4:
+                want[slot, :, :, :n] = host(s)
+        assert np.array_equal(as_bytes(layer), as_bytes(want))
+    arena.check_canaries()
+
+
+@pytest.mark.parametrize("kind", WITH_REFERENCE)
 def test_kv_prefix_copy_scalars_outside_c_int_raise(kind):
     """kv_prefix_copy with a slot outside C int raises ValueError before touching the cache or
     the status; reference and kernel alike."""

@@ -51,6 +51,7 @@ class KVCacheConfig:
 
     @property
     def num_attention_layers(self) -> int:
+        """Attention layers that own a cache (``len(layer_configs)``)."""
         return len(self.layer_configs)
 
     @property
@@ -210,6 +211,7 @@ class HybridCacheConfig:
 
     @property
     def num_layers(self) -> int:
+        """Decoder layers, cache-less ones included."""
         return len(self.layer_types)
 
     @property

@@ -43,10 +43,11 @@ def _kv_writer_bytes(max_batch: int, num_layers: int, max_heads: int, dtype) -> 
 
 
 def _batch_state_bytes(max_batch: int, slot_tensors: int) -> int:
-    """Lengths, staged increments, mapping, status word and plan of the batch API, and the
-    descriptor table of the tensors compaction moves (the slot tensors and the lengths)."""
-    return (3 * max_batch + 1 + compaction_plan_size(max_batch)) * _I32 \
-        + (slot_tensors + 1) * _SLOT_INFO
+    """Lengths, staged increments, mapping, status word and plan of the batch API, the
+    descriptor table of the tensors compaction moves (the slot tensors and the lengths), and
+    admission's row and slot indices and its one-row lengths table."""
+    return (5 * max_batch + 1 + compaction_plan_size(max_batch)) * _I32 \
+        + (slot_tensors + 2) * _SLOT_INFO
 
 
 def _mamba_states_bytes(c) -> int:
@@ -62,10 +63,12 @@ def _state_kinds(recurrent_shape, conv_shape) -> int:
     return sum(1 for shape in (recurrent_shape, conv_shape) if all(int(n) for n in shape))
 
 
-def _mamba_copies_bytes(num_layers: int, kinds: int) -> int:
+def _mamba_copies_bytes(num_layers: int, kinds: int, max_batch: int) -> int:
     """Two int32 slot indices and the tables of the captures (one per state the layers have)
-    and of the restore (every state tensor)."""
-    return 2 * _I32 + 2 * kinds * num_layers * _SLOT_INFO
+    and of the restore (every state tensor); ``write_states``' three int32 ``[max_batch]``
+    index buffers and its one-layer tables (one per kind, and both kinds together)."""
+    one_layer = (kinds + (2 if kinds == 2 else 0)) if num_layers else 0
+    return (2 + 3 * max_batch) * _I32 + (2 * kinds * num_layers + one_layer) * _SLOT_INFO
 
 
 def kv_manager_nbytes(config) -> int:
@@ -84,7 +87,8 @@ def mamba_manager_nbytes(config) -> int:
     """Bytes a :class:`~hcache.MambaCacheManager` of ``config`` allocates (states and the
     tables of its slot copies)."""
     kinds = _state_kinds(config.recurrent_state_shape, config.conv_state_shape)
-    return _mamba_states_bytes(config) + _mamba_copies_bytes(config.num_layers, kinds)
+    return _mamba_states_bytes(config) + _mamba_copies_bytes(config.num_layers, kinds,
+                                                             config.max_batch_size)
 
 
 def hybrid_manager_nbytes(config) -> int:
@@ -114,7 +118,7 @@ def linear_manager_nbytes(config) -> int:
         per_slot = (math.prod(recurrent) * _itemsize(c.ssm_dtype)
                     + math.prod(conv) * _itemsize(c.conv_dtype))
         mamba = c.num_mamba_layers * c.max_batch_size * per_slot \
-            + _mamba_copies_bytes(c.num_mamba_layers, kinds)
+            + _mamba_copies_bytes(c.num_mamba_layers, kinds, c.max_batch_size)
         state_tensors = kinds * c.num_mamba_layers
     return kv + mamba + _batch_state_bytes(c.max_batch_size, state_tensors)
 

@@ -24,8 +24,6 @@ block space (:class:`~.window_blocks.WindowBlocks`), the invariants of the whole
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import numpy as np
 
 from .._checks import as_int
@@ -36,7 +34,9 @@ from ..device import resolve_device, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
 from .block_hashing import compute_block_hashes
 from .block_registration import BlockRegistration
+from .context_configs import ContextConstructors
 from .context_invariants import broken_context_invariants
+from .context_views import ContextViews
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
@@ -52,7 +52,7 @@ from .window_blocks import WindowBlocks
 __all__ = ["DynamicInferenceContext", "StepPlan", "BatchStepPlan", "PrefixCacheStats"]
 
 
-class DynamicInferenceContext:
+class DynamicInferenceContext(ContextConstructors, ContextViews):
     """Paged KV pool, live Mamba states, Mamba state cache, request rows and prefix matching.
 
     Parameters
@@ -161,26 +161,6 @@ class DynamicInferenceContext:
 
     # --- queries --------------------------------------------------------------------------------
 
-    # The collaborators' arrays (see Attributes), written in place by the methods.
-    mamba_conv_states = property(attrgetter("_live.conv_states"))
-    mamba_ssm_states = property(attrgetter("_live.ssm_states"))
-    request_to_kv_block_ids = property(attrgetter("_requests.request_to_kv_block_ids"))
-    request_to_mamba_state_idx = property(attrgetter("_requests.request_to_mamba_state_idx"))
-
-    @property
-    def prefix_caching_enabled(self) -> bool:
-        return self.kv_block_allocator.enable_prefix_caching
-
-    @property
-    def prefix_cache_lru_clock(self) -> int:
-        return self.kv_block_allocator.clock
-
-    @property
-    def num_active_requests(self) -> int:
-        return len(self._requests)
-
-    request_ids = property(attrgetter("_requests.ids"))
-
     def request_stats(self, request_id) -> PrefixCacheStats:
         """Counters of one live request (a copy)."""
         return self._requests.stats(self._requests.row(request_id))
@@ -195,6 +175,7 @@ class DynamicInferenceContext:
         return self.window_blocks.row_blocks(row) if self.window_blocks else np.zeros(0, np.int32)
 
     def num_computed_tokens(self, request_id) -> int:
+        """Tokens of the request whose K/V and Mamba states are final (committed steps)."""
         return int(self._requests.computed[self._requests.row(request_id)])
 
     def mamba_slot(self, request_id) -> int:

@@ -97,13 +97,16 @@ class KVBlockAllocator:
 
     # --- derived values -----------------------------------------------------------------
 
-    num_blocks = property(attrgetter("_num_blocks"))
-    # Views of the forest's arrays (see Attributes): written in place by the methods.
-    block_hashes = property(attrgetter("_forest.hashes"))
-    kv_hash_to_block_id = property(attrgetter("_forest.hash_to_block"))
-    block_parent_hashes = property(attrgetter("_forest.parent_hashes"))
-    block_parent_ids = property(attrgetter("_forest.parent_ids"))
-    block_child_counts = property(attrgetter("_forest.child_counts"))
+    num_blocks = property(attrgetter("_num_blocks"), doc="Blocks in the pool.")
+    # Views of the forest's arrays, int [num_blocks] (-1: none), written in place by the methods.
+    block_hashes = property(attrgetter("_forest.hashes"), doc="Each block's chained hash.")
+    kv_hash_to_block_id = property(attrgetter("_forest.hash_to_block"),
+                                   doc="Registered hash -> block id (the prefix-match index).")
+    block_parent_hashes = property(attrgetter("_forest.parent_hashes"),
+                                   doc="Hash of each registered block's parent.")
+    block_parent_ids = property(attrgetter("_forest.parent_ids"), doc="Each block's parent.")
+    block_child_counts = property(attrgetter("_forest.child_counts"),
+                                  doc="Registered children per block.")
 
     @property
     def clock(self) -> int:
@@ -115,15 +118,12 @@ class KVBlockAllocator:
         """True when registered blocks survive a ref count of 0 (caching on, policy lru)."""
         return self.enable_prefix_caching and self.eviction_policy == "lru"
 
-    num_free_blocks = property(attrgetter("_free_top"))
-
-    @property
-    def num_used_blocks(self) -> int:
-        return int(np.count_nonzero(self.block_ref_counts > 0))
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return int(np.count_nonzero((self.block_ref_counts == 0) & (self.block_hashes != -1)))
+    num_free_blocks = property(attrgetter("_free_top"), doc="Blocks on the free stack.")
+    num_used_blocks = property(lambda self: int(np.count_nonzero(self.block_ref_counts > 0)),
+                               doc="Blocks some request holds (ref count > 0).")
+    num_cached_blocks = property(lambda self: int(np.count_nonzero(
+        (self.block_ref_counts == 0) & (self.block_hashes != -1))),
+        doc="Registered blocks no request holds (a prefix match may reuse them).")
 
     @property
     def free_block_ids(self) -> np.ndarray:

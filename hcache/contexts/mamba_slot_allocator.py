@@ -59,14 +59,10 @@ class MambaSlotAllocator:
 
     Attributes
     ----------
-    conv_states, ssm_states : arrays [num_mamba_layers, max_slots, *shape] or None
-        The cache slots.
-    block_to_slot, slot_to_block, free_slots, free_count
-        The slot pool's maps and free stack (see :class:`MambaSlotPool`).
-    hash_to_block_id : dict[int, int]
-        The Mamba hash map: KV hash -> block whose state a prefix match can reach.
-    intermediate_conv_out, intermediate_ssm_out : arrays or None
-        The scratch ``[num_mamba_layers, max_intermediate_count, *shape]``.
+    conv_states, ssm_states, block_to_slot, slot_to_block, free_slots, free_count,
+    hash_to_block_id, intermediate_conv_out, intermediate_ssm_out
+        The cache slots, the slot pool's maps (:class:`MambaSlotPool`), the Mamba hash map and
+        the scratch states: see each property.
     deferred_blocks, private_deferred : bool [num_blocks] and callable, or None
         A deferring context's backlog and its blocks to stay private (docs/design.md §6.8).
 
@@ -114,14 +110,17 @@ class MambaSlotAllocator:
     # --- queries --------------------------------------------------------------------------------
 
     # Views of the collaborators' state (arrays are written in place by the methods).
-    conv_states = property(attrgetter("_copies.conv_states"))
-    ssm_states = property(attrgetter("_copies.ssm_states"))
-    block_to_slot = property(attrgetter("_pool.block_to_slot"))
-    slot_to_block = property(attrgetter("_pool.slot_to_block"))
-    free_slots = property(attrgetter("_pool.free_slots"))
-    hash_to_block_id = property(attrgetter("_hashes.hash_to_block_id"))
-    intermediate_conv_out = property(attrgetter("_intermediate.conv_out"))
-    intermediate_ssm_out = property(attrgetter("_intermediate.ssm_out"))
+    conv_states = property(attrgetter("_copies.conv_states"),
+                           doc="Cached conv states [num_mamba_layers, max_slots, *shape] or None.")
+    ssm_states = property(attrgetter("_copies.ssm_states"), doc="Cached SSM states, alike.")
+    block_to_slot = property(attrgetter("_pool.block_to_slot"), doc="Block -> slot, -1: none.")
+    slot_to_block = property(attrgetter("_pool.slot_to_block"), doc="Slot -> block, -1: free.")
+    free_slots = property(attrgetter("_pool.free_slots"), doc="Free stack: [:free_count].")
+    hash_to_block_id = property(attrgetter("_hashes.hash_to_block_id"), doc="Hash -> block.")
+    intermediate_conv_out = property(attrgetter("_intermediate.conv_out"), doc="Scratch conv "
+                                     "states the model fills, [num_mamba_layers, n, *shape].")
+    intermediate_ssm_out = property(attrgetter("_intermediate.ssm_out"),
+                                    doc="Scratch SSM states, as intermediate_conv_out.")
     _intermediate_block_ids = property(attrgetter("_intermediate.block_ids"))
     _eos_cache_block_id = property(attrgetter("_intermediate.eos_block_ids"))
 
@@ -131,7 +130,8 @@ class MambaSlotAllocator:
         return self._hashes.block_hashes(self.num_blocks)
 
     free_count = property(attrgetter("_pool.free_count"),
-                          lambda self, value: setattr(self._pool, "free_count", value))
+                          lambda self, value: setattr(self._pool, "free_count", value),
+                          doc="Free cache slots (the top of ``free_slots``).")
 
     @property
     def _kv(self):

@@ -156,9 +156,8 @@ class PagedKVPool:
 
     # --- derived values -----------------------------------------------------------------
 
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
+    num_layers = property(lambda self: len(self.layers),
+                          doc="Attention layers of the pool (``len(layers)``).")
 
     @property
     def has_local_space(self) -> bool:
@@ -280,6 +279,7 @@ class PagedKVPool:
                           local_block_table=local_block_table)
 
     write = write_kv
+    block_size_tokens = property(lambda self: self.block_size, doc="Alias of block_size.")
 
     def check_write(self, k, v=None, *, layer=None, k_scale=None, v_scale=None, num_tokens=None):
         """The row and scale checks of :meth:`write_kv` (each layer's rows: ``num_tokens``, or the

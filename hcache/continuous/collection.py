@@ -84,7 +84,8 @@ class ContinuousBatchingKVCacheCollection:
 
     @property
     def host_cache_lengths(self) -> tuple[int, ...]:
-        """Host copy of ``cache_lengths``: committed tokens of each row at fetch time."""
+        """The lengths of :attr:`cache_lengths_host` as a tuple of ints (an alias of the same
+        idea, kept for existing callers): committed tokens of each row at fetch time."""
         return tuple(int(n) for n in self._lengths)
 
     @property
@@ -94,7 +95,8 @@ class ContinuousBatchingKVCacheCollection:
 
     @property
     def cache_lengths_host(self) -> np.ndarray:
-        """Read-only host mirror of ``cache_lengths``, int64 ``[batch]``."""
+        """Read-only host mirror of ``cache_lengths``, int64 ``[batch]`` (the name; see also
+        :attr:`host_cache_lengths`)."""
         return self._lengths
 
     @property

@@ -114,6 +114,8 @@ class ContinuousBatchingKVCacheManager:
     num_blocks = property(lambda self: self._num_blocks, doc="Blocks (= max_batch_size).")
     max_batch_size = property(lambda self: self._num_blocks, doc="Most live sequences.")
     max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per sequence.")
+    max_sequence_length = property(lambda self: self._max_seq_len, doc=(
+        "Alias of ``max_seq_len`` (MAX's name, kept here), the name the other managers use."))
     ring_window = property(lambda self: self._ring_window,
                            doc="Tokens a block holds per layer when it is a ring, else 0.")
     num_layers = property(lambda self: self._num_layers, doc="Decoder layers per block.")
@@ -140,11 +142,13 @@ class ContinuousBatchingKVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no live sequence holds (thread-safe)."""
         with self._cond:
             return len(self._sequences.free)
 
     @property
     def num_live_sequences(self) -> int:
+        """Claimed and not released sequences (thread-safe)."""
         with self._cond:
             return len(self._sequences.block_of)
 

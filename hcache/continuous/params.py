@@ -63,6 +63,11 @@ class KVCacheStaticParams:
             raise TypeError(f"is_mla: expected a bool, got {type(self.is_mla).__name__}")
 
     @property
+    def head_dim(self) -> int:
+        """Alias of ``head_size`` (MAX's name, kept here), the name the other managers use."""
+        return self.head_size
+
+    @property
     def components(self) -> int:
         """Cache planes per layer: 2 (K and V), or 1 with ``is_mla``."""
         return 1 if self.is_mla else 2

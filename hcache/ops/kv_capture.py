@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_int
+from .._checks import check_int, int32_array
 from ..device import array_module_of, data_pointer
 from . import reference as ref
 from ._launch import (
@@ -48,21 +48,27 @@ def kv_capture(group, slot, num_tokens, out, *, stream=None, backend=None):
     _launch(run, group, slot, num_tokens, out, False, None)
 
 
-def kv_restore(group, saved, slot, *, num_tokens=None, stream=None, backend=None):
+def kv_restore(group, saved, slot, *, num_tokens=None, more_slots=None, stream=None,
+               backend=None):
     """Copy every ``saved[l]`` (``[C, H_l, m_l, D]``, as :func:`kv_capture` gives them for an
     ``n``-token prefix) into ``slot`` of layer ``l``, one launch: tokens ``[0, n)``, or a ring
     layer's last ``min(n, W)`` at their ring entries. ``num_tokens`` is ``n``; by default it is
     read from the tensors (an unbounded layer's count, or a ring's count below its window) and
-    required when every layer is a full ring. Validates everything before touching anything."""
+    required when every layer is a full ring. ``more_slots`` (int32 ``[k]`` of the group's
+    array module, read at launch) are further targets of the same launch (one prompt restored
+    into ``1 + k`` slots); a target out of range is skipped and counted, as in
+    :func:`kv_prefix_copy`. Validates everything else before touching anything."""
     if len(saved) != group.num_layers:
         raise ValueError(f"saved: expected {group.num_layers} tensors, got {len(saved)}")
     n = prefix_length(group, saved, num_tokens, "saved")
     _check_slot_and_length(group, slot, n)
     slot = int(slot)
+    if more_slots is not None:
+        int32_array("more_slots", more_slots, group.xp)
     run = _checked_launcher(group, saved, None, stream, backend)
     if run is None:
-        return ref.kv_restore(group, saved, slot, num_tokens=n)
-    _launch(run, group, slot, n, saved, True, None)
+        return ref.kv_restore(group, saved, slot, num_tokens=n, more_slots=more_slots)
+    _launch(run, group, slot, n, saved, True, None, more_slots)
 
 
 def prefix_length(group, saved, num_tokens, name, length_name="num_tokens") -> int:
@@ -150,18 +156,21 @@ def _checked_launcher(group, compact, status, stream, backend):
     return launcher(xp, backend, stream, group.device_layer_infos)
 
 
-def _launch(run, group, slot, num_tokens, compact, to_cache, status):
-    """Upload the compact tensors' table and launch ``hc_kv_capture`` (nothing for 0 tokens)."""
+def _launch(run, group, slot, num_tokens, compact, to_cache, status, more_slots=None):
+    """Upload the compact tensors' table and launch ``hc_kv_capture`` (nothing for 0 tokens);
+    ``more_slots``: further restore targets, one block group of grid.x each."""
     if num_tokens == 0:
         return
+    num_more = 0 if more_slots is None else int(more_slots.shape[0])
     table = pack_kv_layer_infos([data_pointer(t) for t in compact],
                                 [int(t.shape[1]) for t in compact],
                                 [int(t.shape[2]) for t in compact])
     upload_table(run, group, table)
     held = max(group.held_tokens(p, num_tokens) for p in range(group.num_layers))
-    grid = (group.components * group.max_kv_heads, group.num_layers,
+    grid = ((1 + num_more) * group.components * group.max_kv_heads, group.num_layers,
             grid_z(held * group.row_bytes))
     run.launch("kv_capture", "hc_kv_capture", grid, (BLOCK, 1, 1),
                (ptr(group.device_layer_infos), ptr(group.scratch_infos), i32(slot),
                 i32(num_tokens), i32(group.components), i32(group.row_bytes),
-                i32(group.num_slots), i32(1 if to_cache else 0), ptr(status)))
+                i32(group.num_slots), i32(1 if to_cache else 0), ptr(status),
+                ptr(more_slots if num_more else None), i32(num_more)))

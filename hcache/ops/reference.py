@@ -229,11 +229,13 @@ def kv_capture(group, slot, num_tokens, out):
     kv_prefix_copy(group, slot, num_tokens, out, to_cache=False)
 
 
-def kv_restore(group, saved, slot, *, num_tokens=None):
+def kv_restore(group, saved, slot, *, num_tokens=None, more_slots=None):
     """Copy every ``saved[l]`` (``[C, H_l, m_l, D]``, as :func:`kv_capture` gives them for an
-    ``n``-token prefix; ``n`` defaults to ``saved[0]``'s token count) back into ``slot``."""
+    ``n``-token prefix; ``n`` defaults to ``saved[0]``'s token count) back into ``slot`` and
+    into every slot of ``more_slots`` (a slot out of range skipped)."""
     n = int(saved[0].shape[2]) if num_tokens is None and saved else int(num_tokens or 0)
-    kv_prefix_copy(group, slot, n, saved, to_cache=True)
+    for target in [slot, *(() if more_slots is None else np.asarray(more_slots).tolist())]:
+        kv_prefix_copy(group, int(target), n, saved, to_cache=True)
 
 
 def kv_prefix_copy(group, slot, num_tokens, compact, *, to_cache, status=None):

@@ -26,14 +26,15 @@ from .. import ops
 from .._checks import check_int, host_ints
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..arrays import as_array, on_device
-from ..device import launch_scope, settle, to_host, upload_ints
+from ..device import launch_scope, settle, to_host, upload_ints, zeros
 from ..stream_order import StreamOrder
+from .batch_admission import BatchAdmission
 from .batch_compaction import BatchCompaction
 
 __all__ = ["BatchAPI"]
 
 
-class BatchAPI:
+class BatchAPI(BatchAdmission):
     """Lengths, active batch, all-empty flag and compaction of a contiguous-slot manager.
 
     Parameters
@@ -61,11 +62,13 @@ class BatchAPI:
         self._order = StreamOrder()   # the manager's calls: one chain across streams
         self._max_batch = int(max_batch_size)
         self._max_len = int(max_sequence_length)
-        self._lengths = xp.zeros(self._max_batch, dtype=np.int32)      # the device truth
+        # the device truth; 64-byte aligned like the caches, so importers (JAX) need no copy
+        self._lengths = zeros(device, (self._max_batch,), np.int32)
         self._increments = xp.zeros(self._max_batch, dtype=np.int32)   # staged host increments
         self._status = xp.zeros(1, dtype=np.int32)                     # refused commits so far
         self._compaction = BatchCompaction(device, self._lengths, kv_groups=kv_groups,
                                            slot_tensors=slot_tensors)
+        self._init_admission(xp)
         # host mirror: _host_lengths[i] == _lengths[i] wherever _known[i]
         self._host_lengths = np.zeros(self._max_batch, dtype=np.int64)
         self._known = np.ones(self._max_batch, dtype=bool)
@@ -105,7 +108,7 @@ class BatchAPI:
         """Device bytes of the lengths, staging, mapping, plan and status buffers and of the
         descriptor table of the slot tensors that compaction moves."""
         return int(self._lengths.nbytes + self._increments.nbytes + self._status.nbytes
-                   + self._compaction.nbytes)
+                   + self._compaction.nbytes + self._admission_nbytes)
 
     def get_kv_cache_lengths(self):
         """The device lengths of the active sequences.

@@ -121,6 +121,7 @@ class HybridCacheManager(BatchAPI):
 
     @property
     def config(self) -> HybridCacheConfig:
+        """The layout this manager was built from."""
         return self._config
 
     @property
@@ -331,6 +332,19 @@ class HybridCacheManager(BatchAPI):
             check_index("b", b, self._config.max_batch_size)
             return []
         return self._mamba.capture_conv_states(b, stream)
+
+    def write_states(self, layer, recurrent=None, conv=None, *, slots=None,
+                     stream=None) -> None:
+        """Write new recurrent / conv states of a batch into their slots: row ``i`` -> slot
+        ``slots[i]`` (None: slot ``i``), of decoder layer ``layer`` (a Mamba layer) or, with
+        ``layer=None``, of every Mamba layer (lists, one array per Mamba layer in decoder
+        order). One launch, no allocation, no sync; lengths untouched. See
+        :meth:`MambaCacheManager.write_states` (same arrays, same errors)."""
+        index = None if layer is None else self._route(layer, self._mamba_index_of,
+                                                       "a Mamba", "layer")
+        if self._mamba is None:
+            raise ValueError("layer: expected a model with Mamba layers, got one without")
+        self._mamba.write_states(index, recurrent, conv, slots=slots, stream=stream)
 
     def restore_mamba_states(self, recurrent, conv, b, stream=None) -> None:
         """Write saved recurrent and conv states into slot ``b`` of every Mamba layer (one

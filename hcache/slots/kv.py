@@ -81,14 +81,17 @@ class KVCacheManager:
 
     @property
     def config(self) -> KVCacheConfig:
+        """The layout this manager was built from."""
         return self._config
 
     @property
     def device(self):
+        """The resolved device."""
         return self._device
 
     @property
     def num_layers(self) -> int:
+        """Attention layers (each owns one cache)."""
         return len(self._caches)
 
     @property
@@ -325,11 +328,16 @@ class KVCacheManager:
             for name, t in zip(("scales[0]", "scales[1]"), scales):
                 self._writer.check_scale(name, t, stream)
         with launch_scope(self._device, stream):
-            for group in self._groups:
-                ops.kv_restore(group, [saved[a] for a in group.layer_indices], b, num_tokens=n,
-                               stream=stream)
+            self._restore_groups(saved, b, n, None, stream)
         if scales is not None:
             self._writer.set_scales(scales[0], scales[1], stream)
+
+    def _restore_groups(self, saved, b, n, more_slots, stream) -> None:
+        """One ``kv_restore`` launch per head-dim group of checked ``saved`` into slot ``b``
+        and the device slots ``more_slots`` (or None), in the caller's launch scope."""
+        for group in self._groups:
+            ops.kv_restore(group, [saved[a] for a in group.layer_indices], b, num_tokens=n,
+                           more_slots=more_slots, stream=stream)
 
     def _check_saved(self, saved, sequence_length, stream) -> tuple:
         """``saved`` as a list of checked ``device.xp`` arrays (any array library) and the

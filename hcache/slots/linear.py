@@ -73,6 +73,7 @@ class LinearKVCache(BatchAPI):
 
     @property
     def config(self) -> LinearCacheConfig:
+        """The layout this cache was built from."""
         return self._config
 
     def get_kv_cache_buffer(self):
@@ -96,6 +97,15 @@ class LinearKVCache(BatchAPI):
         layers)."""
         check_index("i", i, self._config.num_mamba_layers)
         return self._mamba.get_recurrent_state(i)
+
+    def get_recurrent_state(self, i):
+        """Alias of :meth:`get_ssm_state_for_layer` (TensorRT-Edge-LLM's ``getSSMStateForLayer``
+        names it here), the name the hybrid and Mamba managers use."""
+        return self.get_ssm_state_for_layer(i)
+
+    def get_conv_state(self, i):
+        """Alias of :meth:`get_conv_state_for_layer`, the hybrid and Mamba managers' name."""
+        return self.get_conv_state_for_layer(i)
 
     def get_conv_state_for_layer(self, i):
         """The conv state of Mamba layer ``i`` (a Mamba index), a view ``[max_batch, conv_dim,
@@ -158,6 +168,16 @@ class LinearKVCache(BatchAPI):
         arrays (empty without Mamba layers). Raises ``IndexError``."""
         check_index("b", b, self._config.max_batch_size)
         return self._mamba.capture_conv_states(b, stream) if self._mamba is not None else []
+
+    def write_states(self, layer, recurrent=None, conv=None, *, slots=None,
+                     stream=None) -> None:
+        """Write new SSM (``recurrent``) / conv states of a batch into their slots: row ``i``
+        -> slot ``slots[i]`` (None: slot ``i``), of Mamba layer ``layer`` or of every one
+        (``layer=None``: lists). One launch, no allocation, no sync; lengths untouched. See
+        :meth:`MambaCacheManager.write_states` (same arrays, same errors)."""
+        if self._mamba is None:
+            check_index("layer", layer if layer is not None else 0, 0)   # raises: no layers
+        self._mamba.write_states(layer, recurrent, conv, slots=slots, stream=stream)
 
     def restore_mamba_states(self, ssm, conv, b, stream=None) -> None:
         """Write saved SSM and conv states into slot ``b`` (one launch; validates everything

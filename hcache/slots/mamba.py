@@ -22,6 +22,7 @@ from ..device import launch_scope, resolve_device, settle, zeros
 from ..dtypes import storage_dtype
 from ..memory import check_fits
 from ..ops.tables import SlotSet
+from .state_writes import STATE_KINDS, StateWriter
 
 __all__ = ["MambaCacheManager"]
 
@@ -77,20 +78,29 @@ class MambaCacheManager:
                     for kind, views in (("recurrent", self._recurrent_views),
                                         ("conv", self._conv_views)) if views}
                 self._restore_set = SlotSet([(v, v) for v in self.state_tensors])
+            every_layer = {(kind,): table for kind, table in self._capture_sets.items()}
+            if len(self._capture_sets) == 2:
+                every_layer[STATE_KINDS] = self._restore_set
+            self._state_writer = StateWriter(
+                self._device, {"recurrent": self._recurrent_views, "conv": self._conv_views},
+                b, every_layer)
             settle(self._device)
 
     # --- queries ----------------------------------------------------------------------------
 
     @property
     def config(self) -> MambaCacheConfig:
+        """The layout this manager was built from."""
         return self._config
 
     @property
     def device(self):
+        """The resolved device."""
         return self._device
 
     @property
     def num_layers(self) -> int:
+        """Mamba layers (the manager's layers are Mamba indices)."""
         return self._config.num_layers
 
     @property
@@ -140,7 +150,7 @@ class MambaCacheManager:
         tables = list(self._capture_sets.values()) + (
             [self._restore_set] if self._restore_set is not None else [])
         return int(self._slot_idx.nbytes + self._zero_idx.nbytes
-                   + sum(t.device_infos.nbytes for t in tables))
+                   + sum(t.device_infos.nbytes for t in tables) + self._state_writer.nbytes)
 
     def memory_report(self) -> dict:
         """Device bytes: ``recurrent``, ``conv`` (0 for a kind the layers do not have),
@@ -207,6 +217,38 @@ class MambaCacheManager:
                 self._slot_idx.fill(b)
                 ops.slot_copy(slots, self._slot_idx, self._zero_idx, stream=stream)
         return [out[i] for i in range(n)]
+
+    def write_states(self, layer, recurrent=None, conv=None, *, slots=None,
+                     stream=None) -> None:
+        """Write new states of a batch into their slots, in place: row ``i`` goes to slot
+        ``slots[i]``, for every layer or one. One launch for every written tensor (recurrent
+        and conv, every layer: one slot-copy launch moves bytes of any dtype); no allocation,
+        no sync; everything is checked before anything is written.
+
+        Parameters
+        ----------
+        layer : int or None
+            The Mamba layer written, or ``None`` for every one (``recurrent`` / ``conv`` are
+            then lists, one array per layer).
+        recurrent : array ``[rows, num_heads, head_dim, state_size]``, list of them, or None
+            New recurrent states (``ssm_dtype``; its storage dtype on cuda), C-contiguous, this
+            device's memory (any array protocol, no copy). None: not written.
+        conv : array ``[rows, conv_dim, conv_kernel]``, list of them, or None
+            New conv states (``conv_dtype``), as ``recurrent``. At least one of the two.
+        slots : host ints [rows], device int32 [rows], or None
+            Target slot of each row. Host slots are checked (in ``[0, max_batch)``, distinct)
+            and staged; a device array is read at launch (an out-of-range slot is skipped).
+            None: row ``i`` -> slot ``i``.
+        stream : optional
+
+        Raises
+        ------
+        TypeError, IndexError, ValueError
+            A bad layer, a state the layers do not have, an array of the wrong module, shape,
+            dtype or layout, row counts that differ, more rows than slots, bad or repeated
+            slots, a bad stream. Nothing is written.
+        """
+        self._state_writer.write(layer, {"recurrent": recurrent, "conv": conv}, slots, stream)
 
     def restore_states(self, recurrent, conv, b, stream=None) -> None:
         """Write saved states into slot ``b`` of every layer (one launch, in place).
