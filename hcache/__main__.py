@@ -52,8 +52,8 @@ def info(args) -> int:
     import numpy as np
 
     import hcache
-    from hcache import _cuda
-    from hcache.device import cupy_available, resolve_device
+    from hcache.runtime import _cuda
+    from hcache.runtime.device import cupy_available, resolve_device
     from hcache.dtypes import DTYPE_NAMES, resolve_dtype, storage_dtype
     from hcache.ops import _loader, _nvrtc
 
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     """Run one command; returns the exit status (2 for a bad ``--device``, printed as one
     line on stderr, no traceback)."""
     from hcache import __version__
-    from hcache.device import resolve_device
+    from hcache.runtime.device import resolve_device
 
     parser = argparse.ArgumentParser(prog="python -m hcache", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hcache {__version__}")

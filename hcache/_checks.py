@@ -15,8 +15,8 @@ from itertools import repeat
 
 import numpy as np
 
-from .arrays import host_array as _import_host
-from .arrays import on_device
+from .runtime.arrays import host_array as _import_host
+from .runtime.arrays import on_device
 
 __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host_ints",
            "index_array", "block_id_array", "hash_array", "int_shape", "int32_array",

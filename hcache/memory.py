@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ._checks import exact_int
-from .device import Device, cuda_free_bytes, resolve_device
+from .runtime.device import Device, cuda_free_bytes, resolve_device
 from .errors import CacheCapacityError
 
 __all__ = ["available_bytes", "check_fits"]

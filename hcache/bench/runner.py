@@ -5,8 +5,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from hcache import _cuda
-from hcache.device import Device, resolve_device
+from hcache.runtime import _cuda
+from hcache.runtime.device import Device, resolve_device
 
 from . import compact, kv_capture, kv_write, lengths, slot_copy
 from ._common import BenchContext, Timer

@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import as_int, host_ints, index_array
-from ..device import launch_scope, stream_handle, to_host, upload_ints, zeros
-from ..stream_order import StreamOrder
+from ..runtime.device import launch_scope, stream_handle, to_host, upload_ints, zeros
+from ..runtime.stream_order import StreamOrder
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
 

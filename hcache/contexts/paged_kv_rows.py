@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import int32_array
-from ..arrays import as_array
+from ..runtime.arrays import as_array
 from ..kv_scales import source_dtype
 
 __all__ = ["attention_index", "check_rows", "check_tables"]

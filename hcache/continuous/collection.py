@@ -14,8 +14,8 @@ import numpy as np
 
 from .._checks import token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..arrays import as_array
-from ..device import stream_handle
+from ..runtime.arrays import as_array
+from ..runtime.device import stream_handle
 from ..kv_scales import check_scale, source_dtype
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]

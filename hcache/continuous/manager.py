@@ -40,7 +40,7 @@ import numpy as np
 
 from .._checks import as_int, exact_int, token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import launch_scope, resolve_device, stream_handle
+from ..runtime.device import launch_scope, resolve_device, stream_handle
 from ..dtypes import dtype_name
 from ..memory import check_fits
 from ..rings import ring_start

@@ -15,10 +15,10 @@ import numpy as np
 
 from .. import ops
 from .._checks import exact_int
-from ..device import launch_scope, settle, upload_ints, zeros
+from ..runtime.device import launch_scope, settle, upload_ints, zeros
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
-from ..stream_order import StreamOrder
+from ..runtime.stream_order import StreamOrder
 
 __all__ = ["KVBlockStore"]
 

@@ -10,9 +10,9 @@ import contextlib
 
 import numpy as np
 
-from .. import _cuda
+from ..runtime import _cuda
 from .._checks import int32_array
-from ..device import Device, array_device, data_pointer, launch_scope, stream_handle, upload
+from ..runtime.device import Device, array_device, data_pointer, launch_scope, stream_handle, upload
 from . import _loader
 from .tables import PLAN_HEADER, compaction_plan_size, plan_max_batch
 

@@ -5,7 +5,7 @@ moves. Ops: :func:`compaction_plan` (``hc_compaction_plan``), :func:`kv_compact`
 from __future__ import annotations
 
 from .._checks import check_int, int32_array
-from ..device import array_module_of, data_pointer
+from ..runtime.device import array_module_of, data_pointer
 from . import reference as ref
 from ._launch import (
     BLOCK,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import INT32_MAX, check_int, int32_array
-from ..device import array_module_of
+from ..runtime.device import array_module_of
 from . import reference as ref
 from ._launch import check_status, i32, launcher, ptr
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import (
+from ..runtime.device import (
     Device,
     array_device,
     array_module_of,

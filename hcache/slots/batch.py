@@ -25,9 +25,9 @@ import numpy as np
 from .. import ops
 from .._checks import check_int, host_ints
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..arrays import as_array, on_device
-from ..device import launch_scope, settle, to_host, upload_ints
-from ..stream_order import StreamOrder
+from ..runtime.arrays import as_array, on_device
+from ..runtime.device import launch_scope, settle, to_host, upload_ints
+from ..runtime.stream_order import StreamOrder
 from .batch_compaction import BatchCompaction
 
 __all__ = ["BatchAPI"]

@@ -14,8 +14,8 @@ import numpy as np
 
 from .. import ops
 from .._checks import host_ints
-from ..arrays import as_array, on_device
-from ..device import to_host, upload_ints
+from ..runtime.arrays import as_array, on_device
+from ..runtime.device import to_host, upload_ints
 from ..ops.tables import SlotSet
 
 __all__ = ["BatchCompaction"]

@@ -22,7 +22,7 @@ import numpy as np
 
 from .._checks import check_index
 from ..config.caches import HybridCacheConfig, LayerType
-from ..device import launch_scope, resolve_device
+from ..runtime.device import launch_scope, resolve_device
 from ..memory import check_fits
 from .batch import BatchAPI
 from .kv import KVCacheManager

@@ -21,15 +21,15 @@ import numpy as np
 
 from .. import ops
 from .._checks import token_counts
-from ..arrays import as_array
-from ..device import (
+from ..runtime.arrays import as_array
+from ..runtime.device import (
     launch_scope,
     stream_handle,
     upload,
     upload_ints,
 )
 from ..dtypes import is_fp8, resolve_dtype, storage_dtype
-from ..stream_order import StreamOrder
+from ..runtime.stream_order import StreamOrder
 from .kv_scale_tables import KVScaleTables
 from .write_positions import check_positions
 

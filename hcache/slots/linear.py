@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .._checks import check_index
 from ..config.caches import LinearCacheConfig, MambaCacheConfig
-from ..device import launch_scope, resolve_device, zeros
+from ..runtime.device import launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
 from ..memory import check_fits
 from ..ops.tables import KVGroup
