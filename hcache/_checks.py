@@ -239,6 +239,9 @@ def exact_int(name: str, value) -> int:
     return _exact_int(name, value)
 
 
+_PLAIN_INT = {int}
+
+
 def token_counts(values, batch: int, name: str = "valid_lengths") -> list[int]:
     """``values`` as ``batch`` Python ints >= 0 (tokens per batch row).
 
@@ -259,13 +262,15 @@ def token_counts(values, batch: int, name: str = "valid_lengths") -> list[int]:
             raise TypeError(f"{name}: expected a 1-D integer array, "
                             f"got {values.dtype} with shape {values.shape}")
         counts = values.tolist()     # exact Python ints (uint64 included)
+    elif type(values) is list and set(map(type, values)) <= _PLAIN_INT:
+        counts = list(values)   # plain Python ints: exact already, checked as a whole below
     elif isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name}: expected a sequence of int, got {type(values).__name__}")
     else:
         counts = [exact_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
     if len(counts) != batch:
         raise ValueError(f"{name}: expected {batch} lengths, got {len(counts)}")
-    if any(v < 0 for v in counts):
+    if counts and min(counts) < 0:
         raise ValueError(f"{name}: expected lengths >= 0, got {counts}")
     return counts
 

@@ -25,19 +25,33 @@ class CupyLauncher:
     """Launches through the device runtime on ``device`` (the CUDA ordinal of the op's arrays;
     ``None``: the current device) and ``stream`` (a stream of that device)."""
 
+    __slots__ = ("stream", "device")
+
     def __init__(self, stream=None, device: int | None = None):
         self.stream = stream
         self.device = device
 
-    def _device(self):
-        index = self.device
-        return Device("cuda", _cuda.runtime().current_device() if index is None else index)
-
     def launch(self, family, name, grid, block, args):
-        device = self._device()
-        kernel = _loader.get_function(family, name, device.index)
-        with launch_scope(device, self.stream):
-            _cuda.runtime().launch(kernel, grid, block, args)
+        rt = _cuda.runtime()
+        index = rt.current_device() if self.device is None else self.device
+        kernel = _kernels.get((family, name, index, rt.cache_key))
+        if kernel is None:
+            kernel = _kernels[family, name, index, rt.cache_key] = \
+                _loader.get_function(family, name, index)
+        with launch_scope(cuda_device(index), self.stream):
+            rt.launch(kernel, grid, block, args)
+
+
+_kernels: dict = {}   # (family, name, device, kind of runtime) -> kernel, as _loader caches it
+_cuda_devices: dict = {}
+
+
+def cuda_device(index: int) -> Device:
+    """The :class:`Device` of CUDA ordinal ``index`` (made once)."""
+    device = _cuda_devices.get(index)
+    if device is None:
+        device = _cuda_devices[index] = Device("cuda", index)
+    return device
 
 
 def launcher(xp, backend, stream, like=None):
