@@ -7,6 +7,7 @@ then the launch-only keywords ``stream=None, backend=None`` at the end.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import numpy as np
 
@@ -52,6 +53,54 @@ def cuda_device(index: int) -> Device:
     if device is None:
         device = _cuda_devices[index] = Device("cuda", index)
     return device
+
+
+class LaunchMemo:
+    """The last checked launch of one op for each first argument (docs/design.md §8 "Plan
+    once, launch cheaply"): an op whose arguments are the very same objects with the same
+    shapes (plain ints equal), on the same stream, as a launch it checked before launches
+    again at once with the arguments it converted then.
+
+    Entries hold the objects of their key (an identity is never reused while its entry
+    lives) and their first argument weakly (a dead one's entry is never used again).
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    @staticmethod
+    def key(args) -> list:
+        """Plain ints by value; anything else by identity and shape."""
+        return [("v", x) if type(x) is int else ("id", id(x), getattr(x, "shape", None))
+                for x in args]
+
+    def launch(self, args, stream) -> bool:
+        """Launch as last time when ``args`` (the op's arguments, first the one the entry is
+        kept for, ``stream`` among them) are last time's; False (nothing done) otherwise."""
+        entry = self._entries.get(id(args[0]))
+        if entry is None or entry[0]() is not args[0] or entry[1] != self.key(args):
+            return False
+        with launch_scope(entry[2], stream):
+            _cuda.runtime().launch(*entry[3])
+        return True
+
+    def run(self, run, args, family, name, grid, block, kernel_args) -> None:
+        """``run.launch(family, name, grid, block, kernel_args)``, remembered for ``args``
+        when it went to the device."""
+        run.launch(family, name, grid, block, kernel_args)
+        if not isinstance(run, CupyLauncher) or run.device is None:
+            return
+        try:
+            ref = weakref.ref(args[0])
+        except TypeError:   # no weak references to this type: nothing remembered
+            return
+        if len(self._entries) > 64:
+            self._entries.clear()
+        kernel = _loader.get_function(family, name, run.device)
+        self._entries[id(args[0])] = (ref, self.key(args), cuda_device(run.device),
+                                      (kernel, grid, block, kernel_args), args)
 
 
 def launcher(xp, backend, stream, like=None):

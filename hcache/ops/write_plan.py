@@ -51,7 +51,7 @@ class KVWritePlan:
     def __init__(self, group, kernel, device, step, num_tokens, head, body):
         self.group, self.kernel, self.device, self.step = group, kernel, device, step
         self.scratch = np.uint64(_cuda.runtime().pointer(group.scratch_infos))
-        self.shapes = tuple(getattr(a, "shape", None) for a in step)
+        self.shapes = [getattr(a, "shape", None) for a in step]
         self.num_tokens, self.head, self.body = num_tokens, head, body
         self.grids: dict = {}
         self.table = None   # (pointers, host table) last uploaded into the group's scratch

@@ -59,6 +59,7 @@ class BatchAPI:
         xp = device.xp
         self._device = device
         self._order = StreamOrder()   # the manager's calls: one chain across streams
+        self._write_indices = {}      # decoder layer -> the KV writer's index, once checked
         self._max_batch = int(max_batch_size)
         self._max_len = int(max_sequence_length)
         self._lengths = xp.zeros(self._max_batch, dtype=np.int32)      # the device truth
@@ -70,6 +71,7 @@ class BatchAPI:
         self._host_lengths = np.zeros(self._max_batch, dtype=np.int64)
         self._known = np.ones(self._max_batch, dtype=bool)
         self._active = 0
+        self._lengths_view = self._lengths[:0]
         self._all_empty = True
         # Headroom of the active batch: max_len - max(active host lengths) when all of them are
         # known, else None; recomputed only after a change other than a uniform commit.
@@ -115,7 +117,10 @@ class BatchAPI:
         array, int32 [active_batch_size]
             A zero-copy view of the manager's lengths array (capacity ``max_batch``).
         """
-        return self._lengths[:self._active]
+        view = self._lengths_view   # one view per active batch: step plans key on it
+        if view.shape[0] != self._active:
+            view = self._lengths_view = self._lengths[:self._active]
+        return view
 
     def refused_commit_count(self, stream=None) -> int:
         """How many commits the device refused (they would have passed
@@ -328,7 +333,10 @@ class BatchAPI:
             ``seq_lengths``, position, scale, stream, or a row whose committed length (known
             on the host) leaves too little room. Nothing is written or recorded.
         """
-        index = None if layer is None else self._kv_write_index(layer)
+        index = None if layer is None else self._write_indices.get(layer) \
+            if type(layer) is int else self._kv_write_index(layer)
+        if index is None and layer is not None:
+            index = self._write_indices[layer] = self._kv_write_index(layer)
         self._kv_writer.write(index, k, v, batch_state=self, seq_lengths=seq_lengths,
                               positions=positions, k_scale=k_scale, v_scale=v_scale,
                               stream=stream)
