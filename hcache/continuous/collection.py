@@ -14,10 +14,10 @@ import numpy as np
 
 from .._checks import token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
+from ..kv_scales import check_scale, source_dtype
 from ..runtime import _cuda
 from ..runtime.arrays import as_array
 from ..runtime.device import stream_handle
-from ..kv_scales import check_scale, source_dtype
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
 
@@ -60,7 +60,8 @@ class ContinuousBatchingKVCacheCollection:
         self._lengths = host_lengths.view()
         self._blocks.flags.writeable = False
         self._lengths.flags.writeable = False
-        self._room = None   # max_seq_len - the longest row: how many tokens every row takes
+        # how many tokens every row takes: max_seq_len - the longest row
+        self._room = store.max_seq_len - int(host_lengths.max()) if len(host_lengths) else 0
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -264,8 +265,6 @@ class ContinuousBatchingKVCacheCollection:
                     or not a.flags.c_contiguous \
                     or rt is not None and rt.array_device(a) != store.device.index:
                 return False
-        if self._room is None:
-            self._room = store.max_seq_len - int(self._lengths.max())
         if tokens > self._room:
             return False
         if stream is not None:

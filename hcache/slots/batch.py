@@ -117,10 +117,7 @@ class BatchAPI:
         array, int32 [active_batch_size]
             A zero-copy view of the manager's lengths array (capacity ``max_batch``).
         """
-        view = self._lengths_view   # one view per active batch: step plans key on it
-        if view.shape[0] != self._active:
-            view = self._lengths_view = self._lengths[:self._active]
-        return view
+        return self._lengths_view   # one view per active batch: step plans key on it
 
     def refused_commit_count(self, stream=None) -> int:
         """How many commits the device refused (they would have passed
@@ -148,6 +145,7 @@ class BatchAPI:
             ``n`` is not an int in ``[0, max_batch]``.
         """
         self._active = check_int("n", n, 0, self._max_batch)
+        self._lengths_view = self._lengths[:self._active]
         self._headroom_stale = True
 
     def reset_for_new_sequences(self, reuse_kv_cache_lengths, stream=None) -> None:
@@ -180,6 +178,7 @@ class BatchAPI:
         self._host_lengths[:n] = reuse
         self._known[:n] = True
         self._active = n
+        self._lengths_view = self._lengths[:self._active]
         self._all_empty = not bool((reuse > 0).any())
         self._headroom_stale = True
 
@@ -333,13 +332,14 @@ class BatchAPI:
             ``seq_lengths``, position, scale, stream, or a row whose committed length (known
             on the host) leaves too little room. Nothing is written or recorded.
         """
-        index = None if layer is None else self._write_indices.get(layer) \
-            if type(layer) is int else self._kv_write_index(layer)
+        index = self._write_indices.get(layer) if type(layer) is int else None
         if index is None and layer is not None:
-            index = self._write_indices[layer] = self._kv_write_index(layer)
+            index = self._kv_write_index(layer)
         self._kv_writer.write(index, k, v, batch_state=self, seq_lengths=seq_lengths,
                               positions=positions, k_scale=k_scale, v_scale=v_scale,
                               stream=stream)
+        if type(layer) is int:   # kept after a write that went well: a refusal changes nothing
+            self._write_indices[layer] = index
 
     # --- compaction -------------------------------------------------------------------------
 
@@ -387,6 +387,7 @@ class BatchAPI:
             self._host_lengths[mapping[kept]] = lengths[kept]
             self._known[mapping[kept]] = known[kept]
         self._active = new
+        self._lengths_view = self._lengths[:self._active]
         self._headroom_stale = True
 
     def last_compaction_valid(self, stream=None) -> bool:

@@ -20,8 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops
-from ..runtime import _cuda
 from .._checks import token_counts
+from ..dtypes import is_fp8, resolve_dtype, storage_dtype
+from ..runtime import _cuda
 from ..runtime.arrays import as_array
 from ..runtime.device import (
     launch_scope,
@@ -29,7 +30,6 @@ from ..runtime.device import (
     upload,
     upload_ints,
 )
-from ..dtypes import is_fp8, resolve_dtype, storage_dtype
 from ..runtime.stream_order import StreamOrder
 from .kv_scale_tables import KVScaleTables
 from .write_positions import check_positions
@@ -268,8 +268,8 @@ class KVWriter:
         lengths = state.get_kv_cache_lengths()
         self.order = state._order   # one chain with the manager's other calls
         with launch_scope(device, stream, self.order):
-            members = self._all_members if index is None else ((self._where[index][0], (0,)),)
-            for g, members in members:
+            written = self._all_members if index is None else ((self._where[index][0], (0,)),)
+            for g, members in written:
                 group = self._groups[g]
                 rows = [None if vs[j] is None else vs[j].reshape(total, *vs[j].shape[2:])
                         for j in members]
