@@ -7,30 +7,30 @@ live in :mod:`hcache.ops` (with their NumPy reference in :mod:`hcache.ops.refere
 from __future__ import annotations
 
 from .config import (
-                      HybridCacheConfig,
-                      KVCacheConfig,
-                      KVLayerConfig,
-                      LayerType,
-                      LinearCacheConfig,
-                      MambaCacheConfig,
+    HybridCacheConfig,
+    KVCacheConfig,
+    KVLayerConfig,
+    LayerType,
+    LinearCacheConfig,
+    MambaCacheConfig,
 )
 from .contexts import (
-                      DynamicInferenceContext,
-                      KVBlockAllocator,
-                      MambaSlotAllocator,
-                      MambaSlotCapacityError,
-                      PagedKVPool,
-                      compute_block_hashes,
+    DynamicInferenceContext,
+    KVBlockAllocator,
+    MambaSlotAllocator,
+    MambaSlotCapacityError,
+    PagedKVPool,
+    compute_block_hashes,
 )
 from .continuous.manager import (
-                      BatchInFlightError,
-                      ContinuousBatchingKVCacheCollection,
-                      ContinuousBatchingKVCacheManager,
-                      KVCacheStaticParams,
+    BatchInFlightError,
+    ContinuousBatchingKVCacheCollection,
+    ContinuousBatchingKVCacheManager,
+    KVCacheStaticParams,
 )
-from .runtime.device import Device, resolve_device
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
 from .errors import CacheCapacityError, KernelCompileError, KernelLaunchError
+from .runtime.device import Device, resolve_device
 from .slots.hybrid import HybridCacheManager, KVHeadDimGroupView
 from .slots.kv import KVCacheManager
 from .slots.linear import LinearKVCache

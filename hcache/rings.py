@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .runtime import _cuda
 from ._checks import INT32_MAX, check_int, host_array
+from .runtime import _cuda
 from .runtime.arrays import as_array, on_device
 from .runtime.device import launch_scope, resolve_device, stream_handle
 from .runtime.stream_order import StreamOrder

@@ -46,6 +46,8 @@ def main(device=None, out_dir=None, quick: bool = False, benches=KERNEL_BENCHES)
         for bench in benches:
             rows.extend({"family": bench.FAMILY, **row} for row in bench.run(ctx))
     name, note = _describe(dev)
+    if len(benches) == 1 and hasattr(benches[0], "describe"):
+        note = benches[0].describe(dev)
     print(f"hcache bench on {name} ({dev}): {note}")
     print_table(rows)
     out = Path(out_dir) if out_dir else Path.cwd() / "bench" / "results"

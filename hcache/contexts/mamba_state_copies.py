@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, index_array, int_shape
+from ..ops.tables import SlotSet
 from ..runtime.arrays import as_array, host_array, on_device
 from ..runtime.device import (
     array_module_of,
@@ -26,7 +27,6 @@ from ..runtime.device import (
     upload_ints,
     zeros,
 )
-from ..ops.tables import SlotSet
 from ..runtime.stream_order import StreamOrder
 
 __all__ = ["MambaStateCopies", "check_live_states", "context_parts", "state_shapes"]

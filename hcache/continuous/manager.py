@@ -40,10 +40,10 @@ import numpy as np
 
 from .._checks import as_int, exact_int, token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..runtime.device import launch_scope, resolve_device, stream_handle
 from ..dtypes import dtype_name
 from ..memory import check_fits
 from ..rings import ring_start
+from ..runtime.device import launch_scope, resolve_device, stream_handle
 from .collection import ContinuousBatchingKVCacheCollection
 from .invariants import broken_manager_invariants
 from .params import KVCacheStaticParams, manager_arguments

@@ -15,9 +15,9 @@ import numpy as np
 
 from .. import ops
 from .._checks import exact_int
-from ..runtime.device import launch_scope, settle, upload_ints, zeros
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
+from ..runtime.device import launch_scope, settle, upload_ints, zeros
 from ..runtime.stream_order import StreamOrder
 
 __all__ = ["KVBlockStore"]

@@ -11,8 +11,8 @@ import weakref
 
 import numpy as np
 
-from ..runtime import _cuda
 from .._checks import int32_array
+from ..runtime import _cuda
 from ..runtime.device import Device, array_device, data_pointer, launch_scope, stream_handle, upload
 from . import _loader
 from .tables import PLAN_HEADER, compaction_plan_size, plan_max_batch

@@ -8,8 +8,8 @@ from .._checks import check_int, int32_array
 from ..runtime.device import array_module_of, data_pointer
 from . import reference as ref
 from ._launch import (
-    LaunchMemo,
     BLOCK,
+    LaunchMemo,
     ceil_div,
     check_plan,
     grid_x,

@@ -8,8 +8,8 @@ import ml_dtypes
 import numpy as np
 
 from .._checks import check_int, int32_array, scalar_scale
-from ..runtime.device import array_module_of, data_pointer
 from ..dtypes import resolve_dtype
+from ..runtime.device import array_module_of, data_pointer
 from . import _loader
 from . import reference as ref
 from ._launch import (
