@@ -28,9 +28,9 @@ from .continuous.manager import (
     ContinuousBatchingKVCacheManager,
     KVCacheStaticParams,
 )
-from .device import Device, resolve_device
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
 from .errors import CacheCapacityError, KernelCompileError, KernelLaunchError
+from .runtime.device import Device, resolve_device
 from .slots.hybrid import HybridCacheManager, KVHeadDimGroupView
 from .slots.kv import KVCacheManager
 from .slots.linear import LinearKVCache
@@ -43,7 +43,8 @@ __version__ = "0.1.0"
 def _keep_old_module_paths() -> None:
     """Modules of the first wave stay importable under their old paths (``hcache.configs``,
     ``hcache.kv_cache_manager``, ...): each old name is an alias of the module that holds its
-    contents now (see docs/design.md, "Package layout")."""
+    contents now (see docs/design.md, "Package layout"); so do the device layer's modules,
+    moved into ``hcache.runtime`` (``hcache.device``, ``hcache._cuda``, ...)."""
     import importlib
     import sys
 
@@ -59,6 +60,8 @@ _OLD_MODULE_PATHS = {
     "mamba_cache_manager": "slots.mamba", "hybrid_cache_manager": "slots.hybrid",
     "linear_kv_cache": "slots.linear", "continuous_batching": "continuous.manager",
     "continuous_batching_collection": "continuous.collection",
+    "_cuda": "runtime._cuda", "device": "runtime.device", "arrays": "runtime.arrays",
+    "staging": "runtime.staging", "stream_order": "runtime.stream_order",
 }
 _keep_old_module_paths()
 

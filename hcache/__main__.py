@@ -61,11 +61,11 @@ def info(args) -> int:
     import numpy as np
 
     import hcache
-    from hcache import _cuda
-    from hcache.device import cupy_available, resolve_device
     from hcache.dtypes import DTYPE_NAMES, resolve_dtype, storage_dtype
     from hcache.ops import _loader, _nvrtc
     from hcache.ops._compile_cache import cache_dir, checked_compile
+    from hcache.runtime import _cuda
+    from hcache.runtime.device import cupy_available, resolve_device
 
     print(f"hcache      {hcache.__version__}")
     print(f"python      {platform.python_version()} ({sys.platform})")
@@ -117,6 +117,11 @@ def demo(args) -> int:
 def bench(args) -> int:
     from hcache.bench import main as bench_main
 
+    if args.calls:
+        from hcache.bench import calls
+
+        return bench_main(device=args.device, out_dir=args.out, quick=args.quick,
+                          benches=(calls,))
     if args.host:
         from hcache.bench import host
 
@@ -129,7 +134,7 @@ def main(argv=None) -> int:
     """Run one command; returns the exit status (2 for a bad ``--device``, printed as one
     line on stderr, no traceback)."""
     from hcache import __version__
-    from hcache.device import resolve_device
+    from hcache.runtime.device import resolve_device
 
     parser = argparse.ArgumentParser(prog="python -m hcache", description=DESCRIPTION,
                                      epilog=EPILOG,
@@ -168,6 +173,11 @@ def main(argv=None) -> int:
                            help="results folder (default: bench/results in the current directory)")
             p.add_argument("--quick", action="store_true",
                            help="fewer repetitions (20 on a GPU, 2 on the CPU)")
+            p.add_argument("--calls", action="store_true",
+                           help="the host path of a launch: hcache Python calls per launch of "
+                                "each steady-state call (counted on the emulated device of a "
+                                "source checkout) and host us per call (on a GPU; else on the "
+                                "emulated device, its own cost included)")
             p.add_argument("--host", action="store_true",
                            help="host overhead per decode step (bookkeeping µs, median and "
                                 "worst step) instead of the kernels")

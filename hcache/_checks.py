@@ -16,8 +16,8 @@ from itertools import repeat
 
 import numpy as np
 
-from .arrays import host_array as _import_host
-from .arrays import on_device
+from .runtime.arrays import host_array as _import_host
+from .runtime.arrays import on_device
 
 __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host_ints",
            "index_array", "block_id_array", "hash_array", "int_shape", "int32_array",
@@ -26,6 +26,7 @@ __all__ = ["INT32_MIN", "INT32_MAX", "as_int", "check_int", "check_index", "host
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1   # the C ``int`` of the kernels, int32 lengths
 _INT64_MAX = np.iinfo(np.int64).max
+_PLAIN_INT = {int}   # the type of an exact Python int (a bool is not one)
 
 
 def _exact_int(name: str, value) -> int:
@@ -40,6 +41,8 @@ def _exact_int(name: str, value) -> int:
 
 def as_int(name: str, value, minimum: int = 0) -> int:
     """``value`` as an int in ``[minimum, 2**63 - 1]`` (sizes, counts, config fields)."""
+    if type(value) is int and minimum <= value <= _INT64_MAX:
+        return value   # a plain int in range: nothing to convert
     value = _exact_int(name, value)
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
@@ -50,6 +53,8 @@ def as_int(name: str, value, minimum: int = 0) -> int:
 
 def check_int(name: str, value, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int:
     """``value`` as an int in ``[lo, hi]`` (by default the range of a C ``int``)."""
+    if type(value) is int and lo <= value <= hi:
+        return value   # a plain int in range: nothing to convert
     value = _exact_int(name, value)
     if not lo <= value <= hi:
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}], got {value}")
@@ -58,6 +63,8 @@ def check_int(name: str, value, lo: int = INT32_MIN, hi: int = INT32_MAX) -> int
 
 def check_index(name: str, value, size: int) -> int:
     """``value`` as an index in ``[0, size)``: ``TypeError`` unless an int, else ``IndexError``."""
+    if type(value) is int and 0 <= value < size:
+        return value   # a plain int in range: nothing to convert
     value = _exact_int(name, value)
     if not 0 <= value < size:
         raise IndexError(f"{name}: expected an index in [0, {size}), got {value}")
@@ -71,7 +78,9 @@ _ARRAY_PROTOCOLS = ("__dlpack__", "__array__", "__array_interface__", "__array_s
 def is_array(values) -> bool:
     """True for an array of any library (NumPy, JAX, CuPy, an object with an array protocol):
     what :func:`host_array` imports rather than reads as a Python sequence."""
-    return isinstance(values, np.ndarray) or any(hasattr(values, p) for p in _ARRAY_PROTOCOLS)
+    return isinstance(values, np.ndarray) or hasattr(values, "__dlpack__") \
+        or hasattr(values, "__array__") or hasattr(values, "__array_interface__") \
+        or hasattr(values, "__array_struct__") or hasattr(values, "__cuda_array_interface__")
 
 
 def refuse_unordered(name: str, values) -> None:
@@ -109,7 +118,7 @@ def host_array(name: str, values) -> np.ndarray:
     """
     if isinstance(values, np.ndarray):
         return values
-    if any(hasattr(values, p) for p in _ARRAY_PROTOCOLS):
+    if is_array(values):
         if on_device(values):
             raise TypeError(f"{name}: expected host integers, got device memory "
                             f"({type(values).__name__})")
@@ -146,6 +155,15 @@ def host_ints(name: str, values, length: int | None = None) -> np.ndarray:
     ValueError
         Not 1-D, not ``length`` entries, or a ``uint64`` value that int64 cannot hold.
     """
+    if (type(values) is list or type(values) is tuple) and set(map(type, values)) <= _PLAIN_INT:
+        try:   # plain Python ints: one conversion (one beyond int64 takes the full path)
+            arr = np.array(values, dtype=np.int64)
+        except OverflowError:
+            pass
+        else:
+            if length is not None and arr.shape[0] != length:
+                raise ValueError(f"{name}: expected {length} entries, got {arr.shape[0]}")
+            return arr
     arr = host_array(name, values)
     if arr.size == 0 and arr.dtype == np.float64:  # np.asarray([]) is float64
         arr = arr.astype(np.int64)
@@ -278,6 +296,8 @@ def token_counts(values, batch: int, name: str = "valid_lengths") -> list[int]:
             raise TypeError(f"{name}: expected a 1-D integer array, "
                             f"got {values.dtype} with shape {values.shape}")
         counts = values.tolist()     # exact Python ints (uint64 included)
+    elif type(values) is list and set(map(type, values)) <= _PLAIN_INT:
+        counts = list(values)   # plain Python ints: exact already, checked as a whole below
     elif isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name}: expected a sequence of int, got {type(values).__name__}")
     else:
@@ -285,7 +305,7 @@ def token_counts(values, batch: int, name: str = "valid_lengths") -> list[int]:
         counts = [exact_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
     if len(counts) != batch:
         raise ValueError(f"{name}: expected {batch} lengths, got {len(counts)}")
-    if any(v < 0 for v in counts):
+    if counts and min(counts) < 0:
         raise ValueError(f"{name}: expected lengths >= 0, got {counts}")
     return counts
 

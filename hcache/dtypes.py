@@ -11,7 +11,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from .device import array_module_of
+from .runtime.device import array_module_of
 
 __all__ = ["DTYPE_NAMES", "resolve_dtype", "dtype_name", "storage_dtype", "is_fp8", "fp8_max",
            "fp8_scales", "dlpack_view"]

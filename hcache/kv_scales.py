@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._checks import scalar_scale
-from .arrays import as_array
 from .dtypes import is_fp8, resolve_dtype, storage_dtype
+from .runtime.arrays import as_array
 
 __all__ = ["FLOAT_ROWS", "check_scale", "source_dtype"]
 

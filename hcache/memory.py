@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 
 from ._checks import exact_int
-from .device import Device, cuda_free_bytes, resolve_device
 from .errors import CacheCapacityError
+from .runtime.device import Device, cuda_free_bytes, resolve_device
 
 __all__ = ["available_bytes", "check_fits"]
 

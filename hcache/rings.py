@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _cuda
 from ._checks import INT32_MAX, check_int, host_array
-from .arrays import as_array, on_device
-from .device import launch_scope, resolve_device, stream_handle
-from .stream_order import StreamOrder
+from .runtime import _cuda
+from .runtime.arrays import as_array, on_device
+from .runtime.device import launch_scope, resolve_device, stream_handle
+from .runtime.stream_order import StreamOrder
 
 __all__ = ["ring_start"]
 

@@ -123,7 +123,7 @@ def test_first_wave_module_paths_are_aliases(old, new):
     assert getattr(hcache, old) is importlib.import_module(f"hcache.{new}")
 
 
-BOUNDARY = "hcache._cuda"
+BOUNDARY = "hcache.runtime._cuda"
 
 
 def _cupy_uses(path: Path) -> list[str]:

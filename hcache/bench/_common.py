@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hcache import _cuda
-from hcache.device import Device
 from hcache.ops.tables import KVGroup
+from hcache.runtime import _cuda
+from hcache.runtime.device import Device
 
 __all__ = ["DTYPE", "Timer", "BenchContext", "Mamba", "Model", "models", "kv_groups",
            "mamba_states"]

@@ -11,6 +11,8 @@ __all__ = ["print_table", "write_report"]
 
 
 def print_table(rows: list[dict]) -> None:
+    if rows and all("calls_per_launch" in r for r in rows):
+        return print_calls(rows)
     kernel_rows = [r for r in rows if "GBps" in r]
     host_rows = [r for r in rows if "worst_us" in r]
     if kernel_rows:
@@ -29,6 +31,17 @@ def print_table(rows: list[dict]) -> None:
         goal = "-" if r["goal_us"] is None else f"{r['goal_us']:.1f}"
         print(f"{r['case']:<30} {r['us']:>10.2f} {r['mean_us']:>9.2f} {r['worst_us']:>9.2f} "
               f"{goal:>8}  {other}")
+
+
+def print_calls(rows: list[dict]) -> None:
+    """The rows of ``bench --calls``: hcache Python calls per launch, host µs per call."""
+    print(f"{'case':<46} {'calls/launch':>12} {'launches':>8} {'goal':>5} {'us':>9}  where")
+    for r in rows:
+        us = r.get("us", r.get("emulated_us"))
+        where = r["counted_on"] + ("" if "us" in r or us is None else
+                                   " (us: the emulator's cost included)")
+        print(f"{r['case']:<46} {r['calls_per_launch']:>12.1f} {r['launches']:>8} "
+              f"{r['goal_calls']:>5} {'-' if us is None else f'{us:.1f}':>9}  {where}")
 
 
 def write_report(out: Path, report: dict) -> list[Path]:

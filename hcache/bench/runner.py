@@ -5,8 +5,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from hcache import _cuda
-from hcache.device import Device, resolve_device
+from hcache.runtime import _cuda
+from hcache.runtime.device import Device, resolve_device
 
 from . import compact, kv_capture, kv_write, lengths, slot_copy, transfer
 from ._common import BenchContext, Timer
@@ -54,6 +54,8 @@ def main(device=None, out_dir=None, quick: bool = False, benches=BENCHES,
         for bench in benches:
             rows.extend({"family": bench.FAMILY, **row} for row in bench.run(ctx))
     name, note = _describe(dev)
+    if len(benches) == 1 and hasattr(benches[0], "describe"):
+        note = benches[0].describe(dev)
     print(f"hcache bench on {name} ({dev}): {note}")
     print_table(rows)
     out = Path(out_dir) if out_dir else Path.cwd() / "bench" / "results"

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import as_int, host_array
-from ..device import array_module_of
+from ..runtime.device import array_module_of
 
 __all__ = ["compute_block_hashes", "chain_block_hashes", "DIGEST_BYTES", "cache_salt",
            "block_keys", "chain_root"]

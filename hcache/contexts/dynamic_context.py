@@ -30,8 +30,8 @@ from .._checks import as_int
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.layers import kv_layer_list
 from ..config.sizing import context_states_nbytes
-from ..device import resolve_device, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
+from ..runtime.device import resolve_device, settle, stream_handle
 from .block_hashing import compute_block_hashes
 from .block_registration import BlockRegistration
 from .context_configs import ContextConstructors

@@ -9,7 +9,7 @@ have (its shape ``None``) has no array.
 
 from __future__ import annotations
 
-from ..device import launch_scope, zeros
+from ..runtime.device import launch_scope, zeros
 
 __all__ = ["LiveMambaStates"]
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import as_int, host_ints, index_array
-from ..device import launch_scope, stream_handle, to_host, upload_ints, zeros
-from ..stream_order import StreamOrder
+from ..runtime.device import launch_scope, stream_handle, to_host, upload_ints, zeros
+from ..runtime.stream_order import StreamOrder
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
 
@@ -75,6 +75,9 @@ def _checked_batch(rows, chunk_starts, seq_lens, boundaries, eos_columns, table_
         boundaries = arr.astype(np.int64)
     return out[0], out[1], out[2], boundaries, out[3]
 
+
+_PLAIN_INT = {int}
+_NO_EXTRA = np.zeros(0, np.int64)
 
 class IntermediateStates:
     """Scratch outputs and per-row tracking of the boundary states one step keeps.
@@ -171,16 +174,21 @@ class IntermediateStates:
         bs, align = block_size, chunk_size
         finished = int(getattr(req, "finished_chunk_token_count", 0))
         prompt_len = _prompt_length(req)
-        skip = as_int("skip_tokens", skip_tokens)
-        chunk = as_int("prefill_chunk_length", prefill_chunk_length)
-        matched = as_int("num_matched_blocks", num_matched_blocks)
-        required = as_int("overall_required_blocks", overall_required_blocks)
+        counts = (skip_tokens, prefill_chunk_length, num_matched_blocks, overall_required_blocks)
+        if set(map(type, counts)) == _PLAIN_INT and 0 <= min(counts) <= max(counts) < 2**63:
+            skip, chunk, matched, required = counts   # plain ints in range: as_int's result
+        else:
+            skip = as_int("skip_tokens", skip_tokens)
+            chunk = as_int("prefill_chunk_length", prefill_chunk_length)
+            matched = as_int("num_matched_blocks", num_matched_blocks)
+            required = as_int("overall_required_blocks", overall_required_blocks)
         if skip >= chunk:
             raise ValueError(f"skip_tokens: expected fewer than {chunk} tokens, got {skip}")
         table = to_host(block_table)[row]
         first_block = -(-finished // bs)
         matched_ids = host_ints("matched_block_ids", matched_block_ids)
-        extra = host_ints("extra_boundaries", extra_boundaries)
+        extra = _NO_EXTRA if type(extra_boundaries) is tuple and not extra_boundaries \
+            else host_ints("extra_boundaries", extra_boundaries)
         if list(table[first_block:first_block + matched]) != matched_ids[:matched].tolist():
             raise ValueError("matched_block_ids: expected the block table's matched blocks")
         chunk_start, seq_len = finished + skip, chunk - skip
@@ -192,7 +200,7 @@ class IntermediateStates:
         columns = [(chunk_start + o) // bs - 1 for o in offsets]
         if finished + chunk >= prompt_len and prompt_len > 0 and prompt_len % bs == 0:
             columns.append(prompt_len // bs - 1)  # the EOS entry
-        if any(c >= len(table) or table[c] < 0 for c in columns):
+        if [c for c in columns if c >= len(table) or table[c] < 0]:
             raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary of "
                              f"row {row}, got {table[:max(columns) + 1].tolist()}")
         block_ids = [int(table[c]) for c in columns[:len(offsets)]]

@@ -28,8 +28,8 @@ import numpy as np
 
 from .._checks import as_int, check_index, host_ints, index_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import Device, array_device, array_module_of, settle, stream_handle
 from ..dtypes import resolve_dtype, storage_dtype
+from ..runtime.device import Device, array_device, array_module_of, settle, stream_handle
 from .mamba_hash_map import MambaHashMap
 from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, IntermediateStates
 from .mamba_slot_pool import MambaSlotCapacityError, MambaSlotPool

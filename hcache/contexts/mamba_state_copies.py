@@ -17,8 +17,9 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, index_array, int_shape
-from ..arrays import as_array, host_array, on_device
-from ..device import (
+from ..ops.tables import SlotSet
+from ..runtime.arrays import as_array, host_array, on_device
+from ..runtime.device import (
     array_module_of,
     launch_scope,
     to_host,
@@ -26,8 +27,7 @@ from ..device import (
     upload_ints,
     zeros,
 )
-from ..ops.tables import SlotSet
-from ..stream_order import StreamOrder
+from ..runtime.stream_order import StreamOrder
 
 __all__ = ["MambaStateCopies", "check_live_states", "context_parts", "state_shapes"]
 

@@ -20,16 +20,16 @@ import numpy as np
 from .. import ops
 from .._checks import as_int, block_id_array, check_int, int32_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..arrays import as_array, on_device
 from ..config.caches import KVCacheConfig
 from ..config.layers import kv_layer_list
 from ..config.sizing import largest_fitting, paged_pool_nbytes
-from ..device import launch_scope, resolve_device, settle, upload_ints, zeros
 from ..dtypes import dtype_name, resolve_dtype, storage_dtype
 from ..kv_scales import check_scale, source_dtype
 from ..memory import check_fits
 from ..ops.tables import KVGroup, SlotSet
-from ..stream_order import StreamOrder
+from ..runtime.arrays import as_array, on_device
+from ..runtime.device import launch_scope, resolve_device, settle, upload_ints, zeros
+from ..runtime.stream_order import StreamOrder
 from .paged_kv_rows import attention_index, check_rows, check_tables
 
 __all__ = ["PagedKVPool"]

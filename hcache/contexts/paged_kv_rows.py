@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import int32_array
-from ..arrays import as_array
 from ..kv_scales import source_dtype
+from ..runtime.arrays import as_array
 
 __all__ = ["attention_index", "check_rows", "check_tables"]
 

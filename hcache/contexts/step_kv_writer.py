@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import launch_scope, stream_handle, upload_ints
+from ..runtime.device import launch_scope, stream_handle, upload_ints
 from .token_batches import ragged_columns
 
 __all__ = ["StepKVWriter"]

@@ -14,9 +14,10 @@ import numpy as np
 
 from .._checks import token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..arrays import as_array
-from ..device import stream_handle
 from ..kv_scales import check_scale, source_dtype
+from ..runtime import _cuda
+from ..runtime.arrays import as_array
+from ..runtime.device import stream_handle
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
 
@@ -44,7 +45,7 @@ class ContinuousBatchingKVCacheCollection:
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     __slots__ = ("_manager", "_store", "seq_ids", "lookup_table", "cache_lengths", "_blocks",
-                 "_lengths")
+                 "_lengths", "_room")
 
     def __init__(self, manager, store, seq_ids, host_blocks, host_lengths):
         self._manager = manager
@@ -59,6 +60,8 @@ class ContinuousBatchingKVCacheCollection:
         self._lengths = host_lengths.view()
         self._blocks.flags.writeable = False
         self._lengths.flags.writeable = False
+        # how many tokens every row takes: max_seq_len - the longest row
+        self._room = store.max_seq_len - int(host_lengths.max()) if len(host_lengths) else 0
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -185,6 +188,9 @@ class ContinuousBatchingKVCacheCollection:
         self._write(layer, k, v, ("k", "v"), seq_lengths, k_scale, v_scale, stream)
 
     def _write(self, layer, key, value, names, seq_lengths, k_scale, v_scale, stream) -> None:
+        if seq_lengths is None and k_scale is None and v_scale is None \
+                and self._plain_write(layer, key, value, stream):
+            return   # the common decode write, checked and launched in one pass
         store = self._store
         stream_handle(stream)   # validates ``stream`` (on cpu too) before anything
         with store.lock:   # held across the launch: a concurrent step cannot end the batch
@@ -239,6 +245,38 @@ class ContinuousBatchingKVCacheCollection:
             if counts.any():
                 store.write(layer, key, value, batch=self.batch_size, counts=counts,
                             ragged=ragged, src_dtype=src, scales=scales, stream=stream)
+
+    def _plain_write(self, layer, key, value, stream) -> bool:
+        """A uniform write of rows of the cache's storage dtype, this device's, shaped and
+        contiguous as required, with room in every row (the rows' room is computed once per
+        batch): checked inline and launched. False (nothing done) for anything else, which
+        :meth:`_write` then judges in full."""
+        store = self._store
+        group = store.group
+        array, want_dtype = group.xp.ndarray, group.dtype
+        if type(layer) is not int or type(key) is not array or key.ndim != 4:
+            return False
+        tokens = key.shape[1]
+        want = (len(self.seq_ids), tokens, group.num_kv_heads[0], group.head_dim)
+        rows = (key,) if group.components == 1 and value is None else (key, value)
+        if group.components == 1 and value is not None or tokens == 0:
+            return False
+        rt = _cuda.runtime() if store.device.is_cuda else None
+        for a in rows:
+            if type(a) is not array or a.shape != want or a.dtype != want_dtype \
+                    or not a.flags.c_contiguous \
+                    or rt is not None and rt.array_device(a) != store.device.index:
+                return False
+        if tokens > self._room:
+            return False
+        if stream is not None:
+            stream_handle(stream)
+        with store.lock:   # held across the launch: a concurrent step cannot end the batch
+            if not self.is_active or not 0 <= layer < store.num_layers:
+                return False
+            store.write(layer, key, value, batch=want[0], counts=None, ragged=False,
+                        stream=stream)
+        return True
 
     def _check_rows(self, name, a, heads, size, ragged=False) -> None:
         if ragged:

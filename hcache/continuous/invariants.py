@@ -10,7 +10,7 @@ there is a batch.
 
 from __future__ import annotations
 
-from ..device import to_host
+from ..runtime.device import to_host
 
 __all__ = ["broken_manager_invariants"]
 

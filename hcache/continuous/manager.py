@@ -4,20 +4,18 @@ After MAX's Mojo ``ContinuousBatchingKVCacheManager``. ``blocks_buf`` is
 ``[num_blocks, 2, num_layers, max_seq_len, num_heads, head_size]`` with ``num_blocks =
 max_batch_size``: block ``b`` holds one sequence's K (``[:, 0]``) and V (``[:, 1]``) of every
 layer; with ``kv_params.is_mla`` it is ``[num_blocks, 1, ...]``, latent vectors as K and no V.
-A request: ``claim`` -> (``fetch`` -> ``write`` per layer -> ``step``) for the prompt and
-each generated token -> ``release``.
+A request: ``claim`` -> (``fetch`` -> ``write`` per layer -> ``step``) per chunk -> ``release``.
 
 Design decisions (where the reference is silent or not thread-safe):
 
-* **seq_ids are not block indices.** ``claim`` hands out ids from a counter that never repeats
-  and binds each to the lowest free block. A released id stays unknown forever, so a stale id
-  held by some thread can never alias a newer sequence that reuses its block.
+* **seq_ids are not block indices.** ``claim`` hands out ids from a never-repeating counter,
+  each bound to the lowest free block: a stale id never aliases a newer sequence in its block.
 * **One batch in flight**, shared by all threads, as in the reference: ``fetch`` fills
   preallocated device buffers (``lookup_table``, ``cache_lengths``) that ``step`` frees for the
   next batch. A second ``fetch`` raises :class:`BatchInFlightError` (a ``ValueError``), or with
   ``wait=True`` blocks until the batch is stepped (refused at once for the thread that holds it).
-* **An in-flight sequence cannot be released** (``ValueError``): its block is read by the
-  batch's kernels until ``step``. Step with zero lengths to end a batch without committing.
+* **An in-flight sequence cannot be released** (``ValueError``): the batch's kernels read its
+  block until ``step`` (step with zero lengths to end a batch without committing).
 * **Thread safety**: one re-entrant lock (with a condition for ``wait``) guards all bookkeeping;
   every method validates, then mutates, under it. ``write`` holds it across the launch so that a
   concurrent ``step`` cannot end the batch half-way. ``fetch`` and ``write`` should use one
@@ -38,10 +36,10 @@ import numpy as np
 
 from .._checks import as_int, exact_int, token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import Device, launch_scope, resolve_device, stream_handle
 from ..dtypes import dtype_name
 from ..memory import check_fits
 from ..rings import ring_start
+from ..runtime.device import Device, launch_scope, resolve_device, stream_handle
 from .collection import ContinuousBatchingKVCacheCollection
 from .invariants import broken_manager_invariants
 from .params import KVCacheStaticParams, manager_arguments
@@ -114,8 +112,7 @@ class ContinuousBatchingKVCacheManager:
     num_blocks = property(lambda self: self._num_blocks, doc="Blocks (= max_batch_size).")
     max_batch_size = property(lambda self: self._num_blocks, doc="Most live sequences.")
     max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per sequence.")
-    max_sequence_length = property(lambda self: self._max_seq_len, doc=(
-        "Alias of ``max_seq_len`` (MAX's name, kept here), the name the other managers use."))
+    max_sequence_length = max_seq_len    # the other managers' name (max_seq_len is MAX's)
     ring_window = property(lambda self: self._ring_window,
                            doc="Tokens a block holds per layer when it is a ring, else 0.")
     num_layers = property(lambda self: self._num_layers, doc="Decoder layers per block.")

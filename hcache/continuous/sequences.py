@@ -186,4 +186,7 @@ def token_count_array(values, batch: int, cap: int) -> np.ndarray:
         if batch and int(values.min()) < 0:
             token_counts(values, batch)   # raises, naming the caller's values
         return np.minimum(values, cap + 1, dtype=np.int64)
-    return np.array([min(v, cap + 1) for v in token_counts(values, batch)], dtype=np.int64)
+    counts = token_counts(values, batch)
+    if counts and max(counts) > cap:
+        counts = [min(v, cap + 1) for v in counts]
+    return np.array(counts, dtype=np.int64)

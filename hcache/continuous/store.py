@@ -15,10 +15,10 @@ import numpy as np
 
 from .. import ops
 from .._checks import exact_int
-from ..device import launch_scope, settle, upload_ints, zeros
 from ..dtypes import storage_dtype
 from ..ops.tables import KVGroup
-from ..stream_order import StreamOrder
+from ..runtime.device import launch_scope, settle, upload_ints, zeros
+from ..runtime.stream_order import StreamOrder
 
 __all__ = ["KVBlockStore"]
 
@@ -81,6 +81,7 @@ class KVBlockStore:
             settle(device)
         self.lock = threading.Condition(threading.RLock())
         self.order = StreamOrder()   # the manager's device work: one chain across streams
+        self._batch_views: dict = {}   # batch -> its views of the lengths, table, offsets
 
     @property
     def num_layers(self) -> int:
@@ -151,8 +152,13 @@ class KVBlockStore:
             with ``scales``, checked by the caller); None copies rows of the cache dtype.
         """
         heads, size = self.group.num_kv_heads[0], self.group.head_dim
-        rows = dict(layers=layer, batch=batch, cache_lengths=self.cache_lengths[:batch],
-                    row_to_slot=self.lookup_table[:batch], stream=stream)
+        views = self._batch_views.get(batch)   # the same views every layer: step plans
+        if views is None:                      # of ops.kv_write key on them
+            views = self._batch_views[batch] = (self.cache_lengths[:batch],
+                                                self.lookup_table[:batch],
+                                                self.seq_offsets[:batch + 1])
+        rows = dict(layers=layer, batch=batch, cache_lengths=views[0], row_to_slot=views[1],
+                    stream=stream)
         if src_dtype is not None:
             op = ops.kv_write_fp8
             rows.update(k_scale=scales[0], v_scale=scales[1], fp8_dtype=self.dtype,
@@ -162,7 +168,7 @@ class KVBlockStore:
         with launch_scope(self.device, stream, self.order):
             if ragged:
                 upload_ints(self.seq_offsets, np.concatenate([[0], np.cumsum(counts)]))
-                op(self.group, key, value, seq_offsets=self.seq_offsets[:batch + 1], **rows)
+                op(self.group, key, value, seq_offsets=views[2], **rows)
             else:
                 op(self.group, key.reshape(-1, heads, size),
                    None if value is None else value.reshape(-1, heads, size),

@@ -31,7 +31,7 @@ import numpy as np
 from ..config.caches import HybridCacheConfig
 from ..contexts import DynamicInferenceContext
 from ..continuous.manager import ContinuousBatchingKVCacheManager, KVCacheStaticParams
-from ..device import resolve_device
+from ..runtime.device import resolve_device
 from ..slots.hybrid import HybridCacheManager
 from .adapters import BlockCache, PagedCache, SlotCache, host
 from .model import TinyHybridModel, reference_logits

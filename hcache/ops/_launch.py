@@ -7,12 +7,13 @@ then the launch-only keywords ``stream=None, backend=None`` at the end.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import numpy as np
 
-from .. import _cuda
 from .._checks import int32_array
-from ..device import Device, array_device, data_pointer, launch_scope, stream_handle, upload
+from ..runtime import _cuda
+from ..runtime.device import Device, array_device, data_pointer, launch_scope, stream_handle, upload
 from . import _loader
 from .tables import PLAN_HEADER, compaction_plan_size, plan_max_batch
 
@@ -25,19 +26,81 @@ class CupyLauncher:
     """Launches through the device runtime on ``device`` (the CUDA ordinal of the op's arrays;
     ``None``: the current device) and ``stream`` (a stream of that device)."""
 
+    __slots__ = ("stream", "device")
+
     def __init__(self, stream=None, device: int | None = None):
         self.stream = stream
         self.device = device
 
-    def _device(self):
-        index = self.device
-        return Device("cuda", _cuda.runtime().current_device() if index is None else index)
-
     def launch(self, family, name, grid, block, args):
-        device = self._device()
-        kernel = _loader.get_function(family, name, device.index)
-        with launch_scope(device, self.stream):
-            _cuda.runtime().launch(kernel, grid, block, args)
+        rt = _cuda.runtime()
+        index = rt.current_device() if self.device is None else self.device
+        kernel = _kernels.get((family, name, index, rt.cache_key))
+        if kernel is None:
+            kernel = _kernels[family, name, index, rt.cache_key] = \
+                _loader.get_function(family, name, index)
+        with launch_scope(cuda_device(index), self.stream):
+            rt.launch(kernel, grid, block, args)
+
+
+_kernels: dict = {}   # (family, name, device, kind of runtime) -> kernel, as _loader caches it
+_cuda_devices: dict = {}
+
+
+def cuda_device(index: int) -> Device:
+    """The :class:`Device` of CUDA ordinal ``index`` (made once)."""
+    device = _cuda_devices.get(index)
+    if device is None:
+        device = _cuda_devices[index] = Device("cuda", index)
+    return device
+
+
+class LaunchMemo:
+    """The last checked launch of one op for each first argument (docs/design.md §8 "Plan
+    once, launch cheaply"): an op whose arguments are the very same objects with the same
+    shapes (plain ints equal), on the same stream, as a launch it checked before launches
+    again at once with the arguments it converted then.
+
+    Entries hold the objects of their key (an identity is never reused while its entry
+    lives) and their first argument weakly (a dead one's entry is never used again).
+    """
+
+    __slots__ = ("_entries",)
+
+    def __init__(self):
+        self._entries: dict = {}
+
+    @staticmethod
+    def key(args) -> list:
+        """Plain ints by value; anything else by identity and shape."""
+        return [("v", x) if type(x) is int else ("id", id(x), getattr(x, "shape", None))
+                for x in args]
+
+    def launch(self, args, stream) -> bool:
+        """Launch as last time when ``args`` (the op's arguments, first the one the entry is
+        kept for, ``stream`` among them) are last time's; False (nothing done) otherwise."""
+        entry = self._entries.get(id(args[0]))
+        if entry is None or entry[0]() is not args[0] or entry[1] != self.key(args):
+            return False
+        with launch_scope(entry[2], stream):
+            _cuda.runtime().launch(*entry[3])
+        return True
+
+    def run(self, run, args, family, name, grid, block, kernel_args) -> None:
+        """``run.launch(family, name, grid, block, kernel_args)``, remembered for ``args``
+        when it went to the device."""
+        run.launch(family, name, grid, block, kernel_args)
+        if not isinstance(run, CupyLauncher) or run.device is None:
+            return
+        try:
+            ref = weakref.ref(args[0])
+        except TypeError:   # no weak references to this type: nothing remembered
+            return
+        if len(self._entries) > 64:
+            self._entries.clear()
+        kernel = _loader.get_function(family, name, run.device)
+        self._entries[id(args[0])] = (ref, self.key(args), cuda_device(run.device),
+                                      (kernel, grid, block, kernel_args), args)
 
 
 def launcher(xp, backend, stream, like=None):

@@ -12,7 +12,7 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
-from .. import _cuda
+from ..runtime import _cuda
 
 __all__ = ["FAMILIES", "kernel_dir", "kernel_source", "nvrtc_options", "get_function"]
 

@@ -5,10 +5,11 @@ moves. Ops: :func:`compaction_plan` (``hc_compaction_plan``), :func:`kv_compact`
 from __future__ import annotations
 
 from .._checks import check_int, int32_array
-from ..device import array_module_of, data_pointer
+from ..runtime.device import array_module_of, data_pointer
 from . import reference as ref
 from ._launch import (
     BLOCK,
+    LaunchMemo,
     ceil_div,
     check_plan,
     grid_x,
@@ -38,6 +39,9 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
         Current lengths, for the longest moved span (``plan[2]``): :func:`kv_compact` moves
         no token at or past it, so without ``lengths`` it moves no KV data at all.
     """
+    key = (plan, mapping, old_batch, new_batch, lengths, stream)
+    if backend is None and _PLANS.launch(key, stream):
+        return   # the arguments of a checked launch again
     old_batch = check_int("old_batch", old_batch)
     new_batch = check_int("new_batch", new_batch)
     xp = array_module_of(plan)
@@ -47,7 +51,7 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
     run = launcher(xp, backend, stream, plan)
     if run is None:
         return ref.compaction_plan(mapping, old_batch, new_batch, plan, lengths=lengths)
-    run.launch("compact", "hc_compaction_plan", (1, 1, 1), (1, 1, 1),
+    _PLANS.run(run, key, "compact", "hc_compaction_plan", (1, 1, 1), (1, 1, 1),
                (ptr(mapping), i32(old_batch), i32(new_batch), i32(max_batch),
                 ptr(lengths), ptr(plan)))
 
@@ -58,6 +62,9 @@ def kv_compact(group, plan, lengths, *, stream=None, backend=None):
     In place; ``lengths`` are the pre-compaction lengths
     ``int32 [num_slots]`` (the ones the plan was built with: no token at or past the plan's
     longest span ``plan[2]`` moves). The plan must be for at most ``group.num_slots`` slots."""
+    key = (group, plan, lengths, stream)
+    if backend is None and _KV_MOVES.launch(key, stream):
+        return   # the arguments of a checked launch again
     xp = group.xp
     if group.layout != "HND":
         raise ValueError("group: expected an HND group for compaction, got NHD")
@@ -68,16 +75,19 @@ def kv_compact(group, plan, lengths, *, stream=None, backend=None):
         return ref.kv_compact(group, plan, lengths)
     span = max(group.max_seq_lens) * group.row_bytes
     grid = (group.components * group.max_kv_heads, group.num_layers, grid_z(span))
-    run.launch("compact", "hc_kv_compact", grid, (BLOCK, 1, 1),
-               (ptr(group.device_layer_infos), ptr(plan), i32(max_batch),
-                ptr(lengths), i32(group.components), i32(group.row_bytes),
-                i32(group.num_slots)))
+    _KV_MOVES.run(run, key, "compact", "hc_kv_compact", grid, (BLOCK, 1, 1),
+                  (ptr(group.device_layer_infos), ptr(plan), i32(max_batch),
+                   ptr(lengths), i32(group.components), i32(group.row_bytes),
+                   i32(group.num_slots)))
 
 
 def slots_compact(slots, plan, *, stream=None, backend=None):
     """Move whole slots of every tensor of ``slots`` by the plan (one launch); slots below
     ``new_batch`` that receive nothing are zeroed. In place (each pair is ``(t, t)``); the plan
     must be for at most as many slots as every tensor has."""
+    key = (slots, plan, stream)
+    if backend is None and _SLOT_MOVES.launch(key, stream):
+        return   # the arguments of a checked launch again
     xp = slots.xp
     for i, (s, d) in enumerate(slots.pairs):
         if s is not d and data_pointer(s) != data_pointer(d):
@@ -87,5 +97,9 @@ def slots_compact(slots, plan, *, stream=None, backend=None):
     if run is None:
         return ref.slots_compact(slots, plan)
     grid = (grid_x(ceil_div(slots.max_slot_bytes, 16)), slots.num_tensors, 1)
-    run.launch("compact", "hc_slots_compact", grid, (BLOCK, 1, 1),
-               (ptr(slots.device_infos), ptr(plan), i32(max_batch)))
+    _SLOT_MOVES.run(run, key, "compact", "hc_slots_compact", grid, (BLOCK, 1, 1),
+                    (ptr(slots.device_infos), ptr(plan), i32(max_batch)))
+
+
+# The last checked launch of each op (the step plans of docs/design.md §8).
+_PLANS, _KV_MOVES, _SLOT_MOVES = LaunchMemo(), LaunchMemo(), LaunchMemo()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import check_int, int32_array
-from ..device import array_module_of, data_pointer
+from ..runtime.device import array_module_of, data_pointer
 from . import reference as ref
 from ._launch import (
     BLOCK,

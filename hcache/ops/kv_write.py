@@ -8,13 +8,16 @@ import ml_dtypes
 import numpy as np
 
 from .._checks import check_int, int32_array, scalar_scale
-from ..device import array_module_of, data_pointer
 from ..dtypes import resolve_dtype
+from ..runtime.device import array_module_of, data_pointer
+from . import _loader
 from . import reference as ref
 from ._launch import (
     BLOCK,
+    CupyLauncher,
     ceil_div,
     check_status,
+    cuda_device,
     f32,
     grid_x,
     i32,
@@ -23,6 +26,7 @@ from ._launch import (
     ptr,
     upload_table,
 )
+from .write_plan import KVWritePlan
 
 __all__ = ["kv_write", "kv_write_fp8"]
 
@@ -166,6 +170,12 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
         A shape, dtype or array module does not match the group; ``v`` given for a latent
         group, or missing for a K/V group.
     """
+    step = (seq_offsets, uniform_tokens, batch, cache_lengths, positions, row_to_slot,
+            block_table, status, stream)
+    plan = group.write_plan
+    if plan is not None and backend is None and plan.same_step(step) \
+            and plan.launch(k, v, layers):
+        return   # the step's arguments as planned, the rows checked
     launched, ks, vs, num_tokens, uniform_tokens, batch = _check_write(
         group, k, v, layers, seq_offsets, uniform_tokens, batch, cache_lengths, positions,
         row_to_slot, block_table, status, (group.dtype,))
@@ -177,9 +187,22 @@ def kv_write(group, k, v, *, layers=None, seq_offsets=None, uniform_tokens=0, ba
                             row_to_slot=row_to_slot, block_table=block_table, status=status)
     if num_tokens == 0:
         return
-    _launch_rows(run, "hc_kv_write", group, layers, ks, vs, launched, group.row_bytes,
-                 (seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths, positions,
-                  row_to_slot, block_table), (), status)
+    launch = _launch_rows(run, "hc_kv_write", group, layers, ks, vs, launched, group.row_bytes,
+                          (seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths,
+                           positions, row_to_slot, block_table), (), status)
+    if isinstance(run, CupyLauncher):
+        _plan(group, run, step, num_tokens, None if layers is None else int(layers), *launch)
+
+
+def _plan(group, run, step, num_tokens, layers, grid, head, body):
+    """Keep the step's validated arguments on ``group`` for the next layers' writes."""
+    plan = group.write_plan
+    if plan is None or not plan.same_step(step) or plan.num_tokens != num_tokens \
+            or plan.body != body:
+        kernel = _loader.get_function("kv_write", "hc_kv_write", run.device)
+        plan = group.write_plan = KVWritePlan(group, kernel, cuda_device(run.device), step,
+                                              num_tokens, head, body)
+    plan.grids[layers] = grid
 
 
 def _launch_rows(run, kernel, group, layers, ks, vs, launched, row_bytes, rows, extra, status):
@@ -202,13 +225,15 @@ def _launch_rows(run, kernel, group, layers, ks, vs, launched, row_bytes, rows, 
     grid = (grid_x(num_tokens * group.components * heads * ceil_div(row_bytes, 16)),
             len(launched), 1)
     slot_s, kv_s, head_s, tok_s = group.byte_strides
+    head = (ptr(group.device_layer_infos),)
+    body = (ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
+            ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(table),
+            i32(max_blocks), i32(group.num_slots), i32(group.components), i32(row_bytes),
+            *extra,
+            i64(slot_s), i64(kv_s), i64(head_s), i64(tok_s), ptr(status))
     run.launch("kv_write", kernel, grid, (BLOCK, 1, 1),
-               (ptr(group.device_layer_infos), i32(offset), ptr(srcs), k_ptr, v_ptr,
-                ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
-                ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(table),
-                i32(max_blocks), i32(group.num_slots), i32(group.components), i32(row_bytes),
-                *extra,
-                i64(slot_s), i64(kv_s), i64(head_s), i64(tok_s), ptr(status)))
+               (*head, i32(offset), ptr(srcs), k_ptr, v_ptr, *body))
+    return grid, head, body   # what a plan of the step keeps (KVWritePlan)
 
 
 def _fp8_dtypes(group, fp8_dtype, src_dtype, k):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import INT32_MAX, check_int, int32_array
-from ..device import array_module_of
+from ..runtime.device import array_module_of
 from . import reference as ref
-from ._launch import check_status, i32, launcher, ptr
+from ._launch import LaunchMemo, check_status, i32, launcher, ptr
 
 __all__ = ["lengths_add"]
 
@@ -31,6 +31,9 @@ def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None, bac
     TypeError, ValueError
         A scalar of the wrong type or out of range, or a bad array (nothing changes).
     """
+    if backend is None and _MEMO.launch((lengths, n, increment, max_len, status, stream),
+                                        stream):
+        return   # the arguments of a checked launch again
     xp = array_module_of(lengths)
     int32_array("lengths", lengths, xp)
     n = check_int("n", n, 0, int(lengths.shape[0]))
@@ -47,5 +50,9 @@ def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None, bac
     if run is None:
         return ref.lengths_add(lengths, n, increment if inc is None else inc[:n], max_len,
                                status=status)
-    run.launch("lengths", "hc_lengths_add", (1, 1, 1), (1, 1, 1),
-               (ptr(lengths), i32(n), ptr(inc), i32(scalar), i32(max_len), ptr(status)))
+    _MEMO.run(run, (lengths, n, increment, max_len, status, stream), "lengths",
+              "hc_lengths_add", (1, 1, 1), (1, 1, 1),
+              (ptr(lengths), i32(n), ptr(inc), i32(scalar), i32(max_len), ptr(status)))
+
+
+_MEMO = LaunchMemo()

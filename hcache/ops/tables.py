@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import (
+from ..runtime.device import (
     Device,
     array_device,
     array_module_of,
@@ -203,6 +203,7 @@ class KVGroup:
                                            dtype=np.uint64)
         self.scratch_host = None  # (stream key, table) that scratch_infos holds now
         self.scratch_captured = False  # a captured graph rewrites scratch_infos when replayed
+        self.write_plan = None  # the last validated step of ops.kv_write (ops/write_plan.py)
 
     @property
     def num_layers(self) -> int:

@@ -2,12 +2,10 @@
 
 One device ``int32 [max_batch]`` lengths array (the past length of every slot, bound by a
 runtime as ``kvcache_start_index``), the active batch size, the ``kv_cache_all_empty`` flag, and
-batch compaction after evictions. :class:`BatchAPI` is the base class of
-:class:`~hcache.slots.hybrid.HybridCacheManager` and :class:`~hcache.slots.linear.LinearKVCache`:
-a manager calls ``BatchAPI.__init__`` once, inside its construction's launch scope, with its
-head-dim groups and its whole-slot state tensors (Mamba recurrent and conv states), and inherits
-the public methods. The device moves of a compaction belong to a
-:class:`~hcache.slots.batch_compaction.BatchCompaction` that the batch state owns.
+batch compaction after evictions. :class:`BatchAPI` is the base class of the hybrid and linear
+managers: each calls ``BatchAPI.__init__`` once, in its construction's launch scope, with its
+head-dim groups and whole-slot state tensors, and inherits the public methods. A compaction's
+device moves belong to a :class:`~hcache.slots.batch_compaction.BatchCompaction` it owns.
 
 Host mirror. The host keeps a copy of the lengths of the slots whose lengths it knows: every
 length written by a reset, a host-data commit or a host-mapping compaction is known; a commit
@@ -25,9 +23,9 @@ import numpy as np
 from .. import ops
 from .._checks import check_int, host_ints
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..arrays import as_array, on_device
-from ..device import launch_scope, settle, to_host, upload_ints, zeros
-from ..stream_order import StreamOrder
+from ..runtime.arrays import as_array, on_device
+from ..runtime.device import launch_scope, settle, to_host, upload_ints, zeros
+from ..runtime.stream_order import StreamOrder
 from .batch_admission import BatchAdmission
 from .batch_compaction import BatchCompaction
 
@@ -60,6 +58,7 @@ class BatchAPI(BatchAdmission):
         xp = device.xp
         self._device = device
         self._order = StreamOrder()   # the manager's calls: one chain across streams
+        self._write_indices = {}      # decoder layer -> the KV writer's index, once checked
         self._max_batch = int(max_batch_size)
         self._max_len = int(max_sequence_length)
         # the device truth; 64-byte aligned like the caches, so importers (JAX) need no copy
@@ -72,7 +71,7 @@ class BatchAPI(BatchAdmission):
         # host mirror: _host_lengths[i] == _lengths[i] wherever _known[i]
         self._host_lengths = np.zeros(self._max_batch, dtype=np.int64)
         self._known = np.ones(self._max_batch, dtype=bool)
-        self._active = 0
+        self._set_active(0)
         self._all_empty = True
         # Headroom of the active batch: max_len - max(active host lengths) when all of them are
         # known, else None; recomputed only after a change other than a uniform commit.
@@ -118,7 +117,10 @@ class BatchAPI(BatchAdmission):
         array, int32 [active_batch_size]
             A zero-copy view of the manager's lengths array (capacity ``max_batch``).
         """
-        return self._lengths[:self._active]
+        return self._lengths_view   # one view per active batch: step plans key on it
+
+    def _set_active(self, n: int) -> None:
+        self._active, self._lengths_view = n, self._lengths[:n]   # one view per active batch
 
     def refused_commit_count(self, stream=None) -> int:
         """How many commits the device refused (they would have passed
@@ -145,7 +147,7 @@ class BatchAPI(BatchAdmission):
         TypeError, ValueError
             ``n`` is not an int in ``[0, max_batch]``.
         """
-        self._active = check_int("n", n, 0, self._max_batch)
+        self._set_active(check_int("n", n, 0, self._max_batch))
         self._headroom_stale = True
 
     def reset_for_new_sequences(self, reuse_kv_cache_lengths, stream=None) -> None:
@@ -177,7 +179,7 @@ class BatchAPI(BatchAdmission):
             upload_ints(self._lengths, reuse)
         self._host_lengths[:n] = reuse
         self._known[:n] = True
-        self._active = n
+        self._set_active(n)
         self._all_empty = not bool((reuse > 0).any())
         self._headroom_stale = True
 
@@ -331,10 +333,14 @@ class BatchAPI(BatchAdmission):
             ``seq_lengths``, position, scale, stream, or a row whose committed length (known
             on the host) leaves too little room. Nothing is written or recorded.
         """
-        index = None if layer is None else self._kv_write_index(layer)
+        index = self._write_indices.get(layer) if type(layer) is int else None
+        if index is None and layer is not None:
+            index = self._kv_write_index(layer)
         self._kv_writer.write(index, k, v, batch_state=self, seq_lengths=seq_lengths,
                               positions=positions, k_scale=k_scale, v_scale=v_scale,
                               stream=stream)
+        if type(layer) is int:   # kept after a write that went well: a refusal changes nothing
+            self._write_indices[layer] = index
 
     # --- compaction -------------------------------------------------------------------------
 
@@ -381,7 +387,7 @@ class BatchAPI(BatchAdmission):
             self._known[:new] = True
             self._host_lengths[mapping[kept]] = lengths[kept]
             self._known[mapping[kept]] = known[kept]
-        self._active = new
+        self._set_active(new)
         self._headroom_stale = True
 
     def last_compaction_valid(self, stream=None) -> bool:

@@ -9,8 +9,8 @@ import numpy as np
 
 from .. import ops
 from .._checks import host_ints, index_array
-from ..device import launch_scope, upload_ints
 from ..ops.tables import SlotSet
+from ..runtime.device import launch_scope, upload_ints
 
 __all__ = ["BatchAdmission"]
 
@@ -69,7 +69,7 @@ class BatchAdmission:
                               stream=stream)
         self._host_lengths[index] = new_lengths
         self._known[index] = True
-        self._active = active
+        self._set_active(active)
         known = bool(self._known[:active].all())
         self._all_empty = known and not bool((self._host_lengths[:active] > 0).any())
         self._headroom_stale = True

@@ -14,9 +14,9 @@ import numpy as np
 
 from .. import ops
 from .._checks import host_ints
-from ..arrays import as_array, on_device
-from ..device import to_host, upload_ints
 from ..ops.tables import SlotSet
+from ..runtime.arrays import as_array, on_device
+from ..runtime.device import to_host, upload_ints
 
 __all__ = ["BatchCompaction"]
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from .._checks import check_index
 from ..config.caches import HybridCacheConfig, LayerType
-from ..device import launch_scope, resolve_device
 from ..memory import check_fits
+from ..runtime.device import launch_scope, resolve_device
 from .batch import BatchAPI
 from .kv import KVCacheManager
 from .mamba import MambaCacheManager

@@ -18,14 +18,14 @@ import numpy as np
 from .. import ops
 from .._checks import check_index, check_int
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..arrays import as_array
 from ..config.caches import KVCacheConfig, KVLayerConfig
-from ..device import launch_scope, resolve_device, settle, zeros
 from ..dtypes import is_fp8, storage_dtype
 from ..memory import check_fits
 from ..ops.kv_capture import prefix_length
 from ..ops.tables import KVGroup, group_layers_by_head_dim
 from ..rings import ring_start
+from ..runtime.arrays import as_array
+from ..runtime.device import launch_scope, resolve_device, settle, zeros
 from .kv_writes import KVWriter
 
 __all__ = ["KVCacheManager"]

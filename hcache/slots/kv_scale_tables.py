@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ..arrays import as_array
+from ..runtime.arrays import as_array
 
 __all__ = ["KVScaleTables"]
 

@@ -21,15 +21,16 @@ import numpy as np
 
 from .. import ops
 from .._checks import token_counts
-from ..arrays import as_array
-from ..device import (
+from ..dtypes import is_fp8, resolve_dtype, storage_dtype
+from ..runtime import _cuda
+from ..runtime.arrays import as_array
+from ..runtime.device import (
     launch_scope,
     stream_handle,
     upload,
     upload_ints,
 )
-from ..dtypes import is_fp8, resolve_dtype, storage_dtype
-from ..stream_order import StreamOrder
+from ..runtime.stream_order import StreamOrder
 from .kv_scale_tables import KVScaleTables
 from .write_positions import check_positions
 
@@ -83,6 +84,9 @@ class KVWriter:
         self._scales = KVScaleTables(device, caches) if self._fp8 else None
         # float rows a quantizing write takes, by array dtype (bfloat16 may be held as uint16)
         self._float_dtypes = {np.dtype(storage_dtype(d, xp)): d for d in _FLOATS}
+        self._array_type = xp.ndarray
+        self._all_members = tuple((g, tuple(group.layer_indices))
+                                  for g, group in enumerate(groups))
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -147,6 +151,10 @@ class KVWriter:
         :meth:`hcache.slots.batch.BatchAPI.write_kv` for the parameters. Raises before any
         change.
         """
+        if batch_state is not None and seq_lengths is None and positions is None \
+                and k_scale is None and v_scale is None \
+                and self._decode_write(index, k, v, batch_state, stream):
+            return   # the common decode write, checked and launched in one pass
         stream_handle(stream)
         layers = list(range(self.num_layers)) if index is None else [index]
         ks = self._per_layer("k", k, index, stream)
@@ -218,6 +226,62 @@ class KVWriter:
             self._launch(index, ks, vs, total, quantize, kwargs)
 
     # --- internals --------------------------------------------------------------------------
+
+    def _decode_write(self, index, k, v, state, stream) -> bool:
+        """A plain uniform write at the committed lengths (the decode step), when every array
+        is this device's, of the cache dtype, shaped and contiguous as required, and every
+        active slot has room (O(1) while the host knows the lengths): checked inline, launched
+        with the lengths view the step plans of :func:`hcache.ops.kv_write` key on. False
+        (nothing done) for anything else: :meth:`write` then judges it in full."""
+        if index is None:
+            ks, vs, layers = k, v, range(len(self._caches))
+            if type(ks) is not list and type(ks) is not tuple or len(ks) != len(layers):
+                return False
+            if v is None or type(vs) is not list and type(vs) is not tuple \
+                    or len(vs) != len(layers):
+                return False
+        elif type(index) is int and 0 <= index < len(self._caches):
+            ks, vs, layers = (k,), (v,), (index,)
+        else:
+            return False
+        device, array, dtype = self._device, self._array_type, self._storage
+        if not layers or type(ks[0]) is not array or ks[0].ndim != 4:
+            return False
+        batch, tokens = ks[0].shape[:2]
+        if batch != state._active or tokens == 0:
+            return False
+        rt = _cuda.runtime() if device.is_cuda else None
+        for a, b, i in zip(ks, vs, layers):
+            cache = self._caches[i]
+            want = (batch, tokens, cache.shape[2], cache.shape[4])
+            if cache.shape[1] == 1 and b is not None:
+                return False   # a latent layer has no V: the full path says so
+            for x in (a,) if cache.shape[1] == 1 else (a, b):
+                if type(x) is not array or x.shape != want or x.dtype != dtype \
+                        or not x.flags.c_contiguous \
+                        or rt is not None and rt.array_device(x) != device.index:
+                    return False
+        headroom = state._headroom_now()
+        if headroom is None or tokens > headroom:
+            return False
+        total = batch * tokens
+        lengths = state.get_kv_cache_lengths()
+        self.order = state._order   # one chain with the manager's other calls
+        with launch_scope(device, stream, self.order):
+            written = self._all_members if index is None else ((self._where[index][0], (0,)),)
+            for g, members in written:
+                group = self._groups[g]
+                rows = [None if vs[j] is None else vs[j].reshape(total, *vs[j].shape[2:])
+                        for j in members]
+                group_ks = [ks[j].reshape(total, *ks[j].shape[2:]) for j in members]
+                if index is None:
+                    ops.kv_write(group, group_ks, rows, uniform_tokens=tokens, batch=batch,
+                                 cache_lengths=lengths, status=self._status, stream=stream)
+                else:
+                    ops.kv_write(group, group_ks[0], rows[0], layers=self._where[index][1],
+                                 uniform_tokens=tokens, batch=batch, cache_lengths=lengths,
+                                 status=self._status, stream=stream)
+        return True
 
     def _latent(self, index) -> bool:
         """Attention layer ``index`` caches one latent vector per token (no V plane)."""

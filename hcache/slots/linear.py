@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from .._checks import check_index
 from ..config.caches import LinearCacheConfig, MambaCacheConfig
-from ..device import launch_scope, resolve_device, zeros
 from ..dtypes import storage_dtype
 from ..memory import check_fits
 from ..ops.tables import KVGroup
+from ..runtime.device import launch_scope, resolve_device, zeros
 from .batch import BatchAPI
 from .kv_writes import KVWriter
 from .mamba import MambaCacheManager

@@ -16,12 +16,12 @@ import numpy as np
 from .. import ops
 from .._checks import check_index
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..arrays import as_array
 from ..config.caches import MambaCacheConfig
-from ..device import launch_scope, resolve_device, settle, zeros
 from ..dtypes import storage_dtype
 from ..memory import check_fits
 from ..ops.tables import SlotSet
+from ..runtime.arrays import as_array
+from ..runtime.device import launch_scope, resolve_device, settle, zeros
 from .state_writes import STATE_KINDS, StateWriter
 
 __all__ = ["MambaCacheManager"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .._checks import index_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import launch_scope, stream_handle, upload_ints
+from ..runtime.device import launch_scope, stream_handle, upload_ints
 
 __all__ = ["PromptCacheStore", "CapturedPrompt"]
 

@@ -14,9 +14,9 @@ import numpy as np
 
 from .. import ops
 from .._checks import check_index, index_array
-from ..arrays import as_array, on_device
-from ..device import launch_scope, upload_ints
 from ..ops.tables import SlotSet
+from ..runtime.arrays import as_array, on_device
+from ..runtime.device import launch_scope, upload_ints
 
 __all__ = ["StateWriter", "STATE_KINDS"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import host_array, is_array
-from ..arrays import as_array, on_device
+from ..runtime.arrays import as_array, on_device
 
 __all__ = ["check_positions"]
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import threading
 
+from . import _cuda
+
 __all__ = ["StreamOrder"]
 
 
@@ -34,6 +36,15 @@ class StreamOrder:
         """A copy starts a chain of its own (the cache owners themselves refuse copies,
         :mod:`hcache._copying`)."""
         return (StreamOrder, ())
+
+    def __enter__(self):
+        """A launch scope on the current device and stream: :meth:`before`, then on exit
+        :meth:`after`, with the active runtime."""
+        self.before(_cuda.runtime())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.after(_cuda.runtime())
 
     def before(self, rt) -> None:
         """At the start of a launch scope (its device and stream current): order the current

@@ -14,15 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _cuda
-from .device import (
-    Device,
-    adopt,
-    check_device,
-    launch_scope,
-    resolve_device,
-    stream_handle,
-    wait_for_producer,
-)
+from .device import Device, launch_scope, resolve_device, stream_handle, wait_for_stream
 
 __all__ = ["as_array", "host_array", "on_device"]
 
@@ -112,37 +104,76 @@ def as_array(name: str, value, device: Device, stream=None):
     TypeError, ValueError
         ``device`` is not a device, or ``stream`` not a stream (:func:`stream_handle`).
     """
-    device = resolve_device(device)
-    stream_handle(stream)   # a bad stream is the stream's error, not the array's
+    if type(device) is not Device:
+        device = resolve_device(device)
+    if stream is not None:
+        stream_handle(stream)   # a bad stream is the stream's error, not the array's
     if not device.is_cuda:
         return host_array(name, value)
-    if _is_runtime_array(value):
-        check_device(name, value, device)
+    rt = _cuda.runtime()
+    if not isinstance(value, np.ndarray) and rt.is_array(value):
+        index = rt.array_device(value)
+        if index != device.index:
+            raise ValueError(f"{name}: expected an array on {device}, got one on cuda:{index}")
         return value
-    if not on_device(value):
-        raise TypeError(f"{name}: expected a {device.xp.__name__} array (or an array on "
-                        f"{device} with __cuda_array_interface__ or __dlpack__), got "
-                        f"{type(value).__name__}")
-    try:
-        view = adopt(value) if hasattr(value, "__cuda_array_interface__") else None
-    except _FOREIGN_ERRORS as exc:
-        raise TypeError(f"{name}: expected an array the device runtime can import, got "
-                        f"{type(value).__name__}: {exc}") from None
-    if view is not None:
-        check_device(name, view, device)   # before any work is queued for it
+    return _adopt(name, value, device, stream, rt)
+
+
+def _adopt(name: str, value, device: Device, stream, rt):
+    """A foreign device array as a runtime array, in one pass: recognized by its protocol,
+    checked for its device before any work is queued for it, then viewed on ``stream`` after
+    its producer (the interface's ``stream`` entry, or DLPack's own ordering)."""
+    kind = type(value).__name__
+    iface = getattr(value, "__cuda_array_interface__", None)
+    if iface is None:
+        where = _dlpack_device(value)
+        if where is None or where[0] in _DLPACK_HOST:
+            raise TypeError(f"{name}: expected a {device.xp.__name__} array (or an array on "
+                            f"{device} with __cuda_array_interface__ or __dlpack__), got {kind}")
+        if where[1] is not None and where[1] != device.index:
+            raise ValueError(f"{name}: expected an array on {device}, got one on "
+                             f"cuda:{where[1]}")
     else:
-        _check_dlpack_device(name, value, device)
-    with launch_scope(device, stream):
-        if view is not None:
-            wait_for_producer(value, device)
-            return view
         try:
-            view = _cuda.runtime().from_dlpack(value)
+            view = rt.adopt(value)
         except _FOREIGN_ERRORS as exc:
             raise TypeError(f"{name}: expected an array the device runtime can import, got "
-                            f"{type(value).__name__}: {exc}") from None
-    check_device(name, view, device)
+                            f"{kind}: {exc}") from None
+        index = rt.array_device(view)
+        if index != device.index:
+            raise ValueError(f"{name}: expected an array on {device}, got one on cuda:{index}")
+    with launch_scope(device, stream):
+        if iface is not None:
+            producer = iface.get("stream") if isinstance(iface, dict) else None
+            if producer:
+                wait_for_stream(rt, producer, device.index)
+            return view
+        try:
+            view = rt.from_dlpack(value)
+        except _FOREIGN_ERRORS as exc:
+            raise TypeError(f"{name}: expected an array the device runtime can import, got "
+                            f"{kind}: {exc}") from None
+    index = rt.array_device(view) if rt.is_array(view) else None
+    if index is not None and index != device.index:
+        raise ValueError(f"{name}: expected an array on {device}, got one on cuda:{index}")
     return view
+
+
+def _dlpack_device(value):
+    """``(kind, ordinal)`` of ``value.__dlpack_device__()`` (ordinal None when unreadable), or
+    None without one (or when it fails: not an array of a device)."""
+    where = getattr(value, "__dlpack_device__", None)
+    if where is None:
+        return None
+    try:
+        found = where()
+        kind = int(found[0])
+    except (*_FOREIGN_ERRORS, AttributeError, IndexError):
+        return None
+    try:
+        return kind, int(found[1])
+    except (*_FOREIGN_ERRORS, AttributeError, IndexError):
+        return kind, None   # the import itself reports what is wrong
 
 
 def _check_dlpack_device(name: str, value, device: Device) -> None:

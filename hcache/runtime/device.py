@@ -13,7 +13,7 @@ import os
 import threading
 import weakref
 from collections.abc import Mapping, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +42,7 @@ class Device:
 
     kind: str
     index: int = 0
+    is_cuda: bool = field(init=False, repr=False, compare=False)   # kind == "cuda"
 
     def __post_init__(self):
         if self.kind not in ("cpu", "cuda"):
@@ -52,11 +53,8 @@ class Device:
             raise ValueError(f"index: expected a CUDA ordinal >= 0 (0 on cpu), "
                              f"got {self.index}")
         object.__setattr__(self, "index", int(self.index))
-
-    @property
-    def is_cuda(self) -> bool:
-        """Whether this is a CUDA device (CuPy arrays)."""
-        return self.kind == "cuda"
+        # read on every call of every method: an attribute, not a property
+        object.__setattr__(self, "is_cuda", self.kind == "cuda")
 
     @property
     def xp(self):
@@ -156,18 +154,22 @@ def wait_for_producer(obj, device: Device) -> None:
         return
     iface = getattr(obj, "__cuda_array_interface__", None)
     stream = iface.get("stream") if isinstance(iface, dict) else None
-    if not stream:
-        return
-    rt = _runtime()
+    if stream:
+        wait_for_stream(_runtime(), stream, device.index)
+
+
+def wait_for_stream(rt, stream: int, index: int) -> None:
+    """:func:`wait_for_producer` of a ``__cuda_array_interface__`` ``stream`` entry (not 0 or
+    None) on device ``index``, which is current."""
     handle = 0 if stream in (1, 2) else int(stream)
     if rt.is_capturing() or handle == rt.current_stream():
         return
     with _producer_lock:
         per_device = _producer_events.setdefault(rt, {})
-        event = per_device.get(device.index)
+        event = per_device.get(index)
         if event is None:
-            event = per_device[device.index] = rt.event()
-        with rt.stream_scope(handle, handle, device.index):
+            event = per_device[index] = rt.event()
+        with rt.stream_scope(handle, handle, index):
             rt.record(event)
         rt.wait(event)
 
@@ -201,7 +203,8 @@ def stream_handle(stream) -> int:
         An ``int`` handle is negative or does not fit a 64-bit ``cudaStream_t``.
     """
     if stream is None:
-        return _runtime().current_stream() if cupy_available() else 0
+        rt = _cuda.runtime()
+        return rt.current_stream() if rt is not None and rt.usable() else 0
     if isinstance(stream, bool):
         raise TypeError("stream: expected None, a CuPy stream, an int handle or an object with "
                         "__cuda_stream__, got bool")
@@ -254,6 +257,11 @@ def launch_scope(device: Device, stream, order=None):
         if stream is not None:
             stream_handle(stream)
         return _NO_SCOPE
+    rt = _cuda.runtime()
+    if rt.current_device() == device.index and (
+            stream is None or stream_handle(stream) == rt.current_stream()):
+        # the device and the stream are current already: nothing to enter or restore
+        return _NO_SCOPE if order is None else order
     return _cuda_launch_scope(device, stream, order)
 
 
@@ -263,16 +271,13 @@ def _cuda_launch_scope(device: Device, stream, order):
         if order is None:
             yield
             return
-        rt = _runtime()
-        order.before(rt)
-        try:
+        with order:
             yield
-        finally:
-            order.after(rt)
 
 
 _rings: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # runtime -> {device: ring}
 _rings_lock = threading.Lock()
+_NO_RINGS: dict = {}
 
 
 def _staging(rt, index: int) -> StagingRing:
@@ -343,8 +348,10 @@ def upload(dst, host: np.ndarray) -> None:
     if isinstance(dst, np.ndarray):
         dst[:n] = host
         return
-    rt = _runtime()
-    _staging(rt, rt.array_device(dst)).upload(dst[:n], np.ascontiguousarray(host))
+    rt = _cuda.runtime()
+    index = rt.array_device(dst)
+    ring = _rings.get(rt, _NO_RINGS).get(index) or _staging(rt, index)
+    ring.upload(dst[:n], np.ascontiguousarray(host))
 
 
 def upload_ints(dst, host: np.ndarray) -> None:

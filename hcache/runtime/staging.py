@@ -78,7 +78,8 @@ class StagingRing:
                 slot = self._take_reserved(n)
                 self.captured.append(slot)
             else:
-                self._refill()
+                if len(self._reserve) < CAPTURE_RESERVE:
+                    self._refill()
                 slot = self._take_eager(n)
             slot.buf[:n] = data
             rt.copy_h2d(dst, slot.buf[:n].view(host.dtype).reshape(host.shape))

@@ -20,7 +20,7 @@ from functools import cache
 
 import numpy as np
 
-from .errors import KernelCompileError
+from ..errors import KernelCompileError
 
 __all__ = ["CupyRuntime", "runtime", "use_runtime"]
 
