@@ -7,26 +7,30 @@ live in :mod:`hcache.ops` (with their NumPy reference in :mod:`hcache.ops.refere
 from __future__ import annotations
 
 from .config import (
-                      HybridCacheConfig,
-                      KVCacheConfig,
-                      KVLayerConfig,
-                      LayerType,
-                      LinearCacheConfig,
-                      MambaCacheConfig,
+    HybridCacheConfig,
+    KVCacheConfig,
+    KVLayerConfig,
+    LayerType,
+    LinearCacheConfig,
+    MambaCacheConfig,
 )
 from .contexts import (
-                      DynamicInferenceContext,
-                      KVBlockAllocator,
-                      MambaSlotAllocator,
-                      MambaSlotCapacityError,
-                      PagedKVPool,
-                      compute_block_hashes,
+    DynamicInferenceContext,
+    KVBlockAllocator,
+    MambaSlotAllocator,
+    MambaSlotCapacityError,
+    PagedKVPool,
+    compute_block_hashes,
+)
+from .continuous.hybrid_manager import (
+    ContinuousBatchingHybridCacheManager,
+    ContinuousBatchingHybridCollection,
 )
 from .continuous.manager import (
-                      BatchInFlightError,
-                      ContinuousBatchingKVCacheCollection,
-                      ContinuousBatchingKVCacheManager,
-                      KVCacheStaticParams,
+    BatchInFlightError,
+    ContinuousBatchingKVCacheCollection,
+    ContinuousBatchingKVCacheManager,
+    KVCacheStaticParams,
 )
 from .device import Device, resolve_device
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
@@ -69,6 +73,7 @@ __all__ = ["__version__", "CacheCapacityError", "KernelCompileError", "KernelLau
            "KVCacheManager", "MambaCacheManager", "HybridCacheManager", "KVHeadDimGroupView",
            "LinearKVCache",
            "KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
-           "ContinuousBatchingKVCacheCollection",
+           "ContinuousBatchingKVCacheCollection", "ContinuousBatchingHybridCacheManager",
+           "ContinuousBatchingHybridCollection",
            "compute_block_hashes", "KVBlockAllocator", "PagedKVPool", "MambaSlotAllocator",
            "DynamicInferenceContext"]
