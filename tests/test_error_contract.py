@@ -63,6 +63,8 @@ SKIPPED = {
     ("KVHeadDimGroupView", "__init__"): "built by HybridCacheManager.get_kv_head_dim_groups",
     ("ContinuousBatchingKVCacheCollection", "__init__"): "built by "
                                                          "ContinuousBatchingKVCacheManager.fetch",
+    ("ContinuousBatchingHybridCollection", "__init__"): "built by "
+                                                        "ContinuousBatchingHybridCacheManager.fetch",
     ("arrays.on_device", ""): "a predicate: every value has an answer, none is an error",
     ("device.cuda_free_bytes", ""): "needs a CUDA device; memory.available_bytes is the "
                                     "checked entry point",

@@ -25,7 +25,7 @@ import threading
 
 import numpy as np
 
-from .._checks import as_int, check_index, exact_int, token_counts
+from .._checks import INT32_MAX, as_int, check_index, exact_int, token_counts
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.caches import HybridCacheConfig, hybrid_config_from_hf
 from ..config.sizing import continuous_hybrid_manager_nbytes, largest_fitting
@@ -89,6 +89,9 @@ class ContinuousBatchingHybridCacheManager:
         """A manager for the model of a Hugging Face ``config.json`` dict
         (:func:`hcache.config.caches.hybrid_config_from_hf`; ``max_seq_len`` is its
         ``max_sequence_length``). Raises as that function and the constructor."""
+        if as_int("max_seq_len", max_seq_len, 1) > INT32_MAX:
+            raise ValueError(f"max_seq_len: expected an int <= {INT32_MAX} (int32 lengths), "
+                             f"got {max_seq_len}")
         return cls(hybrid_config_from_hf(config_dict, max_batch_size=max_batch_size,
                                          max_sequence_length=max_seq_len, kv_dtype=kv_dtype,
                                          ssm_dtype=ssm_dtype, conv_dtype=conv_dtype,
