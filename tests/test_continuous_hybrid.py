@@ -175,3 +175,45 @@ def test_refused_writes_change_nothing():
     lightning.step([0], coll)
     with pytest.raises(ValueError, match="write_states: expected the batch in flight"):
         coll.write_states(0, np.zeros((1, 2, 4, 4), np.float32))
+
+
+@pytest.mark.emulated
+def test_decode_steps_allocate_and_synchronize_nothing(emu_rt):
+    """fetch / write_kv of every layer / write_states of every layer / step, with a release and
+    a claim (states zeroed) every tenth step, on the asynchronous emulated device."""
+    config = hand_layout([M, A, M, A], [KVLayerConfig(2, 8), KVLayerConfig(1, 16)],
+                         (2, 4, 4, 8, 4), b=4, s=512, dtype="float32")
+    m = ContinuousBatchingHybridCacheManager(config, device="cuda")
+    xp = emu_rt.xp
+    k = [xp.asarray(np.ones((3, 1, h, d), np.float32)) for h, d in ((2, 8), (1, 16))]
+    rec = [xp.asarray(np.full((3, 2, 4, 4), r + 1, np.float32)) for r in range(2)]
+    conv_dtype = m.get_conv_state(0).dtype
+    conv = [xp.asarray(np.ones((3, 8, 4), np.float32).astype(conv_dtype))] * 2
+    ids = m.claim(3)
+    want = dict.fromkeys(ids, 0)
+
+    def steps(n):
+        for i in range(n):
+            if i % 10 == 9:
+                del want[ids[0]]
+                m.release(ids.pop(0))
+                ids.extend(m.claim(1))
+                want[ids[-1]] = 0
+            coll = m.fetch(ids)
+            coll.write_kv(None, k, k)
+            coll.write_states(None, rec, conv)
+            m.step([1, 1, 1], coll)
+            for sid in ids:
+                want[sid] += 1
+
+    steps(3)
+    emu_rt.synchronize()
+    allocations, syncs = emu_rt.counters["allocations"], emu_rt.counters["syncs"]
+    steps(200)
+    assert emu_rt.counters["syncs"] == syncs
+    emu_rt.synchronize()
+    assert emu_rt.counters["allocations"] == allocations
+    assert m.cache_lengths == want and max(want.values()) > 10
+    for sid in ids:
+        assert (host(m.get_recurrent_state(2))[m.block_of(sid)] == 2).all()
+    m.check_invariants()
