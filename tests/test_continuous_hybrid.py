@@ -130,7 +130,7 @@ def test_writes_launch_once_per_group_and_once_for_every_state():
     ids = m.claim(2)
     coll = m.fetch(ids)
     k = [np.ones((2, 3, h, d), np.float32) for h, d in ((2, 4), (1, 8), (2, 4))]
-    rec = [np.ones((2, 2, 2, 3), np.float32)] * 2
+    rec = [np.ones((2, 2, 2, 3), np.float32) for _ in range(2)]
     conv = [np.ones((2, 5, 4), np.float32).astype(m.get_conv_state(0).dtype)] * 2
     with ops.host_backend(launcher):
         coll.write_kv(None, k, k)
@@ -142,6 +142,14 @@ def test_writes_launch_once_per_group_and_once_for_every_state():
     for i in (0, 1, 3):
         assert (m.get_combined_kv_cache(i)[m.block_of(ids[0]), :, :, :3] == 1).all()
     assert (m.get_recurrent_state(2)[m.block_of(ids[1])] == 1).all()
+    # the same source arrays again, with new contents, in the other row order: the copy table
+    # is reused (no rebind) and the rows still land in their blocks
+    rec[0][...] = np.array([3, 4], np.float32)[:, None, None, None]
+    coll = m.fetch(ids[::-1])
+    coll.write_states(None, rec, conv)
+    m.step([0, 0], coll)
+    assert (m.get_recurrent_state(0)[m.block_of(ids[1])] == 3).all()
+    assert (m.get_recurrent_state(0)[m.block_of(ids[0])] == 4).all()
 
 
 def test_refused_writes_change_nothing():

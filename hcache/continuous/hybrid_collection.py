@@ -314,7 +314,8 @@ class ContinuousBatchingHybridCollection:
             raise ValueError(f"{name}: expected a C-contiguous array")
 
     def _state_rows(self, name, a, view, stream):
-        a = as_array(name, a, self._store.device, stream)
+        if type(a) is not self._store.device.xp.ndarray:   # foreign arrays: viewed, checked
+            a = as_array(name, a, self._store.device, stream)
         want = (self.batch_size,) + tuple(view.shape[1:])
         if tuple(a.shape) != want:
             raise ValueError(f"{name}: expected shape {list(want)}, got {tuple(a.shape)}")

@@ -102,6 +102,7 @@ class HybridBlockStore:
         """The tables of the claim's zeroing and of the state writes, built once: a write
         rebinds the sources of the set of its scope (one layer / every layer) and kinds."""
         self.state_sets: dict = {}
+        self._bound: dict = {}   # (every, kinds) -> the sources + views its table points at
         self.zero_set = None
         if not self.states:
             return
@@ -193,6 +194,13 @@ class HybridBlockStore:
         ``i < batch`` (one launch). ``sources`` checked by the caller (``[batch, ...]`` of the
         view's dtype and slot shape, C-contiguous)."""
         slots = self.state_sets[every, combo]
+        # The table of the last rebind stays valid while the same array objects come back (an
+        # engine's preallocated state outputs): an array never changes its buffer or shape, and
+        # the set keeps its sources alive, so identity means the same pointers and row counts.
+        last = self._bound.get((every, combo))
         with launch_scope(self.device, stream, self.order):
-            slots.rebind(list(zip(sources, views)), stream=stream)
+            if last is None or len(last) != len(sources) + len(views) \
+                    or any(a is not b for a, b in zip(last, sources + views)):
+                slots.rebind(list(zip(sources, views)), stream=stream)
+                self._bound[every, combo] = sources + views
             ops.slot_copy(slots, self.row_ids[:batch], self.lookup_table[:batch], stream=stream)
