@@ -22,6 +22,10 @@ from .contexts import (
     PagedKVPool,
     compute_block_hashes,
 )
+from .continuous.hybrid_manager import (
+    ContinuousBatchingHybridCacheManager,
+    ContinuousBatchingHybridCollection,
+)
 from .continuous.manager import (
     BatchInFlightError,
     ContinuousBatchingKVCacheCollection,
@@ -73,6 +77,7 @@ __all__ = ["__version__", "CacheCapacityError", "KernelCompileError", "KernelLau
            "KVCacheManager", "MambaCacheManager", "HybridCacheManager", "KVHeadDimGroupView",
            "LinearKVCache", "PromptCacheStore", "CapturedPrompt",
            "KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
-           "ContinuousBatchingKVCacheCollection",
+           "ContinuousBatchingKVCacheCollection", "ContinuousBatchingHybridCacheManager",
+           "ContinuousBatchingHybridCollection",
            "compute_block_hashes", "KVBlockAllocator", "PagedKVPool", "MambaSlotAllocator",
            "DynamicInferenceContext"]

@@ -1090,3 +1090,70 @@ case(CTX, "from_hf_config", lambda: (None, DynamicInferenceContext),
      config_dict=Instance().relating("model_type"), max_requests=Int(1),
      max_sequence_length=Int(1, 2**31 - 1), block_size_tokens=Int(1), kv_dtype=Choice(),
      ssm_dtype=Choice(), conv_dtype=Choice(none_ok=True))
+
+
+# --- continuous batching over a HybridCacheConfig (K/V and recurrent states per block) ------
+
+HCB, HCOLL = "ContinuousBatchingHybridCacheManager", "ContinuousBatchingHybridCollection"
+
+
+def make_hcb(fetched=False):
+    def make():
+        m = hcache.ContinuousBatchingHybridCacheManager(HYB_CFG, device=CPU)
+        rng = np.random.default_rng(0)
+        pools = [m.get_combined_kv_cache(i) for i in (1, 3)] + [
+            get(i) for get in (m.get_recurrent_state, m.get_conv_state) for i in (0, 2)]
+        for a in pools:
+            a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, dtype=np.uint8)
+        ids = m.claim(2)
+        c = m.fetch(ids)
+        c.write_kv(1, rows((2, 1, 2, 4)), rows((2, 1, 2, 4), seed=1))
+        m.step([1, 1], c)
+        return (m, m.fetch(ids)) if fetched else (m, m)
+    return make
+
+
+CASES[(HCB, "__init__")] = Case(lambda: (None, None),
+                                lambda _: {"config": HYB_CFG, "device": CPU},
+                                {"config": Instance(), "device": Choice(none_ok=True)})
+case(HCB, "from_hf_config", lambda: (None, hcache.ContinuousBatchingHybridCacheManager),
+     lambda _: {"config_dict": _hf(), "max_batch_size": 2, "max_seq_len": 4,
+                "kv_dtype": "float16", "ssm_dtype": "float32", "conv_dtype": None,
+                "ring_windows": True, "device": CPU},
+     config_dict=Instance().relating("model_type"), max_batch_size=Int(1),
+     max_seq_len=Int(1, 2**31 - 1), kv_dtype=Choice(), ssm_dtype=Choice(),
+     conv_dtype=Choice(none_ok=True), ring_windows=Bool(), device=Choice(none_ok=True))
+case(HCB, "nbytes", lambda: (None, hcache.ContinuousBatchingHybridCacheManager),
+     lambda _: {"config": HYB_CFG}, config=Instance())
+case(HCB, "max_batch_size_for", lambda: (None, hcache.ContinuousBatchingHybridCacheManager),
+     lambda _: {"config": HYB_CFG, "budget": 4096}, config=Instance(), budget=Int(0))
+case(HCB, "can_claim", make_hcb(), lambda _: {"batch_size": 1}, batch_size=Int(0))
+case(HCB, "claim", make_hcb(), lambda _: {"batch_size": 1, "stream": None},
+     batch_size=Int(0, 1), stream=Stream())
+case(HCB, "block_of", make_hcb(), lambda _: {"seq_id": 0}, seq_id=Key(unknown=(99, -1, 2**70)))
+case(HCB, "release", make_hcb(), lambda _: {"seq_id": 0, "stream": None},
+     seq_id=Key(unknown=(99, -1, 2**70)), stream=Stream())
+case(HCB, "fetch", make_hcb(), lambda _: {"seq_ids": [0, 1], "wait": False, "timeout": None,
+                                          "stream": None},
+     seq_ids=Keys(unknown=99), wait=Bool(), timeout=Seconds(), stream=Stream())
+case(HCB, "step", lambda: make_hcb()(), _cb_step_args, valid_lengths=Ints(0, 5),
+     collection=Instance())
+for _meth, _valid in (("get_layer_type", 0), ("get_combined_kv_cache", 1),
+                      ("get_ring_window", 3), ("get_recurrent_state", 0), ("get_conv_state", 2)):
+    case(HCB, _meth, make_hcb(), lambda _, v=_valid: {"i": v}, i=Index(4))
+case(HCB, "ring_start", make_hcb(), lambda _: {"i": 1, "lengths": 5, "stream": None},
+     i=Index(4), lengths=Lengths(), stream=Stream())
+for _meth, _valid in (("kv_cache", 1), ("key_cache", 3), ("value_cache", 1),
+                      ("recurrent_state", 0), ("conv_state", 2)):
+    case(HCOLL, _meth, make_hcb(fetched=True), lambda _, v=_valid: {"layer": v},
+         layer=Index(4))
+case(HCOLL, "write_kv", make_hcb(fetched=True),
+     lambda _: {"layer": 3, "k": rows((3, 1, 8)), "v": rows((3, 1, 8), seed=1),
+                "seq_lengths": [2, 1], "stream": None},
+     layer=Index(4, none_ok=True).relating("k", "v"), k=Array(), v=Array(),
+     seq_lengths=Ints(0, 5).relating("k", "v"), stream=Stream())
+case(HCOLL, "write_states", make_hcb(fetched=True),
+     lambda _: {"layer": 2, "recurrent": rows((2, 1, 2, 3), np.float32),
+                "conv": rows((2, 4, 2), seed=1), "stream": None},
+     layer=Index(4, none_ok=True).relating("recurrent", "conv"),
+     recurrent=Array(none_ok=True), conv=Array(none_ok=True), stream=Stream())

@@ -213,3 +213,83 @@ def test_waiters_are_served_one_batch_at_a_time():
     run_threads(worker, THREADS)
     assert m.cache_lengths == {s: i % 3 for i, s in enumerate(ids)}
     m.check_invariants()
+
+
+def test_threads_never_share_a_block_or_a_state(fast_switching):
+    """The hybrid manager (Nemotron-H layout: attention K/V and Mamba-2 recurrent and conv
+    states per block) under the same 8-thread load: a claimed block's states are zero, and every
+    thread finds exactly its own K/V and states in its blocks after its batches."""
+    from hcache import ContinuousBatchingHybridCacheManager, HybridCacheConfig
+    from hcache.demo.run import NEMOTRON_H_CONFIG
+
+    config = HybridCacheConfig.from_hf_config(NEMOTRON_H_CONFIG, max_batch_size=BLOCKS,
+                                              max_sequence_length=S, kv_dtype="float32",
+                                              conv_dtype="float32")
+    m = ContinuousBatchingHybridCacheManager(config, device="cpu")
+    attention = [i for i, t in enumerate(config.layer_types) if t.has_attention]
+    recurrent = [i for i, t in enumerate(config.layer_types) if t.has_mamba]
+    kv_shape = m.get_combined_kv_cache(attention[0]).shape   # [blocks, 2, H, S, D]
+    rec_shape = m.get_recurrent_state(recurrent[0]).shape[1:]
+    conv_shape = m.get_conv_state(recurrent[0]).shape[1:]
+    ledger = Ledger()
+    stop = threading.Event()
+    audits = []
+
+    def auditor():
+        while not stop.is_set():
+            m.check_invariants()
+            audits.append(1)
+            time.sleep(0.001)
+
+    def worker(tid):
+        wait = tid % 2 == 0
+        for cycle in range(60):
+            k = 1 + (cycle + tid) % 2
+            ids, blocks = claim(m, ledger, tid, k)
+            for i in recurrent:
+                assert not m.get_recurrent_state(i)[blocks].any(), "a claimed state is not zero"
+                assert not m.get_conv_state(i)[blocks].any()
+            lengths = np.zeros(k, dtype=np.int64)
+            for step, new in enumerate((3, 1, 2)):
+                coll = fetch(m, ledger, ids, wait)
+                assert coll.lookup_table.tolist() == blocks
+                pos = lengths[:, None] + np.arange(new)[None, :]
+                val = (np.array(ids)[:, None] * S + pos).astype(np.float32)
+                key = np.ascontiguousarray(np.broadcast_to(
+                    val[:, :, None, None], (k, new) + (kv_shape[2], kv_shape[4])))
+                coll.write_kv(None, [key] * len(attention), [-key] * len(attention))
+                tag = (np.array(ids) * 10 + step).astype(np.float32)
+                coll.write_states(
+                    None, [np.ascontiguousarray(np.broadcast_to(
+                        (tag + r)[:, None, None, None], (k,) + rec_shape))
+                        for r in range(len(recurrent))],
+                    [np.ascontiguousarray(np.broadcast_to(
+                        -(tag + r)[:, None, None], (k,) + conv_shape))
+                        for r in range(len(recurrent))])
+                m.step([new] * k, coll)
+                lengths += new
+            for sid, block, n in zip(ids, blocks, lengths, strict=True):
+                want = (sid * S + np.arange(n))[None, :, None]
+                for i in attention:
+                    got = m.get_combined_kv_cache(i)[block, :, :, :n]   # [2, H, n, D]
+                    assert (got[0] == want).all(), f"thread {tid}: keys of seq {sid} corrupted"
+                    assert (got[1] == -want).all()
+                for r, i in enumerate(recurrent):
+                    assert (m.get_recurrent_state(i)[block] == sid * 10 + 2 + r).all(), \
+                        f"thread {tid}: recurrent state of seq {sid} corrupted"
+                    assert (m.get_conv_state(i)[block] == -(sid * 10 + 2 + r)).all()
+            ledger.drop(tid, ids, blocks)
+            for sid in ids:
+                m.release(sid)
+
+    audit = threading.Thread(target=auditor)
+    audit.start()
+    try:
+        run_threads(worker, THREADS)
+    finally:
+        stop.set()
+        audit.join()
+    assert ledger.claims == len(ledger.issued) == THREADS * 90   # 60 cycles of 1 or 2 seqs
+    assert not ledger.owner and audits
+    assert m.num_free_blocks == BLOCKS and m.num_live_sequences == 0 and m.in_flight is None
+    m.check_invariants()

@@ -18,6 +18,7 @@ import pytest
 from error_contract_cases import (
     make_cb,
     make_ctx,
+    make_hcb,
     make_hybrid,
     make_kv,
     make_linear,
@@ -34,7 +35,9 @@ OWNERS = {"KVCacheManager": make_kv, "MambaCacheManager": make_mamba,
           "PagedKVPool": make_pool, "MambaSlotAllocator": make_msa,
           "DynamicInferenceContext": make_ctx(),
           "ContinuousBatchingKVCacheManager": make_cb(),
-          "ContinuousBatchingKVCacheCollection": make_cb(fetched=True)}
+          "ContinuousBatchingKVCacheCollection": make_cb(fetched=True),
+          "ContinuousBatchingHybridCacheManager": make_hcb(),
+          "ContinuousBatchingHybridCollection": make_hcb(fetched=True)}
 REFUSALS = [(copy.copy, r"copy\.copy\({}\): a shallow copy would share the caches"),
             (copy.deepcopy, r"copy\.deepcopy\({}\): its caches are reached through views"),
             (pickle.dumps, r"pickle\({}\): its caches are device memory")]

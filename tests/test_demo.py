@@ -2,8 +2,8 @@
 
 The demo compares every generated token (and its logits, bit for bit) with an uncached
 reference run. The corruption tests break one cache operation at a time (a hybrid-manager
-``write_kv``, a restore, the KV moves of a compaction, a continuous-batching write, a
-prefix-cache restore) and require the
+``write_kv``, a restore, the KV moves of a compaction, a continuous-batching K/V write, state
+write or claim, a prefix-cache restore) and require the
 demo to report the mismatch in the right part and return 1.
 """
 
@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import hcache.ops
 from hcache.config.caches import HybridCacheConfig
 from hcache.contexts.mamba_slot_allocator import MambaSlotAllocator
-from hcache.continuous.collection import ContinuousBatchingKVCacheCollection
+from hcache.continuous.hybrid_collection import ContinuousBatchingHybridCollection
+from hcache.continuous.hybrid_store import HybridBlockStore
 from hcache.demo import run as demo
 from hcache.demo.model import PlainCache, TinyHybridModel, reference_logits
 from hcache.slots.hybrid import HybridCacheManager
@@ -31,7 +32,7 @@ DEVICES = helpers.DEVICES
 def test_demo_runs_clean(device, capsys):
     assert demo.run_demo(device=device) == 0
     out = capsys.readouterr().out
-    for part in ("Part 1 - HybridCacheManager", "Part 2 - ContinuousBatchingKVCacheManager",
+    for part in ("Part 1 - HybridCacheManager", "Part 2 - ContinuousBatchingHybridCacheManager",
                  "Part 3 - DynamicInferenceContext"):
         assert part in out
     assert "compact_batch([0, -1, 2, 1], 4, 3)" in out        # a non-monotone compaction
@@ -55,6 +56,13 @@ def _drop_layer1_write(original):
     return write
 
 
+def _drop_layer0_states(original):
+    def write_states(self, layer, recurrent=None, conv=None, **kw):
+        if layer != 0:
+            original(self, layer, recurrent, conv, **kw)
+    return write_states
+
+
 def _drop_first_attention_write(original):
     def write_kv(self, layer, k, v, **kw):
         first = next(i for i in range(self.num_layers) if self.get_layer_type(i).has_attention)
@@ -74,10 +82,17 @@ CORRUPTIONS = [
     # compaction moves states and lengths but not the K/V of a moved slot
     pytest.param("part 1", lambda mp: mp.setattr(hcache.ops, "kv_compact", lambda *a, **k: None),
                  id="compaction"),
-    # continuous batching loses every write of attention layer 1
+    # continuous batching loses every write of decoder layer 1 (the first attention layer)
     pytest.param("part 2", lambda mp: mp.setattr(
-        ContinuousBatchingKVCacheCollection, "write_kv",
-        _drop_layer1_write(ContinuousBatchingKVCacheCollection.write_kv)), id="cb-write"),
+        ContinuousBatchingHybridCollection, "write_kv",
+        _drop_layer1_write(ContinuousBatchingHybridCollection.write_kv)), id="cb-write"),
+    # continuous batching keeps the Mamba states of decoder layer 0 at their claimed zeros
+    pytest.param("part 2", lambda mp: mp.setattr(
+        ContinuousBatchingHybridCollection, "write_states",
+        _drop_layer0_states(ContinuousBatchingHybridCollection.write_states)), id="cb-states"),
+    # a claim hands out a released block's state slots without zeroing them
+    pytest.param("part 2", lambda mp: mp.setattr(HybridBlockStore, "clear_states",
+                                                 lambda self, *a, **k: None), id="cb-claim"),
     # prefix caching claims a restore but leaves the live Mamba slot as it was
     pytest.param("part 3", lambda mp: mp.setattr(MambaSlotAllocator, "restore_to_live",
                                                  lambda self, *a, **k: True), id="prefix"),

@@ -65,6 +65,8 @@ SKIPPED = {
                                                          "ContinuousBatchingKVCacheManager.fetch",
     ("ContinuousBatchingKVCacheManager", "CollectionType"): "MAX's alias of the collection "
                                                             "class, built by fetch",
+    ("ContinuousBatchingHybridCollection", "__init__"): "built by "
+                                                        "ContinuousBatchingHybridCacheManager.fetch",
     ("arrays.on_device", ""): "a predicate: every value has an answer, none is an error",
     ("device.cuda_free_bytes", ""): "needs a CUDA device; memory.available_bytes is the "
                                     "checked entry point",

@@ -7,6 +7,9 @@ this back. Cases (batch 256 unless named otherwise):
   Nemotron-H layout;
 * ``continuous fetch+step``: ``ContinuousBatchingKVCacheManager.fetch`` + ``step`` of a decode
   batch;
+* ``hybrid continuous fetch+step``: the same cycle on ``ContinuousBatchingHybridCacheManager``
+  of the 52-layer Nemotron-H layout, and ``+ write_states``: with a state write of every Mamba
+  layer (both kinds, one launch) in each step;
 * ``context decode``: ``DynamicInferenceContext.extend_requests`` (one token per request) +
   ``commit_step``, block size 16, over two block periods after 1.5 untimed: the median step,
   the mean, and the worst step (where every request completes a block, or the steps after it
@@ -38,6 +41,7 @@ import numpy as np
 
 from hcache.config import HybridCacheConfig, KVLayerConfig
 from hcache.contexts import DynamicInferenceContext
+from hcache.continuous.hybrid_manager import ContinuousBatchingHybridCacheManager
 from hcache.continuous.manager import ContinuousBatchingKVCacheManager, KVCacheStaticParams
 from hcache.ops import kv_write
 from hcache.ops.tables import KVGroup
@@ -52,6 +56,7 @@ BLOCK = 16
 def run(ctx) -> list[dict]:
     rounds = ctx.timer.repeat
     rows = [_hybrid_commit(ctx, rounds), _continuous_step(ctx, rounds)]
+    rows += _hybrid_continuous_steps(ctx, rounds)
     for prompt in (64, 512, 960):
         rows.append(_context_decode(ctx, rounds, BATCH, prompt))
     for batch in (16, 64):
@@ -87,14 +92,18 @@ def _row(case: str, times: list[float], goal: float | None, **extra) -> dict:
             "goal_us": goal, "steps": len(times), **extra}
 
 
-def _hybrid_commit(ctx, rounds: int) -> dict:
+def _nemotron_52(max_sequence_length: int) -> HybridCacheConfig:
     pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"   # 52 layers
-    cfg = HybridCacheConfig.from_hf_config(
+    return HybridCacheConfig.from_hf_config(
         {"model_type": "nemotron_h", "hybrid_override_pattern": pattern,
          "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8,
          "mamba_num_heads": 1, "mamba_head_dim": 8, "ssm_state_size": 8, "n_groups": 1,
          "conv_kernel": 4},
-        max_batch_size=BATCH, max_sequence_length=4096)
+        max_batch_size=BATCH, max_sequence_length=max_sequence_length)
+
+
+def _hybrid_commit(ctx, rounds: int) -> dict:
+    cfg = _nemotron_52(4096)
     steps = 200
 
     def setup():
@@ -122,6 +131,39 @@ def _continuous_step(ctx, rounds: int) -> dict:
 
     times = _step_times(rounds, steps, setup, step)
     return _row("continuous fetch+step", times, 25.0, batch=BATCH)
+
+
+def _hybrid_continuous_steps(ctx, rounds: int) -> list[dict]:
+    steps = 200
+    ones = np.ones(BATCH, np.int32)
+    cfg = _nemotron_52(1024)
+
+    def setup():
+        mgr = ContinuousBatchingHybridCacheManager(cfg, device=ctx.device)
+        ids = mgr.claim(BATCH)
+        xp = mgr.device.xp
+        layers = [i for i, t in enumerate(cfg.layer_types) if t.has_mamba]
+        rec = [xp.zeros((BATCH,) + mgr.get_recurrent_state(i).shape[1:],
+                        mgr.get_recurrent_state(i).dtype) for i in layers]
+        conv = [xp.zeros((BATCH,) + mgr.get_conv_state(i).shape[1:],
+                         mgr.get_conv_state(i).dtype) for i in layers]
+        return mgr, ids, rec, conv
+
+    def step(state, i):
+        mgr, ids = state[:2]
+        mgr.step(ones, mgr.fetch(ids))
+
+    def step_with_states(state, i):
+        mgr, ids, rec, conv = state
+        batch = mgr.fetch(ids)
+        batch.write_states(None, rec, conv)
+        mgr.step(ones, batch)
+
+    return [_row("hybrid continuous fetch+step 52L", _step_times(rounds, steps, setup, step),
+                 25.0, model="nemotron-h 52L", batch=BATCH),
+            _row("hybrid continuous fetch+write_states+step 52L",
+                 _step_times(rounds, steps, setup, step_with_states), None,
+                 model="nemotron-h 52L", batch=BATCH)]
 
 
 def _context(ctx, batch: int, prompt: int):

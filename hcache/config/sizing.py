@@ -16,7 +16,8 @@ from ..dtypes import is_fp8, resolve_dtype
 from ..ops.tables import KV_LAYER_INFO_WORDS, compaction_plan_size
 
 __all__ = ["kv_manager_nbytes", "mamba_manager_nbytes", "hybrid_manager_nbytes",
-           "linear_manager_nbytes", "continuous_manager_nbytes", "paged_pool_nbytes",
+           "linear_manager_nbytes", "continuous_manager_nbytes",
+           "continuous_hybrid_manager_nbytes", "paged_pool_nbytes",
            "context_states_nbytes", "largest_fitting"]
 
 # per KV layer: its KVLayerInfo row, pointer scratch row (one KVLayerInfo wide), int32 label
@@ -133,6 +134,31 @@ def continuous_manager_nbytes(dtype, num_heads: int, head_size: int, max_batch_s
     n, tokens = max_batch_size, ring_window or max_seq_len
     blocks = n * components * num_layers * tokens * num_heads * head_size * _itemsize(dtype)
     return blocks + (n + n + n + 1) * _I32 + num_layers * _LAYER_TABLES
+
+
+def continuous_hybrid_manager_nbytes(config) -> int:
+    """Bytes a :class:`~hcache.ContinuousBatchingHybridCacheManager` of ``config`` (a
+    ``HybridCacheConfig``; ``max_batch_size`` blocks) allocates: a KV cache per cache-owning
+    attention layer (a ring layer's of its window) and its layer table, the recurrent and conv
+    states of every recurrent layer, the lookup table, lengths and row offsets of the batch in
+    flight and, with states, the row / zero / claimed index buffers, one zero slot per state
+    kind and the descriptor tables of the claim's zeroing and of the state writes (each kind
+    alone and both together, for one layer and for every layer)."""
+    kv, mamba, n = config.kv, config.mamba, config.max_batch_size
+    item = _itemsize(kv.dtype)
+    total = sum(_kv_layer_bytes(lc, n, s, item)
+                for lc, s in zip(kv.layer_configs, kv.layer_cache_lengths))
+    total += len(kv.layer_configs) * _LAYER_TABLES + (3 * n + 1) * _I32
+    if mamba is None or not mamba.num_layers:
+        return total
+    kinds = [(math.prod(shape), _itemsize(dt)) for shape, dt in
+             ((mamba.recurrent_state_shape, mamba.ssm_dtype),
+              (mamba.conv_state_shape, mamba.conv_dtype)) if all(shape)]
+    layers = mamba.num_layers
+    total += sum(layers * n * size * i + size * i for size, i in kinds)   # pools, zero slots
+    sets = [1] * len(kinds) + ([len(kinds)] if len(kinds) > 1 else [])   # kinds per write set
+    rows = len(kinds) * layers + sum(k * (1 + layers) for k in sets)
+    return total + 3 * n * _I32 + rows * _SLOT_INFO
 
 
 def paged_pool_nbytes(layer_configs, num_blocks: int, block_size: int, dtype,

@@ -6,14 +6,15 @@ Each class implements the cache-adapter protocol of
 on the host, so the adapter copies states and K/V rows between host and the cache's device
 arrays, while every bulk move (KV writes, compaction, capture, restore, snapshots) is done by
 hcache: K/V rows go in through each manager's public write (``HybridCacheManager.write_kv``,
-the continuous-batching collection's ``write_kv``, ``DynamicInferenceContext.write_kv``).
+the hybrid continuous-batching collection's ``write_kv``, ``DynamicInferenceContext.write_kv``)
+and so do the continuous batch's Mamba states (``write_states``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["host", "SlotCache", "BlockCache", "PagedCache"]
+__all__ = ["host", "SlotCache", "HybridBlockCache", "PagedCache"]
 
 F32 = np.float32
 
@@ -59,33 +60,33 @@ class SlotCache(_Adapter):
         return kv[0].transpose(1, 0, 2), kv[1].transpose(1, 0, 2)     # [n, H, D]
 
 
-class BlockCache(_Adapter):
-    """K/V in one block per sequence of a ContinuousBatchingKVCacheManager collection
-    (``write`` appends at each row's committed length; ragged rows are padded and ``step``
-    keeps the valid ones); Mamba states, which that manager does not hold, in ``states``: one
-    host dict per row with lists ``"conv"`` and ``"ssm"`` per Mamba layer."""
+class HybridBlockCache(_Adapter):
+    """One block per sequence of a ContinuousBatchingHybridCacheManager collection, for K/V and
+    for the Mamba states alike: states are read from the device pools at the rows' blocks and
+    written back with ``write_states`` (one launch for both kinds); K/V rows go in with a ragged
+    ``write_kv`` at each row's committed length. Layers are decoder layers."""
 
-    def __init__(self, coll, states):
-        self.coll, self.states, self.xp = coll, states, coll.manager.device.xp
+    def __init__(self, coll, model):
+        self.coll, self.model, self.xp = coll, model, coll.manager.device.xp
 
     def get_mamba(self, m):
-        return (np.stack([st["conv"][m] for st in self.states]),
-                np.stack([st["ssm"][m] for st in self.states]))
+        layer, rows = self.model.mamba_layers[m], self.coll.lookup_table
+        return (host(self.coll.conv_state(layer)[rows]),
+                host(self.coll.recurrent_state(layer)[rows]))
 
     def set_mamba(self, m, conv, ssm):
-        for st, c, s in zip(self.states, conv, ssm, strict=True):
-            st["conv"][m], st["ssm"][m] = c, s
+        self.coll.write_states(self.model.mamba_layers[m], self.xp.asarray(ssm),
+                               self.xp.asarray(conv))
 
     def write_kv(self, a, ks, vs):
-        shape = (len(ks), max(len(k) for k in ks), *ks[0].shape[1:])
-        key, value = np.zeros(shape, F32), np.zeros(shape, F32)
-        for i, (k, v) in enumerate(zip(ks, vs, strict=True)):
-            key[i, :len(k)], value[i, :len(v)] = k, v
-        self.coll.write_kv(a, self.xp.asarray(key), self.xp.asarray(value))
+        self.coll.write_kv(self.model.attention_layers[a], self.xp.asarray(np.concatenate(ks)),
+                           self.xp.asarray(np.concatenate(vs)),
+                           seq_lengths=[len(k) for k in ks])
 
     def read_kv(self, a, s, n):
-        block = self.coll.blocks[s]
-        return host(self.coll.key_cache(a)[block, :n]), host(self.coll.value_cache(a)[block, :n])
+        cache = self.coll.kv_cache(self.model.attention_layers[a])      # [blocks, 2, H, L, D]
+        kv = host(cache[self.coll.blocks[s], :, :, :n])
+        return kv[0].transpose(1, 0, 2), kv[1].transpose(1, 0, 2)      # [n, H, D]
 
 
 class PagedCache(_Adapter):

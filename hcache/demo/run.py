@@ -9,10 +9,10 @@ greedily in three parts:
    slot 0 and captured (KV, recurrent and conv states), restored into every slot of a batch,
    ragged prefill, batch decode, and eviction of finished requests by ``compact_batch`` with
    "fill the holes from the end" mappings (non-monotone: hcache takes any injective mapping).
-2. :class:`~hcache.continuous.manager.ContinuousBatchingKVCacheManager`: requests admitted
-   while others decode (claim -> fetch / write / step -> release), prompts and decode tokens in
-   one batch. That manager holds attention K/V only; the Mamba states of the same model are
-   kept in a host dict per sequence.
+2. :class:`~hcache.continuous.hybrid_manager.ContinuousBatchingHybridCacheManager`: requests
+   admitted while others decode (claim -> fetch / write_kv / write_states / step -> release),
+   prompts and decode tokens in one batch; each sequence's block holds its K/V of every attention
+   layer and its recurrent and conv states of every Mamba layer, on the device.
 3. :class:`~hcache.contexts.DynamicInferenceContext`: prefix caching over a shared system
    prompt and a multi-turn follow-up, against the same workload with prefix caching off.
 
@@ -30,10 +30,10 @@ import numpy as np
 
 from ..config.caches import HybridCacheConfig
 from ..contexts import DynamicInferenceContext
-from ..continuous.manager import ContinuousBatchingKVCacheManager, KVCacheStaticParams
+from ..continuous.hybrid_manager import ContinuousBatchingHybridCacheManager
 from ..runtime.device import resolve_device
 from ..slots.hybrid import HybridCacheManager
-from .adapters import BlockCache, PagedCache, SlotCache, host
+from .adapters import HybridBlockCache, PagedCache, SlotCache, host
 from .model import TinyHybridModel, reference_logits
 
 __all__ = ["run_demo", "NEMOTRON_H_CONFIG"]
@@ -151,33 +151,34 @@ def _part1(model, config, device, check, rng):
           f"compactions ({non_monotone} non-monotone)")
 
 
-# --- part 2: ContinuousBatchingKVCacheManager -----------------------------------------------
+# --- part 2: ContinuousBatchingHybridCacheManager ------------------------------------------
 
 def _part2(model, device, check, rng):
-    print("Part 2 - ContinuousBatchingKVCacheManager: requests admitted while others decode\n"
-          "  (attention K/V in one block per sequence; the Mamba states in a host dict per seq)")
-    mgr = ContinuousBatchingKVCacheManager(
-        "float32", KVCacheStaticParams(model.kv_heads, model.head_dim), max_batch_size=3,
-        max_seq_len=48, num_layers=len(model.attention_layers), device=device)
+    print("Part 2 - ContinuousBatchingHybridCacheManager: requests admitted while others decode\n"
+          "  (one block per sequence: its K/V of every attention layer and its recurrent and\n"
+          "  conv states of every Mamba layer, in device pools)")
+    mgr = ContinuousBatchingHybridCacheManager.from_hf_config(
+        NEMOTRON_H_CONFIG, max_batch_size=3, max_seq_len=48, kv_dtype="float32", device=device)
     queue = deque((f"q{i}", rng.integers(0, model.vocab_size, p).tolist(), g)
                   for i, (p, g) in enumerate(zip((6, 9, 4, 7, 5, 8), (5, 2, 6, 3, 4, 3))))
-    n_req, live, it, tokens = len(queue), {}, 0, 0
+    n_req, live, it, tokens, reused = len(queue), {}, 0, 0, 0
+    used = set()
     while queue or live:
         admitted = []
         while queue and mgr.can_claim(1):
             name, prompt, budget = queue.popleft()
-            sid = mgr.claim(1)[0]
+            sid = mgr.claim(1)[0]      # its states are zeroed on the device
+            block = mgr.block_of(sid)
+            reused += block in used
+            used.add(block)
             live[sid] = dict(name=name, prompt=prompt, budget=budget, pending=prompt, gen=[],
-                             rows=[], conv=[np.zeros((model.conv_dim, model.conv_kernel), F32)]
-                             * len(model.mamba_layers),
-                             ssm=[np.zeros((model.m_heads, model.m_head_dim, model.state), F32)]
-                             * len(model.mamba_layers))
-            admitted.append(f"{name}->seq {sid} (block {mgr.block_of(sid)})")
+                             rows=[])
+            admitted.append(f"{name}->seq {sid} (block {block})")
         ids = list(live)
         coll = mgr.fetch(ids)
         chunks = [live[s]["pending"] for s in ids]
         logits = model.forward(chunks, list(coll.host_cache_lengths),
-                               BlockCache(coll, [live[s] for s in ids]))
+                               HybridBlockCache(coll, model))
         mgr.step([len(c) for c in chunks], coll)
         released = []
         for sid, out in zip(ids, logits, strict=True):
@@ -193,14 +194,16 @@ def _part2(model, device, check, rng):
                 check.check("part 2", r["name"], r["prompt"], r["gen"], r["rows"])
         if admitted or released:
             what = ["claim " + ", ".join(admitted)] if admitted else []
-            what.append(f"fetch/write/step {len(ids)} row{'s' * (len(ids) > 1)} with valid "
-                        f"lengths {[len(c) for c in chunks]}")
+            what.append(f"fetch/write_kv/write_states/step {len(ids)} "
+                        f"row{'s' * (len(ids) > 1)} with valid lengths {[len(c) for c in chunks]}")
             what += ["release " + ", ".join(released)] if released else []
             print(f"  batch {it}: " + "; ".join(what))
         it += 1
     report = mgr.memory_report()
     print(f"  {n_req} requests, {tokens} tokens in {it} batches through {mgr.num_blocks} blocks "
-          f"of {report['bytes_per_block']} B; {mgr.num_free_blocks} free at the end")
+          f"of {report['bytes_per_block']} B (K/V {report['kv_cache'] // mgr.num_blocks} B, "
+          f"states {(report['recurrent'] + report['conv']) // mgr.num_blocks} B); {reused} "
+          f"claims reused a released block's state slots; {mgr.num_free_blocks} free at the end")
 
 
 # --- part 3: prefix caching with DynamicInferenceContext ------------------------------------
