@@ -8,14 +8,14 @@ from pathlib import Path
 from hcache import _cuda
 from hcache.device import Device, resolve_device
 
-from . import compact, kv_capture, kv_write, lengths, slot_copy
+from . import compact, draft_accept, kv_capture, kv_write, lengths, slot_copy
 from ._common import BenchContext, Timer
 from ._report import print_table, write_report
 
 __all__ = ["KERNEL_BENCHES", "main"]
 
 # One module per kernel family, named like its .cu file; each has FAMILY and run(ctx).
-KERNEL_BENCHES = (kv_write, compact, slot_copy, kv_capture, lengths)
+KERNEL_BENCHES = (kv_write, compact, slot_copy, kv_capture, lengths, draft_accept)
 
 CPU_SCALE = 16  # shapes are divided by this on the CPU
 
