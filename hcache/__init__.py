@@ -31,6 +31,7 @@ from .continuous.manager import (
 from .device import Device, resolve_device
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
 from .errors import CacheCapacityError, KernelCompileError, KernelLaunchError
+from .slots.drafts import DraftStates
 from .slots.hybrid import HybridCacheManager, KVHeadDimGroupView
 from .slots.kv import KVCacheManager
 from .slots.linear import LinearKVCache
@@ -67,7 +68,7 @@ __all__ = ["__version__", "CacheCapacityError", "KernelCompileError", "KernelLau
            "LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
            "HybridCacheConfig", "LinearCacheConfig",
            "KVCacheManager", "MambaCacheManager", "HybridCacheManager", "KVHeadDimGroupView",
-           "LinearKVCache",
+           "LinearKVCache", "DraftStates",
            "KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
            "ContinuousBatchingKVCacheCollection",
            "compute_block_hashes", "KVBlockAllocator", "PagedKVPool", "MambaSlotAllocator",
