@@ -311,7 +311,7 @@ def test_draft_states_sizes_and_getters():
     assert r.shape == (B, 5, 2, 4, 3) and r.dtype == m.get_recurrent_state(0).dtype
     assert c.shape == (B, 5, 6, 4) and c.dtype == m.get_conv_state(2).dtype
     live = m.mamba_cache_manager.state_tensors
-    assert d.nbytes == d.memory_report()["total"] == DraftStates.nbytes_for(live, 5)
+    assert d.nbytes == d.memory_report()["total"] == DraftStates._nbytes_for(live, 5)
     assert d.memory_report()["draft_states"] == 5 * sum(t.nbytes for t in live)
     with pytest.raises(ValueError, match="expected a Mamba layer"):
         d.get_recurrent_draft(1)

@@ -69,7 +69,7 @@ class DraftStates:
             raise ValueError(f"max_draft_tokens: expected at most {(2**31 - 1) // batch} for "
                              f"{batch} slots, got {self._max_draft}")
         device = manager.device
-        check_fits("max_draft_tokens", self.nbytes_for(live, self._max_draft), device)
+        check_fits("max_draft_tokens", self._nbytes_for(live, self._max_draft), device)
         self._drafts: tuple = ()
         self._slots = None
         with launch_scope(device, stream):
@@ -84,7 +84,7 @@ class DraftStates:
                                and mamba.config.has_recurrent_state else 0)
 
     @staticmethod
-    def nbytes_for(live_states, max_draft_tokens: int) -> int:
+    def _nbytes_for(live_states, max_draft_tokens: int) -> int:
         """Device bytes of the draft buffers of ``live_states`` (each ``[max_batch, ...]``) at
         ``max_draft_tokens`` positions, with the descriptor table."""
         states = sum(int(t.nbytes) for t in live_states) * int(max_draft_tokens)
