@@ -162,7 +162,7 @@ def _assert_same(spec, ref, model_lengths):
 def _run(make, seed, steps, device_counts=False):
     rng = np.random.default_rng(seed)
     spec_m, ref_m = make(), make()
-    drafts = DraftStates(spec_m, K) if spec_m._has_states else None
+    drafts = DraftStates(spec_m, K) if spec_m._mamba is not None else None
     spec, ref = Layout(spec_m, drafts), Layout(ref_m, None)
     spec.drafts = drafts
     # The live states start with the same random bytes, so a state that moves shows.

@@ -13,13 +13,17 @@ speculates pays nothing.
 
 from __future__ import annotations
 
-from .._checks import check_index, check_int
+import numpy as np
+
+from .. import ops
+from .._checks import check_index, check_int, host_ints
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
-from ..device import launch_scope, settle, zeros
+from ..arrays import as_array, on_device
+from ..device import launch_scope, settle, upload_ints, zeros
 from ..memory import check_fits
 from ..ops.tables import SlotSet
 
-__all__ = ["DraftStates"]
+__all__ = ["DraftStates", "commit_draft"]
 
 
 class DraftStates:
@@ -54,9 +58,9 @@ class DraftStates:
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
 
     def __init__(self, manager, max_draft_tokens, stream=None):
-        from .batch import BatchAPI
-
-        if not isinstance(manager, BatchAPI):
+        # A batch manager (BatchAPI) with its Mamba sub-manager; duck-typed, since batch.py
+        # imports this module.
+        if not (hasattr(manager, "commit_draft") and hasattr(manager, "_mamba")):
             raise TypeError(f"manager: expected a HybridCacheManager or LinearKVCache, "
                             f"got {type(manager).__name__}")
         mamba = manager._mamba
@@ -152,3 +156,104 @@ class DraftStates:
         ``total``."""
         states = int(sum(d.nbytes for d in self._drafts))
         return {"draft_states": states, "metadata": self.nbytes - states, "total": self.nbytes}
+
+
+# BatchAPI.commit_draft (``self``: a HybridCacheManager or LinearKVCache), kept here with the
+# draft states so that the batch module stays one concept.
+def commit_draft(self, accepted, num_draft_tokens, *, draft_states=None, bonus_token=False,
+                 stream=None) -> None:
+    """Keep the accepted prefix of every active sequence's draft tokens (docs/design.md
+    §4.11), in place: lengths advance by the kept tokens, and every Mamba layer's live
+    state becomes the state after the last kept token (one launch for all layers, then one
+    for the lengths). Nothing else moves; no host sync, no allocation: with device
+    ``accepted`` the call is graph-capturable.
+
+    The engine wrote ``num_draft_tokens`` tokens per sequence at its committed length
+    (:meth:`write_kv`) and, into ``draft_states``, the state after each of them (position
+    ``j``: after token ``j``), leaving the live states as they were before the drafts.
+
+    Parameters
+    ----------
+    accepted : host ints [active_batch_size], or device int32 [active_batch_size]
+        Sequence ``b`` keeps ``kept = accepted[b] + bonus_token`` of its written tokens,
+        ``kept <= num_draft_tokens``; ``kept == 0`` leaves its state and length as they
+        were. Device data is not read on the host: a row out of range (negative, too
+        many, past ``max_sequence_length``) commits nothing and is counted in
+        :meth:`refused_commit_count`.
+    num_draft_tokens : int
+        Tokens written per sequence, in ``[0, draft_states.max_draft_tokens]`` (``[0,
+        max_sequence_length]`` without Mamba layers).
+    draft_states : DraftStates, optional
+        This manager's draft buffers; required when it has Mamba layers.
+    bonus_token : bool
+        The first written token is the previous step's bonus token, always kept.
+    stream : optional
+
+    Raises
+    ------
+    TypeError
+        A bad ``accepted``, ``draft_states`` or stream.
+    ValueError
+        A bad count, ``draft_states`` of another manager or missing, a manager with ring
+        (sliding-window) layers (a rejected draft overwrote tokens of the window), or (host
+        data) an accepted count out of range or a length past ``max_sequence_length``.
+        Nothing changes.
+    """
+    n = self._active
+    if self._has_rings:
+        raise ValueError("commit_draft: expected a manager without ring-buffer layers "
+                         "(rejected drafts overwrite the window), got one with rings")
+    if draft_states is not None and not isinstance(draft_states, DraftStates):
+        raise TypeError(f"draft_states: expected DraftStates, "
+                        f"got {type(draft_states).__name__}")
+    if draft_states is not None and draft_states.manager is not self:
+        raise ValueError("draft_states: expected the draft states of this manager, got "
+                         "those of another")
+    slots = None if draft_states is None else draft_states.slot_set
+    if draft_states is None and self._mamba is not None:
+        raise ValueError("draft_states: expected this manager's DraftStates (it has Mamba "
+                         "layers), got None")
+    if not isinstance(bonus_token, bool):
+        raise TypeError(f"bonus_token: expected a bool, got {type(bonus_token).__name__}")
+    cap = self._max_len if draft_states is None else draft_states.max_draft_tokens
+    written = check_int("num_draft_tokens", num_draft_tokens, int(bonus_token), cap)
+    bonus = int(bonus_token)
+    if self._device.is_cuda and on_device(accepted):
+        acc = as_array("accepted", accepted, self._device, stream)
+        if acc.dtype != np.int32:
+            raise ValueError(f"accepted: expected dtype int32, got {acc.dtype}")
+        if acc.ndim != 1 or acc.shape[0] != n:
+            raise ValueError(f"accepted: expected shape ({n},), got {tuple(acc.shape)}")
+        if not acc.flags.c_contiguous:
+            raise ValueError("accepted: expected a C-contiguous array")
+        host = None
+    else:
+        host = host_ints("accepted", accepted, n)
+        bad = np.flatnonzero((host < 0) | (host + bonus > written))
+        if bad.size:
+            raise ValueError(f"accepted[{bad[0]}]: expected a count in [0, "
+                             f"{written - bonus}], got {host[bad[0]]}")
+        if self._headroom_now() is not None:
+            new = self._host_lengths[:n] + host + bonus
+            over = np.flatnonzero(new > self._max_len)
+            if over.size:
+                raise ValueError(f"accepted[{over[0]}]: expected a commit within "
+                                 f"max_sequence_length {self._max_len}, "
+                                 f"got length {int(new[over[0]])}")
+    with launch_scope(self._device, stream, self._order):
+        if host is not None:
+            upload_ints(self._increments, host)
+            acc = self._increments
+        if slots is not None:
+            ops.draft_accept(slots, draft_states.max_draft_tokens, acc, n, written,
+                             bonus=bonus, lengths=self._lengths, max_len=self._max_len,
+                             stream=stream)
+        ops.draft_lengths(self._lengths, acc, n, written, self._max_len, bonus=bonus,
+                          status=self._status, stream=stream)
+    if host is not None and self._headroom_now() is not None:
+        self._host_lengths[:n] += host + bonus
+        self._all_empty = not bool((self._host_lengths[:n] > 0).any())
+    else:
+        self._known[:n] = False
+        self._all_empty = n == 0
+    self._headroom_stale = True
