@@ -446,6 +446,11 @@ def make_cb_in_flight():
 
 case(CB, "step", make_cb_in_flight, _cb_step_args, valid_lengths=Ints(0, 5),
      collection=Instance())
+case(CB, "step_draft", make_cb_in_flight,
+     lambda m: {"accepted": [1, 2], "num_draft_tokens": 3, "collection": m.fetch([0, 1]),
+                "bonus_token": True},
+     accepted=Ints(0, 2), num_draft_tokens=Int(1, 2**31 - 1), collection=Instance(),
+     bonus_token=Bool())
 COLL = "ContinuousBatchingKVCacheCollection"
 for meth in ("key_cache", "value_cache"):
     case(COLL, meth, make_cb(fetched=True), lambda _: {"layer": 1}, layer=Index(2))
