@@ -333,3 +333,48 @@ def test_the_draft_kernels_run_once_per_commit(backend):
     assert [name for name, _, _ in backend.launches[before:]] == \
         ["hc_draft_accept", "hc_draft_lengths"]
     assert ops.draft_accept is not None
+
+
+@pytest.mark.emulated
+def test_captured_draft_commit_replays_with_new_counts(emu_rt):
+    """A whole batch's accept step (``commit_draft`` with device counts: state scatter and
+    lengths) captured on the emulated device and replayed with new counts and new draft states
+    copied in before each replay: lengths and live states equal the NumPy model's after every
+    replay; the replays make no host sync."""
+    xp, rng = emu_rt.xp, np.random.default_rng(4)
+    m = _hybrid("mamba2", "float16", "float32", "float16", "cuda")
+    drafts = DraftStates(m, K)
+    m.reset_for_new_sequences([0, 0, 0])
+    live, draft = m.get_recurrent_state(0), drafts.get_recurrent_draft(0)
+    conv, conv_draft = m.get_conv_state(5), drafts.get_conv_draft(5)
+    counts = xp.zeros(3, np.int32)
+    s = emu_rt.stream(non_blocking=True)
+    emu_rt.synchronize()
+    with s:
+        m.commit_draft(counts, K, draft_states=drafts, stream=s)     # warm-up, eager
+        s.begin_capture()
+        m.commit_draft(counts, K, draft_states=drafts, stream=s)
+        graph = s.end_capture()
+    emu_rt.synchronize()
+    want_live, want_conv = host(live).copy(), host(conv).copy()
+    lengths = np.zeros(3, np.int64)
+    syncs = emu_rt.counters["syncs"]
+    for _ in range(6):
+        acc = rng.integers(0, K + 1, 3).astype(np.int32)
+        d = _rows(rng, draft.shape, draft.dtype)
+        c = _rows(rng, conv_draft.shape, conv_draft.dtype)
+        with s:
+            counts[...] = xp.asarray(acc)
+            draft[...] = xp.asarray(d)
+            conv_draft[...] = xp.asarray(c)
+            graph.launch(s)
+        for b in range(3):
+            if acc[b]:
+                want_live[b] = d[b, acc[b] - 1]
+                want_conv[b] = c[b, acc[b] - 1]
+        lengths += acc
+    assert emu_rt.counters["syncs"] == syncs
+    emu_rt.synchronize()
+    assert host(live).tobytes() == want_live.tobytes()
+    assert host(conv).tobytes() == want_conv.tobytes()
+    np.testing.assert_array_equal(host(m.get_kv_cache_lengths()), lengths)
