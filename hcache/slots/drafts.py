@@ -213,7 +213,7 @@ def commit_draft(self, accepted, num_draft_tokens, *, draft_states=None, bonus_t
     if draft_states is None and self._mamba is not None:
         raise ValueError("draft_states: expected this manager's DraftStates (it has Mamba "
                          "layers), got None")
-    if not isinstance(bonus_token, bool):
+    if not isinstance(bonus_token, (bool, np.bool_)):
         raise TypeError(f"bonus_token: expected a bool, got {type(bonus_token).__name__}")
     cap = self._max_len if draft_states is None else draft_states.max_draft_tokens
     written = check_int("num_draft_tokens", num_draft_tokens, int(bonus_token), cap)
