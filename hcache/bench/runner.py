@@ -15,7 +15,7 @@ from ._report import print_table, write_report
 __all__ = ["KERNEL_BENCHES", "main"]
 
 # One module per kernel family, named like its .cu file; each has FAMILY and run(ctx).
-KERNEL_BENCHES = (kv_write, compact, slot_copy, kv_capture, lengths, draft_accept)
+KERNEL_BENCHES = (kv_write, compact, slot_copy, kv_capture, draft_accept, lengths)
 
 CPU_SCALE = 16  # shapes are divided by this on the CPU
 
