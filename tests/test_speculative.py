@@ -17,6 +17,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from hcache import DraftStates
 from hcache.config.caches import (
@@ -377,3 +384,81 @@ def test_captured_draft_commit_replays_with_new_counts(emu_rt):
     assert host(live).tobytes() == want_live.tobytes()
     assert host(conv).tobytes() == want_conv.tobytes()
     np.testing.assert_array_equal(host(m.get_kv_cache_lengths()), lengths)
+
+
+class SpeculativeMachine(RuleBasedStateMachine):
+    """Draft commits interleaved with the batch API (plain commits, host-mapping compactions,
+    resets) on a speculative manager and an accepted-only oracle manager; the invariant: the
+    two hold the same lengths, valid KV prefixes and live states."""
+
+    @initialize(kind=st.sampled_from(["mamba2", "short_conv", "lightning"]),
+                seed=st.integers(0, 2**32 - 1))
+    def setup(self, kind, seed):
+        self.rng = np.random.default_rng(seed)
+        spec_m = _hybrid(kind, "bfloat16", "float32", "float16", "cpu")
+        ref_m = _hybrid(kind, "bfloat16", "float32", "float16", "cpu")
+        drafts = DraftStates(spec_m, K)
+        self.spec = Layout(spec_m, drafts)
+        self.spec.drafts = drafts
+        self.ref = Layout(ref_m, None)
+        self.lengths = np.zeros(0, np.int64)
+        self._reset(3)
+
+    def _reset(self, n):
+        start = self.rng.integers(0, 5, n)
+        for m in (self.spec.m, self.ref.m):
+            m.reset_for_new_sequences(start.tolist())
+        self.lengths = start.astype(np.int64)
+
+    @rule(n=st.integers(1, B))
+    def reset(self, n):
+        self._reset(n)
+
+    @precondition(lambda self: len(self.lengths) and self.lengths.max() + K + 1 <= S)
+    @rule(bonus=st.booleans(), data=st.data())
+    def draft_step(self, bonus, data):
+        written = data.draw(st.integers(int(bonus), K))
+        n = len(self.lengths)
+        accepted = np.asarray(data.draw(st.lists(st.integers(0, written - int(bonus)),
+                                                 min_size=n, max_size=n)), np.int64)
+        _step(self.spec, self.ref, self.rng, written, bonus, accepted, False)
+        self.lengths += accepted + int(bonus)
+
+    @precondition(lambda self: len(self.lengths) and self.lengths.max() < S)
+    @rule()
+    def plain_decode(self):
+        """A non-speculative step: one token written to both, live states updated in place."""
+        n = len(self.lengths)
+        ks, vs = [], []
+        for _, view, comps in self.spec.kv:
+            shape = (n, 1, view.shape[2], view.shape[4])
+            ks.append(_rows(self.rng, shape, view.dtype))
+            vs.append(_rows(self.rng, shape, view.dtype) if comps == 2 else None)
+        for layout in (self.spec, self.ref):
+            layout.m.write_kv(None, ks, vs)
+            layout.m.commit_sequence_length(1)
+        for a, b in zip(self.spec.live, self.ref.live):
+            state = _rows(self.rng, (n,) + tuple(a.shape[1:]), a.dtype)
+            put(a[:n], state)
+            put(b[:n], state)
+        self.lengths += 1
+
+    @precondition(lambda self: len(self.lengths) > 1)
+    @rule(data=st.data())
+    def evict_one(self, data):
+        n = len(self.lengths)
+        gone = data.draw(st.integers(0, n - 1))
+        mapping = [-1 if i == gone else i - (i > gone) for i in range(n)]
+        for m in (self.spec.m, self.ref.m):
+            m.compact_batch(mapping, n, n - 1)
+        self.lengths = np.delete(self.lengths, gone)
+
+    @invariant()
+    def same_caches(self):
+        if hasattr(self, "spec"):
+            _assert_same(self.spec, self.ref, self.lengths)
+
+
+TestSpeculativeMachine = SpeculativeMachine.TestCase
+TestSpeculativeMachine.settings = settings(max_examples=10, stateful_step_count=12,
+                                           deadline=None)
