@@ -35,6 +35,7 @@ from .continuous.manager import (
 from .dtypes import DTYPE_NAMES, dtype_name, resolve_dtype
 from .errors import CacheCapacityError, KernelCompileError, KernelLaunchError
 from .runtime.device import Device, resolve_device
+from .slots.drafts import DraftStates
 from .slots.hybrid import HybridCacheManager, KVHeadDimGroupView
 from .slots.kv import KVCacheManager
 from .slots.linear import LinearKVCache
@@ -75,7 +76,7 @@ __all__ = ["__version__", "CacheCapacityError", "KernelCompileError", "KernelLau
            "LayerType", "KVLayerConfig", "KVCacheConfig", "MambaCacheConfig",
            "HybridCacheConfig", "LinearCacheConfig",
            "KVCacheManager", "MambaCacheManager", "HybridCacheManager", "KVHeadDimGroupView",
-           "LinearKVCache", "PromptCacheStore", "CapturedPrompt",
+           "LinearKVCache", "PromptCacheStore", "CapturedPrompt", "DraftStates",
            "KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
            "ContinuousBatchingKVCacheCollection", "ContinuousBatchingHybridCacheManager",
            "ContinuousBatchingHybridCollection",

@@ -109,6 +109,10 @@ def info(args) -> int:
 
 
 def demo(args) -> int:
+    if args.speculative:
+        from hcache.demo.speculative import run_speculative_demo
+
+        return run_speculative_demo(device=args.device)
     from hcache.demo.run import run_demo
 
     return run_demo(device=args.device)
@@ -147,6 +151,10 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=text)
         p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: auto)")
         p.set_defaults(fn=fn)
+        if name == "demo":
+            p.add_argument("--speculative", action="store_true",
+                           help="speculative decoding: a draft model proposes tokens, "
+                                "commit_draft keeps the accepted ones")
         if name == "info":
             p.add_argument("--no-cache", action="store_true",
                            help="compile every kernel again (ignore and do not store cached "

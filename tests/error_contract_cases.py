@@ -366,6 +366,40 @@ for owner, make in (("HybridCacheManager", make_hybrid), ("LinearKVCache", make_
              "stream": None},
          **{first: Arrays(squeezable=True), "conv": Arrays(squeezable=True), "b": B3,
             "stream": Stream()})
+
+
+def make_drafts(make):
+    """A manager (with some active lengths) whose ``_drafts`` are its DraftStates of 3 tokens,
+    filled with random bytes: the manager is the root, so the drafts are in the snapshot."""
+    def build():
+        m, _ = make()
+        m._drafts = hcache.DraftStates(m, 3)
+        rng = np.random.default_rng(2)
+        for a in m._drafts._drafts:
+            a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, dtype=np.uint8)
+        return m, m
+    return build
+
+
+for owner, make in (("HybridCacheManager", make_hybrid), ("LinearKVCache", make_linear)):
+    case(owner, "commit_draft", make_drafts(make),
+         lambda m: {"accepted": [1, 2], "num_draft_tokens": 2, "draft_states": m._drafts,
+                    "bonus_token": False, "stream": None},
+         accepted=Ints(0, 2), num_draft_tokens=Int(0, 3), draft_states=Instance(),
+         bonus_token=Bool(), stream=Stream())
+CASES[("DraftStates", "__init__")] = Case(
+    lambda: (None, None),
+    lambda _: {"manager": make_hybrid()[0], "max_draft_tokens": 2, "stream": None},
+    {"manager": Instance(), "max_draft_tokens": Int(1, (2**31 - 1) // 3), "stream": Stream()})
+
+
+def make_draft_states():
+    m, _ = make_drafts(make_hybrid)()
+    return m, m._drafts
+
+
+for meth in ("get_recurrent_draft", "get_conv_draft"):
+    case("DraftStates", meth, make_draft_states, lambda _: {"i": 0}, i=Index(4))
 case("MambaCacheManager", "clear_slot", make_mamba, lambda _: {"b": 1, "stream": None},
      b=B3, stream=Stream())
 
@@ -417,6 +451,11 @@ def make_cb_in_flight():
 
 case(CB, "step", make_cb_in_flight, _cb_step_args, valid_lengths=Ints(0, 5),
      collection=Instance())
+case(CB, "step_draft", make_cb_in_flight,
+     lambda m: {"accepted": [1, 2], "num_draft_tokens": 3, "collection": m.fetch([0, 1]),
+                "bonus_token": True},
+     accepted=Ints(0, 2), num_draft_tokens=Int(1, 2**31 - 1), collection=Instance(),
+     bonus_token=Bool())
 COLL = "ContinuousBatchingKVCacheCollection"
 for meth in ("key_cache", "value_cache"):
     case(COLL, meth, make_cb(fetched=True), lambda _: {"layer": 1}, layer=Index(2))

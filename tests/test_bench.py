@@ -18,7 +18,8 @@ KERNEL_FAMILIES = {p.stem for p in _loader.kernel_dir().glob("*.cu")}
 
 
 def test_one_bench_module_per_kernel_family():
-    assert KERNEL_FAMILIES == {"kv_write", "compact", "slot_copy", "kv_capture", "lengths"}
+    assert KERNEL_FAMILIES == {"kv_write", "compact", "slot_copy", "kv_capture", "lengths",
+                               "draft_accept"}
     assert {b.FAMILY for b in KERNEL_BENCHES} == KERNEL_FAMILIES
     for bench in KERNEL_BENCHES:
         assert bench.__name__ == f"hcache.bench.{bench.FAMILY}"

@@ -18,6 +18,7 @@ import pytest
 from error_contract_cases import (
     make_cb,
     make_ctx,
+    make_draft_states,
     make_hcb,
     make_hybrid,
     make_kv,
@@ -32,6 +33,7 @@ from hcache import KVBlockAllocator
 
 OWNERS = {"KVCacheManager": make_kv, "MambaCacheManager": make_mamba,
           "HybridCacheManager": make_hybrid, "LinearKVCache": make_linear,
+          "DraftStates": make_draft_states,
           "PagedKVPool": make_pool, "MambaSlotAllocator": make_msa,
           "DynamicInferenceContext": make_ctx(),
           "ContinuousBatchingKVCacheManager": make_cb(),

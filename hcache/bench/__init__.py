@@ -1,7 +1,8 @@
 """Kernel microbenchmarks (docs/design.md §8), run by ``python -m hcache bench``.
 
 One module per kernel family, named like its ``.cu`` file (:mod:`.kv_write`, :mod:`.compact`,
-:mod:`.slot_copy`, :mod:`.kv_capture`, :mod:`.lengths`); the rows they report carry that name as
+:mod:`.slot_copy`, :mod:`.kv_capture`, :mod:`.lengths`,
+:mod:`.draft_accept`); the rows they report carry that name as
 ``family``. Each case is timed on realistic shapes: a Nemotron-H-like hybrid and a Gemma-like
 heterogeneous model, at decode and prefill sizes. On a GPU a case is the median of many runs
 after warm-up, timed with CUDA events, and reported as µs, effective GB/s (bytes that must move,

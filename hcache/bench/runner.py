@@ -8,14 +8,14 @@ from pathlib import Path
 from hcache.runtime import _cuda
 from hcache.runtime.device import Device, resolve_device
 
-from . import compact, kv_capture, kv_write, lengths, slot_copy, transfer
+from . import compact, draft_accept, kv_capture, kv_write, lengths, slot_copy, transfer
 from ._common import BenchContext, Timer
 from ._report import print_table, write_report
 
 __all__ = ["KERNEL_BENCHES", "BENCHES", "main"]
 
 # One module per kernel family, named like its .cu file; each has FAMILY and run(ctx).
-KERNEL_BENCHES = (kv_write, compact, slot_copy, kv_capture, lengths)
+KERNEL_BENCHES = (kv_write, compact, slot_copy, kv_capture, draft_accept, lengths)
 # What ``python -m hcache bench`` runs: the kernel families, then the NIXL transfer (no rows
 # without NIXL).
 BENCHES = KERNEL_BENCHES + (transfer,)

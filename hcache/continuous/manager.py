@@ -43,7 +43,7 @@ from ..runtime.device import Device, launch_scope, resolve_device, stream_handle
 from .collection import ContinuousBatchingKVCacheCollection
 from .invariants import broken_manager_invariants
 from .params import KVCacheStaticParams, manager_arguments
-from .sequences import SequenceBlocks, seq_id_list, token_count_array
+from .sequences import SequenceBlocks, draft_token_counts, seq_id_list, token_count_array
 from .store import KVBlockStore
 
 __all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
@@ -285,6 +285,12 @@ class ContinuousBatchingKVCacheManager:
             self._sequences.commit(collection.lookup_table_host, new)
             self._inflight, self._inflight_owner = None, None
             self._cond.notify_all()
+
+    def step_draft(self, accepted, num_draft_tokens, collection, *, bonus_token=False) -> None:
+        """:meth:`step` of ``accepted[i] + bonus_token`` tokens per row after a speculative
+        verify that wrote ``num_draft_tokens`` (errors: ``sequences.draft_token_counts``)."""
+        self.step(draft_token_counts(accepted, num_draft_tokens, bonus_token, collection,
+                                     self._ring_window), collection)
 
     def release(self, seq_id: int, stream=None) -> None:
         """Return a sequence's block to the pool; the id is never valid again.

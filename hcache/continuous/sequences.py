@@ -17,10 +17,10 @@ from operator import itemgetter
 
 import numpy as np
 
-from .._checks import exact_int, refuse_unordered, token_counts
+from .._checks import check_int, exact_int, refuse_unordered, token_counts
 from ..errors import CacheCapacityError
 
-__all__ = ["SequenceBlocks", "seq_id_list", "token_count_array"]
+__all__ = ["SequenceBlocks", "seq_id_list", "token_count_array", "draft_token_counts"]
 
 
 class SequenceBlocks:
@@ -190,3 +190,36 @@ def token_count_array(values, batch: int, cap: int) -> np.ndarray:
     if counts and max(counts) > cap:
         counts = [min(v, cap + 1) for v in counts]
     return np.array(counts, dtype=np.int64)
+
+
+def draft_token_counts(accepted, num_draft_tokens, bonus_token, collection,
+                       ring_window: int) -> np.ndarray:
+    """The tokens each row keeps after a speculative step (docs/design.md §5, §4.13): ``kept =
+    accepted + bonus_token`` of the ``num_draft_tokens`` written, as int64 ``[batch]``.
+
+    Raises
+    ------
+    TypeError
+        ``collection`` is no collection, ``accepted`` not host integers, ``bonus_token`` not a
+        bool.
+    ValueError
+        A count out of ``[0, num_draft_tokens - bonus_token]``, or ring blocks (a rejected draft
+        overwrote a token of the window).
+    """
+    batch = getattr(collection, "batch_size", None)
+    if not isinstance(batch, int):
+        raise TypeError(f"collection: expected a ContinuousBatchingKVCacheCollection, "
+                        f"got {type(collection).__name__}")
+    if not isinstance(bonus_token, (bool, np.bool_)):
+        raise TypeError(f"bonus_token: expected a bool, got {type(bonus_token).__name__}")
+    written = check_int("num_draft_tokens", num_draft_tokens, int(bonus_token))
+    counts = token_counts(accepted, batch, "accepted")
+    top = written - int(bonus_token)
+    bad = [i for i, a in enumerate(counts) if a > top]
+    if bad:
+        raise ValueError(f"accepted[{bad[0]}]: expected a count in [0, {top}], "
+                         f"got {counts[bad[0]]}")
+    if ring_window:
+        raise ValueError("step_draft: expected unbounded blocks (rejected drafts overwrite the "
+                         f"window), got ring blocks of {ring_window} tokens")
+    return np.asarray(counts, dtype=np.int64) + int(bonus_token)

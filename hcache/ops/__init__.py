@@ -16,6 +16,10 @@ slot_copy     ``slot_copy``                                       whole slots ac
 kv_capture    ``kv_capture``, ``kv_restore`` (``kv_prefix_copy``  a slot's first tokens to or
               launches the same kernel unchecked)                 from compact tensors
 lengths       ``lengths_add``                                     all-or-nothing length commits
+draft_accept  ``draft_accept``, ``draft_lengths``                 speculative decoding: the
+                                                                  accepted draft state into the
+                                                                  live state, lengths by the
+                                                                  kept tokens
 ============  ==================================================  ===============================
 
 Each wrapper validates its arrays (shape, dtype, array module, contiguity), casts every scalar to
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 from ._launch import BLOCK, CupyLauncher, host_backend
 from .compact import compaction_plan, kv_compact, slots_compact
+from .draft_accept import draft_accept, draft_lengths
 from .kv_capture import kv_capture, kv_prefix_copy, kv_restore
 from .kv_write import kv_write, kv_write_fp8
 from .lengths import lengths_add
@@ -51,4 +56,4 @@ from .tables import compaction_plan_size
 
 __all__ = ["BLOCK", "compaction_plan_size", "compaction_plan", "kv_compact", "slots_compact",
            "slot_copy", "kv_write", "kv_write_fp8", "kv_capture", "kv_restore", "kv_prefix_copy",
-           "lengths_add", "CupyLauncher", "host_backend"]
+           "lengths_add", "draft_accept", "draft_lengths", "CupyLauncher", "host_backend"]

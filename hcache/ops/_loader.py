@@ -24,6 +24,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "slot_copy": ("hc_slot_copy",),
     "kv_capture": ("hc_kv_capture",),
     "lengths": ("hc_lengths_add",),
+    "draft_accept": ("hc_draft_accept", "hc_draft_lengths"),
 }
 
 

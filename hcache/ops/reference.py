@@ -8,8 +8,8 @@ and works on the Python-level arrays of a :class:`~hcache.ops.tables.KVGroup` /
 
 Families (``kernels/<family>.cu``, ``hcache/ops/<family>.py``): ``compact`` (compaction_plan,
 kv_compact, slots_compact), ``kv_write`` (kv_write, kv_write_fp8; ``quantize_fp8`` is the
-quantization alone), ``slot_copy``, ``kv_capture`` (kv_capture, kv_restore, kv_prefix_copy) and
-``lengths`` (lengths_add).
+quantization alone), ``slot_copy``, ``kv_capture`` (kv_capture, kv_restore, kv_prefix_copy),
+``lengths`` (lengths_add) and ``draft_accept`` (draft_accept, draft_lengths).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .tables import CLEAR, PLAN_HEADER, TMP, plan_max_batch, plan_schedule
 
 __all__ = ["compaction_plan", "kv_compact", "slots_compact", "kv_write", "kv_write_fp8",
            "quantize_fp8", "slot_copy", "kv_capture", "kv_restore", "kv_prefix_copy",
-           "lengths_add"]
+           "lengths_add", "draft_accept", "draft_lengths"]
 
 
 def _bump(status, n: int = 1):
@@ -280,3 +280,56 @@ def lengths_add(lengths, n, increment, max_len, *, status=None):
         _bump(status)
         return
     lengths[:n] = nxt.astype(lengths.dtype)
+
+
+# --- draft_accept: kernels/draft_accept.cu --------------------------------------------------------
+
+def _draft_rows(accepted, row_to_slot, num_rows, bonus, cap, num_slots, lengths, max_len):
+    """Per row ``(slot, kept, bad)`` as the kernels' ``hc_draft_row`` decides them: padding
+    rows (slot -1) have kept 0 and are not bad; a bad row commits nothing."""
+    acc = np.asarray(accepted[:num_rows], dtype=np.int64)
+    slot = (np.arange(num_rows, dtype=np.int64) if row_to_slot is None
+            else np.asarray(row_to_slot[:num_rows], dtype=np.int64))
+    kept = acc + bonus
+    pad = slot == -1
+    bad = ~pad & ((slot < 0) | (slot >= num_slots) | (acc < 0) | (kept > cap))
+    if lengths is not None:
+        ok = ~pad & ~bad
+        bad[ok] |= np.asarray(lengths, dtype=np.int64)[slot[ok]] + kept[ok] > max_len
+    kept[pad | bad] = 0
+    return slot, kept, bad
+
+
+def draft_accept(slots, draft_len, accepted, num_rows, written, *, row_to_slot=None, bonus=0,
+                 lengths=None, max_len=2**31 - 1, status=None):
+    """``live[s] = draft[s * draft_len + kept - 1]`` for every row in range with ``kept =
+    accepted + bonus >= 1``, for every ``(draft, live)`` pair of ``slots``; rows out of range
+    are skipped and counted once each (on the first pair's slot counts)."""
+    rows: dict = {}   # (draft slots, live slots) -> (bad count, source rows, live rows)
+    for j, (draft, live) in enumerate(slots.pairs):
+        key = (draft.shape[0], live.shape[0])
+        if key not in rows:
+            slot, kept, bad = _draft_rows(accepted, row_to_slot, num_rows, bonus,
+                                          min(written, draft_len), live.shape[0], lengths,
+                                          max_len)
+            src = slot * draft_len + kept - 1
+            bad |= (kept > 0) & (src >= draft.shape[0])
+            go = (kept > 0) & ~bad
+            rows[key] = (int(np.count_nonzero(bad)), src[go], slot[go])
+        bad, src, dst = rows[key]
+        if j == 0:
+            _bump(status, bad)
+        if len(dst):
+            live[dst] = draft[src]
+
+
+def draft_lengths(lengths, accepted, num_rows, written, max_len, *, row_to_slot=None, bonus=0,
+                  status=None):
+    """``lengths[s] += accepted + bonus`` for every row in range; rows out of range are
+    skipped and counted once each."""
+    slot, kept, bad = _draft_rows(accepted, row_to_slot, num_rows, bonus, written,
+                                  lengths.shape[0], lengths, max_len)
+    _bump(status, int(np.count_nonzero(bad)))
+    go = kept > 0
+    if go.any():
+        lengths[slot[go]] += kept[go].astype(lengths.dtype)

@@ -28,6 +28,7 @@ from ..runtime.device import launch_scope, settle, to_host, upload_ints, zeros
 from ..runtime.stream_order import StreamOrder
 from .batch_admission import BatchAdmission
 from .batch_compaction import BatchCompaction
+from .drafts import commit_draft
 
 __all__ = ["BatchAPI"]
 
@@ -68,6 +69,7 @@ class BatchAPI(BatchAdmission):
         self._compaction = BatchCompaction(device, self._lengths, kv_groups=kv_groups,
                                            slot_tensors=slot_tensors)
         self._init_admission(xp)
+        self._has_rings = any(g.has_rings for g in kv_groups)   # refused by commit_draft
         # host mirror: _host_lengths[i] == _lengths[i] wherever _known[i]
         self._host_lengths = np.zeros(self._max_batch, dtype=np.int64)
         self._known = np.ones(self._max_batch, dtype=bool)
@@ -81,15 +83,9 @@ class BatchAPI(BatchAdmission):
 
     # --- queries ----------------------------------------------------------------------------
 
-    @property
-    def device(self):
-        """The resolved device."""
-        return self._device
-
-    @property
-    def active_batch_size(self) -> int:
-        """Number of active sequences (slots ``[0, active_batch_size)``)."""
-        return self._active
+    device = property(lambda self: self._device, doc="The resolved device.")
+    active_batch_size = property(lambda self: self._active,
+                                 doc="Number of active sequences (slots [0, active_batch_size)).")
 
     @property
     def kv_cache_all_empty(self) -> bool:
@@ -286,6 +282,8 @@ class BatchAPI(BatchAdmission):
         self._known[:n] = False
         self._all_empty = n == 0
         self._headroom_stale = True
+
+    commit_draft = commit_draft   # speculative decoding (slots/drafts.py)
 
     # --- KV writes (slots/kv_writes.py) ------------------------------------------------------
 
