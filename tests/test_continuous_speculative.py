@@ -36,7 +36,7 @@ def test_step_draft_equals_a_run_that_wrote_only_the_kept(backend, dtype):
     spec, ref = _make(dtype), _make(dtype)
     ids, ref_ids = spec.claim(3), ref.claim(3)
     cdtype = spec.blocks_buf.dtype
-    for step in range(10):
+    for _step in range(10):
         bonus = bool(rng.integers(0, 2))
         written = int(rng.integers(max(int(bonus), 1), K + 1))
         top = written - int(bonus)

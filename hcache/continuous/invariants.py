@@ -16,7 +16,12 @@ __all__ = ["broken_manager_invariants"]
 
 
 def broken_manager_invariants(sequences, inflight, owner) -> list[str]:
-    """Every broken invariant, one message each; empty when all hold.
+    """Every broken invariant, one message each; empty when all hold. The invariants: every
+    block is on the free heap or held by exactly one live sequence; the live seq_ids are those
+    of ``cache_lengths``, each below the id counter, each length in ``[0, max_seq_len]``; a
+    batch in flight names distinct live sequences, its host and device ``lookup_table`` /
+    ``cache_lengths`` agree with their blocks and committed lengths, and it has an owner thread
+    (and there is no owner without a batch).
 
     Parameters
     ----------

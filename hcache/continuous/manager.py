@@ -351,20 +351,10 @@ class ContinuousBatchingKVCacheManager:
             raise ValueError(f"{what}: expected the batch in flight, got an ended collection")
 
     def check_invariants(self) -> None:
-        """Cross-check the redundant bookkeeping, under the lock: every block is on the free
-        heap or held by exactly one live sequence; the live seq_ids are those of
-        ``cache_lengths``, each below the id counter, each length in ``[0, max_seq_len]``; a
-        batch in flight names distinct live sequences, its host and device ``lookup_table`` /
-        ``cache_lengths`` agree with their blocks and committed lengths, and it has an owner
-        thread (and there is no owner without a batch).
-
-        **Synchronizes** the device on cuda (reads the in-flight index buffers back).
-
-        Raises
-        ------
-        RuntimeError
-            Listing every broken invariant.
-        """
+        """Cross-check the redundant bookkeeping under the lock (the invariants listed in
+        :func:`~hcache.continuous.invariants.broken_manager_invariants`); ``RuntimeError``
+        listing every broken one. **Synchronizes** the device on cuda (reads the in-flight index
+        buffers back)."""
         with self._cond:
             p = broken_manager_invariants(self._sequences, self._inflight, self._inflight_owner)
             if p:
