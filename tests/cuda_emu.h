@@ -18,6 +18,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __launch_bounds__(...)
 #define __restrict__ __restrict
 #define __shared__ static_assert(false, "cuda_emu: __shared__ is not supported");
 #define __syncthreads() static_assert(false, "cuda_emu: __syncthreads is not supported")

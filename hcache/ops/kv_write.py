@@ -13,7 +13,7 @@ from ..dtypes import resolve_dtype
 from . import reference as ref
 from ._launch import (
     BLOCK,
-    ceil_div,
+    WARP,
     check_status,
     f32,
     grid_x,
@@ -186,20 +186,20 @@ def _launch_rows(run, kernel, group, layers, ks, vs, launched, row_bytes, rows, 
     """Launch ``kernel`` of ``kv_write.cu`` over the rows of ``launched`` layers: the argument
     list both write kernels share (layer table, sources, row mapping, strides), with ``extra``
     (the quantizing kernel's codes and scales) between the row width and the strides. One
-    thread per 16-byte chunk of a ``row_bytes`` row (one row per token, component and head)."""
+    warp per token (its rows: one per component and head, ``row_bytes`` each); ``paged`` says
+    explicitly that ``block_table`` is given (an empty table may have a null pointer)."""
     seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths, positions, row_to_slot, \
         block_table = rows
     srcs, k_ptr, v_ptr, offset = _sources(run, group, layers, ks, vs)
     max_blocks = int(block_table.shape[1]) if block_table is not None else 0
-    heads = max(group.num_kv_heads[i] for i in launched)
-    grid = (grid_x(num_tokens * group.components * heads * ceil_div(row_bytes, 16)),
-            len(launched), 1)
+    grid = (grid_x(num_tokens * WARP), len(launched), 1)
     slot_s, kv_s, head_s, tok_s = group.byte_strides
     run.launch("kv_write", kernel, grid, (BLOCK, 1, 1),
                (ptr(group.device_layer_infos), i32(offset), ptr(srcs), k_ptr, v_ptr,
                 ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
                 ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(block_table),
-                i32(max_blocks), i32(group.num_slots), i32(group.components), i32(row_bytes),
+                i32(max_blocks), i32(block_table is not None), i32(group.num_slots),
+                i32(group.components), i32(row_bytes),
                 *extra,
                 i64(slot_s), i64(kv_s), i64(head_s), i64(tok_s), ptr(status)))
 
