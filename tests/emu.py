@@ -41,7 +41,8 @@ def build(family: str, wide_index: bool = False) -> ctypes.CDLL:
     # block-wide kernels (barriers, shared memory): their threads run as coroutines
     barriers = ["-DCUDA_EMU_BARRIERS=1"] if "__syncthreads" in src.read_text() else []
     wrapper = f'{define}#include "{src}"\n{exports}'
-    digest = hashlib.sha256((" ".join(FLAGS + tuple(barriers)) + wrapper + HEADER.read_text() + src.read_text()
+    digest = hashlib.sha256((" ".join(FLAGS + tuple(barriers)) + wrapper + HEADER.read_text()
+                             + src.read_text()
                              + (kernel_dir() / "common.cuh").read_text()).encode()).hexdigest()
     out_dir = Path(tempfile.gettempdir()) / "hcache-emu"
     out_dir.mkdir(exist_ok=True)
