@@ -100,6 +100,10 @@ def info(args) -> int:
                 results.append(f"FAILED: {str(exc).splitlines()[0]}")
                 ok = ok and version is None
         print(f"  {family:<11} {' / '.join(results)}")
+        if results[-1] == "ok":
+            regs = _nvrtc.kernel_registers(family, "sm_90")
+            print("              registers/thread (sm_90): "
+                  + ", ".join(f"{name} {n}" for name, n in regs.items()))
     if device.is_cuda:
         for family, names in _loader.FAMILIES.items():
             for name in names:

@@ -55,13 +55,10 @@ struct HcSchedule {
     }
 };
 
-// Builds the schedule. Launch: grid (1), block (1): the work is O(max_batch) and serial.
-// mapping: int32 [old_batch]; lengths: int32 [max_batch] or null (then max length = 0).
-extern "C" __global__ void hc_compaction_plan(const int* __restrict__ mapping, int old_batch,
-                                              int new_batch, int max_batch,
-                                              const int* __restrict__ lengths,
-                                              int* __restrict__ plan) {
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+// The schedule built by one thread, O(max_batch): the definition the block-wide build below
+// reproduces entry for entry, and the path for a max_batch past the block.
+__device__ void hc_plan_serial(const int* mapping, int old_batch, int new_batch, int max_batch,
+                               const int* lengths, int* plan) {
     int* inv = plan + HC_PLAN_HEADER;
     int* done = inv + max_batch;
     int* sched = done + max_batch;
@@ -118,6 +115,192 @@ extern "C" __global__ void hc_compaction_plan(const int* __restrict__ mapping, i
     plan[HC_PLAN_COUNT] = n;
     plan[HC_PLAN_MAX_LEN] = max_len;
     plan[HC_PLAN_STATUS] = 0;
+}
+
+
+#define HC_PLAN_NODES 1024  // the largest max_batch the block-wide build takes (shared memory)
+#define HC_NONE 0x7fffffff
+
+// Pointer jumping over the block's nodes (one per thread, x = threadIdx.x < n): `rounds` times,
+// succ[x] <- succ[succ[x]] while val[x] <- op(val[x], val[succ[x]]). Every thread calls it.
+template <bool MIN>
+__device__ __forceinline__ void hc_jump(int* succ, int* val, int x, bool node, int rounds) {
+    for (int r = 0; r < rounds; ++r) {
+        int s = 0, v = 0;
+        if (node) {
+            const int y = succ[x];
+            s = succ[y];
+            v = MIN ? (val[x] < val[y] ? val[x] : val[y]) : val[x] + val[y];
+        }
+        __syncthreads();
+        if (node) {
+            succ[x] = s;
+            val[x] = v;
+        }
+        __syncthreads();
+    }
+}
+
+// Builds the schedule. Launch: grid (1), block (B, a multiple of 32, at most 1024); with
+// max_batch <= B every slot has a thread and the build is block-wide (O(log max_batch) steps),
+// else thread 0 builds it serially. Either way the plan's words are those of hc_plan_serial.
+// mapping: int32 [old_batch]; lengths: int32 [max_batch] or null (then max length = 0).
+//
+// Block-wide: D, the slots that receive a move (inv[x] >= 0, inv[x] != x), splits into chains
+// (their root: a slot whose content nobody needs, x >= old_batch or mapping[x] == -1) and
+// cycles. Following mapping from x reaches x's chain root; pointer jumping finds each cycle's
+// smallest slot m, then, with the cycles cut at m, each slot's rank (its distance to its root
+// or m) and root. The serial schedule lists the chains by root, each from its root backwards
+// (rank order), then the cycles by m ((m, TMP), then rank order, the last from TMP), then the
+// clears by slot: one exclusive scan of these block sizes places every entry.
+extern "C" __global__ void __launch_bounds__(1024) hc_compaction_plan(
+    const int* __restrict__ mapping, int old_batch, int new_batch, int max_batch,
+    const int* __restrict__ lengths, int* __restrict__ plan) {
+    __shared__ int s_inv[HC_PLAN_NODES];
+    __shared__ int s_succ[HC_PLAN_NODES];
+    __shared__ int s_val[HC_PLAN_NODES];
+    __shared__ int s_off[3 * HC_PLAN_NODES];
+    __shared__ int s_part[1024];
+    __shared__ int s_bad, s_max_len;
+    if (blockIdx.x != 0) return;
+    const int nt = (int)blockDim.x;
+    const int x = (int)threadIdx.x;
+    if (max_batch > nt || max_batch > HC_PLAN_NODES) {
+        if (x == 0) hc_plan_serial(mapping, old_batch, new_batch, max_batch, lengths, plan);
+        return;
+    }
+    if (x == 0) {
+        plan[HC_PLAN_COUNT] = 0;
+        plan[HC_PLAN_MAX_LEN] = 0;
+        plan[HC_PLAN_BAD_INDEX] = -1;
+    }
+    if (max_batch < 0 || old_batch < 0 || old_batch > max_batch || new_batch < 0 ||
+        new_batch > max_batch) {
+        if (x == 0) plan[HC_PLAN_STATUS] = 2;
+        return;
+    }
+    const int mb = max_batch;
+    int* inv = plan + HC_PLAN_HEADER;
+    int* done = inv + mb;
+    int* sched = done + mb;
+    const bool slot = x < mb;
+    // inv by the smallest old index per destination; the first offending old index as the
+    // serial loop meets it: the smallest old that is out of range or not first at its dst.
+    if (slot) s_inv[x] = HC_NONE;
+    for (int i = x; i < 3 * mb; i += nt) s_off[i] = 0;
+    if (x == 0) {
+        s_bad = HC_NONE;
+        s_max_len = 0;
+    }
+    __syncthreads();
+    const int dst = x < old_batch ? mapping[x] : -1;
+    const bool in_range = dst >= 0 && dst < new_batch;
+    if (x < old_batch && dst != -1 && !in_range) atomicMin(&s_bad, x);
+    if (x < old_batch && in_range) atomicMin(&s_inv[dst], x);
+    __syncthreads();
+    if (x < old_batch && in_range && s_inv[dst] != x) atomicMin(&s_bad, x);
+    __syncthreads();
+    const int bad = s_bad;
+    if (bad != HC_NONE) {  // as far as the serial loop got: the olds before the offender
+        if (slot) {
+            inv[x] = s_inv[x] < bad ? s_inv[x] : -1;
+            done[x] = 0;
+        }
+        if (x == 0) {
+            plan[HC_PLAN_BAD_INDEX] = bad;
+            plan[HC_PLAN_STATUS] = 1;
+        }
+        return;
+    }
+    const int src = slot && s_inv[x] != HC_NONE ? s_inv[x] : -1;
+    __syncthreads();
+    if (slot) s_inv[x] = src;
+    const bool node = src >= 0 && src != x;  // x in D
+    const bool root = node && !in_range;     // x's content is not needed: a chain's root
+    if (slot) {
+        s_succ[x] = node && !root ? dst : x;
+        s_val[x] = x;
+    }
+    int rounds = 0;
+    while ((1 << rounds) < mb) ++rounds;
+    __syncthreads();
+    hc_jump<true>(s_succ, s_val, x, node, rounds);
+    // a chain slot now points at its root; a cycle slot at a slot of its cycle
+    bool cycle = false;
+    int m = x;
+    if (node) {
+        const int y = s_succ[x];
+        cycle = y < old_batch && mapping[y] >= 0 && mapping[y] != y;
+        m = s_val[x];
+    }
+    __syncthreads();
+    if (slot) {
+        const bool stop = !node || root || (cycle && m == x);
+        s_succ[x] = stop ? x : dst;
+        s_val[x] = stop ? 0 : 1;
+    }
+    __syncthreads();
+    hc_jump<false>(s_succ, s_val, x, node, rounds);
+    const int top = node ? s_succ[x] : x;
+    const int rank = node ? s_val[x] : 0;
+    if (node) {
+        if (cycle) atomicMax(&s_off[mb + top], rank + 2);
+        else atomicMax(&s_off[top], rank + 1);
+        if (lengths != nullptr) atomicMax(&s_max_len, lengths[src]);
+    }
+    if (x < new_batch && src == -1) s_off[2 * mb + x] = 1;
+    __syncthreads();
+    // exclusive scan of the 3 mb block sizes: contiguous items per thread, then the threads
+    const int per = (3 * mb + nt - 1) / nt;
+    const int lo = x * per < 3 * mb ? x * per : 3 * mb;
+    const int hi = lo + per < 3 * mb ? lo + per : 3 * mb;
+    int sum = 0;
+    for (int i = lo; i < hi; ++i) sum += s_off[i];
+    s_part[x] = sum;
+    __syncthreads();
+    for (int d = 1; d < nt; d <<= 1) {
+        const int add = x >= d ? s_part[x - d] : 0;
+        __syncthreads();
+        s_part[x] += add;
+        __syncthreads();
+    }
+    int run = x > 0 ? s_part[x - 1] : 0;
+    for (int i = lo; i < hi; ++i) {
+        const int size = s_off[i];
+        s_off[i] = run;
+        run += size;
+    }
+    const int total = s_part[nt - 1];
+    __syncthreads();
+    if (node && !cycle) {
+        const int e = s_off[top] + rank;
+        sched[2 * e] = src;
+        sched[2 * e + 1] = x;
+    } else if (node) {
+        const int base = s_off[mb + top];
+        if (x == top) {
+            sched[2 * base] = x;
+            sched[2 * base + 1] = HC_TMP;
+        }
+        const int e = base + 1 + rank;
+        sched[2 * e] = src == top ? HC_TMP : src;
+        sched[2 * e + 1] = x;
+    }
+    if (x < new_batch && src == -1) {
+        const int e = s_off[2 * mb + x];
+        sched[2 * e] = HC_CLEAR;
+        sched[2 * e + 1] = x;
+    }
+    if (slot) {
+        inv[x] = src;
+        done[x] = node ? 1 : 0;
+    }
+    __syncthreads();
+    if (x == 0) {
+        plan[HC_PLAN_COUNT] = total;
+        plan[HC_PLAN_MAX_LEN] = s_max_len;
+        plan[HC_PLAN_STATUS] = 0;
+    }
 }
 
 __device__ __forceinline__ hc_i64 hc_span_bytes(int len, int cap, int row_bytes) {

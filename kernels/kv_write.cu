@@ -69,19 +69,22 @@ struct HcWriteArgs {
     int num_slots;
     int components;
     int row_bytes;
+    int paged;  // 1: block_table is the paged pools' table (explicit: an empty table's pointer
+                // may be null on a GPU, and a paged write must not read it as "contiguous")
 };
 
-// Where token t lands in one layer: returns 0 and sets *dst (byte offset from info.data) to
-// write it, 1 to skip it silently (padding), 2 to skip it and count it.
+// Where token t lands in one layer: returns 0 and sets *dst (byte offset from info.data of the
+// token's (component 0, head 0) row) to write it, 1 to skip it silently (padding), 2 to skip it
+// and count it. Resolved once per token (by every lane of the token's warp, with the same
+// loads, which the hardware broadcasts), never per chunk.
 __device__ __forceinline__ int hc_token_target(const HcWriteArgs& a, const KVLayerInfo& info,
-                                               int t, int kv, int head, hc_i64 slot_stride,
-                                               hc_i64 kv_stride, hc_i64 head_stride,
-                                               hc_i64 tok_stride, hc_i64* dst) {
+                                               int t, hc_i64 slot_stride, hc_i64 tok_stride,
+                                               hc_i64* dst) {
     int start = 0;
     hc_i64 end = 0;
     const int b = hc_token_row(a.seq_offsets, a.uniform_tokens, a.batch, t, &start, &end);
     if (b < 0) return 1;
-    const bool ring = info.ring_window > 0 && a.block_table == nullptr;
+    const bool ring = info.ring_window > 0 && !a.paged;
     if (ring && end - t > info.max_seq_len) return 1;  // overwritten by a later token of its row
     // 64-bit: cache_lengths[b] + (t - start) may pass INT_MAX.
     const hc_i64 pos = a.positions != nullptr
@@ -92,71 +95,106 @@ __device__ __forceinline__ int hc_token_target(const HcWriteArgs& a, const KVLay
     if (pos < 0) return 2;
     int slot;
     hc_i64 p;
-    if (a.block_table != nullptr) {
-        const int S = info.max_seq_len;  // 32-bit division unless pos needs 64 bits
-        const hc_i64 col = pos <= 0x7fffffff ? (hc_i64)((int)pos / S) : pos / S;
+    if (a.paged) {
+        // 0 <= pos < 2^32 (an int32 length plus an int32 token offset): 32-bit division.
+        const unsigned S = (unsigned)info.max_seq_len;
+        const hc_i64 col = (hc_i64)((unsigned)pos / S);
         if (col >= a.max_blocks_per_seq) return 2;
         slot = a.block_table[(hc_i64)b * a.max_blocks_per_seq + col];
         p = pos - col * S;
     } else {
         slot = a.row_to_slot != nullptr ? a.row_to_slot[b] : b;
-        const int S = info.max_seq_len;
-        p = !ring ? pos : (pos <= 0x7fffffff ? (hc_i64)((int)pos % S) : pos % S);
+        p = !ring ? pos : (hc_i64)((unsigned)pos % (unsigned)info.max_seq_len);
     }
     if (slot == -1) return 1;
     if (slot < 0 || slot >= a.num_slots || p >= info.max_seq_len) return 2;
-    *dst = slot * slot_stride + kv * kv_stride + head * head_stride + p * tok_stride;
+    *dst = slot * slot_stride + p * tok_stride;
     return 0;
 }
 
-// I: the flat index type (32-bit when it fits, see hc_fits_u32).
-template <int W, typename I>
-__device__ void hc_kv_write_impl(const HcWriteArgs& a, const KVLayerInfo& info, const char* k,
-                                 const char* v, hc_i64 slot_stride, hc_i64 kv_stride,
-                                 hc_i64 head_stride, hc_i64 tok_stride, int* status) {
-    const int H = info.num_kv_heads;
-    const I chunks = (I)((a.row_bytes + W - 1) / W);
-    const I heads2 = (I)(a.components * H);
-    const I total = (I)a.num_tokens * heads2 * chunks;
-    const I step = (I)gridDim.x * blockDim.x;
-    for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
-        const I c = g % chunks;
-        const I r = g / chunks;
-        const int kvh = (int)(r % heads2);
-        const int t = (int)(r / heads2);
-        const int kv = kvh / H;
-        const int head = kvh - kv * H;
-        hc_i64 dst = 0;
-        const int what = hc_token_target(a, info, t, kv, head, slot_stride, kv_stride,
-                                         head_stride, tok_stride, &dst);
-        if (what != 0) {
-            if (what == 2 && c == 0 && kvh == 0 && blockIdx.y == 0) hc_report(status);
-            continue;
-        }
-        const char* src = (kv ? v : k) + ((hc_i64)t * H + head) * a.row_bytes;
-        hc_copy_chunk<W>(reinterpret_cast<char*>(info.data) + dst, src, (hc_i64)c * W,
-                         a.row_bytes);
-    }
+// How the 32 lanes of a warp cover the rows of one token: 2^shift lanes per (component, head)
+// row (the fewest that take a row's chunks in one pass, at most 32), 32 >> shift rows side by
+// side; a lane takes chunks col, col + 2^shift, ... of rows sub, sub + (32 >> shift), ...
+// Consecutive lanes hold consecutive chunks of a row, so loads and stores coalesce.
+struct HcRowWalk {
+    int rows;      // components * heads
+    int chunks;    // per row
+    int shift;     // log2(lanes per row)
+    int per_lane;  // chunks of one row per lane: ceil(chunks / lanes per row)
+    int sub;       // this lane's first row
+    int col;       // this lane's first chunk
+};
+
+__device__ __forceinline__ HcRowWalk hc_row_walk(int rows, int chunks) {
+    int s = 0;
+    while (s < 5 && (1 << s) < chunks) ++s;
+    const int lane = (int)(threadIdx.x & 31u);
+    return HcRowWalk{rows, chunks, s, (chunks + (1 << s) - 1) >> s, lane >> s,
+                     lane & ((1 << s) - 1)};
 }
+
+// Items a lane moves at once: its loads are all issued before its first store.
+#define HC_IN_FLIGHT 4
+
+// The warps of the launch: warp g of layer blockIdx.y takes tokens g, g + warps, ...
+__device__ __forceinline__ int hc_warp_id() {
+    return (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+}
+__device__ __forceinline__ int hc_warp_count() { return (int)((gridDim.x * blockDim.x) >> 5); }
 
 template <int W>
 __device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, const char* k,
                                  const char* v, hc_i64 slot_stride, hc_i64 kv_stride,
                                  hc_i64 head_stride, hc_i64 tok_stride, int* status) {
-    const hc_u64 bound = (hc_u64)a.num_tokens * a.components * info.num_kv_heads * a.row_bytes;
-    if (hc_fits_u32(bound))
-        hc_kv_write_impl<W, unsigned>(a, info, k, v, slot_stride, kv_stride, head_stride,
-                                      tok_stride, status);
-    else
-        hc_kv_write_impl<W, hc_u64>(a, info, k, v, slot_stride, kv_stride, head_stride,
-                                    tok_stride, status);
+    typedef typename HcVec<W>::T V;
+    const int H = info.num_kv_heads;
+    const HcRowWalk w = hc_row_walk(a.components * H, a.row_bytes / W);  // W | row_bytes
+    const int row_step = 32 >> w.shift;
+    char* const cache = reinterpret_cast<char*>(info.data);
+    const int lane = (int)(threadIdx.x & 31u);
+    for (int t = hc_warp_id(); t < a.num_tokens; t += hc_warp_count()) {
+        hc_i64 dst = 0;
+        const int what = hc_token_target(a, info, t, slot_stride, tok_stride, &dst);
+        if (what != 0) {
+            if (what == 2 && lane == 0 && blockIdx.y == 0) hc_report(status);
+            continue;
+        }
+        int r = w.sub, i = 0;
+        while (r < w.rows) {
+            V buf[HC_IN_FLIGHT];
+            char* out[HC_IN_FLIGHT];
+#pragma unroll
+            for (int u = 0; u < HC_IN_FLIGHT; ++u) {
+                out[u] = nullptr;
+                if (r >= w.rows) continue;
+                const int c = w.col + (i << w.shift);
+                if (c < w.chunks) {
+                    const int kv = r >= H ? 1 : 0;
+                    const int head = r - kv * H;
+                    const hc_i64 at = ((hc_i64)t * H + head) * a.row_bytes + (hc_i64)c * W;
+                    buf[u] = *reinterpret_cast<const V*>((kv ? v : k) + at);
+                    out[u] = cache + dst + kv * kv_stride + head * head_stride + (hc_i64)c * W;
+                }
+                if (++i == w.per_lane) {
+                    i = 0;
+                    r += row_step;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < HC_IN_FLIGHT; ++u)
+                if (out[u] != nullptr) *reinterpret_cast<V*>(out[u]) = buf[u];
+        }
+    }
 }
 
 // layers: the group's KVLayerInfo array; this launch writes layers layer_offset + blockIdx.y.
 // srcs: KVSrcInfo [gridDim.y] (per launched layer), or null to use k_ptr / v_ptr (grid.y == 1).
 // components: 2 (K and V) or 1 (latent: k only), the same for every layer of the group.
-// Launch: grid (x, num_launched_layers), block (B); x covers tokens * C * H * chunks per row.
-extern "C" __global__ void hc_kv_write(const KVLayerInfo* __restrict__ layers, int layer_offset,
+// paged: 1 when block_table addresses a paged pool (whatever its pointer), 0 for contiguous
+// caches (block_table is then not read).
+// Launch: grid (x, num_launched_layers), block (a multiple of 32); one warp per token (x covers
+// num_tokens warps, or fewer: warps stride over the tokens).
+extern "C" __global__ void __launch_bounds__(256, 5) hc_kv_write(const KVLayerInfo* __restrict__ layers, int layer_offset,
                                        const KVSrcInfo* __restrict__ srcs, hc_u64 k_ptr,
                                        hc_u64 v_ptr, const int* __restrict__ seq_offsets,
                                        int uniform_tokens, int batch, int num_tokens,
@@ -164,8 +202,8 @@ extern "C" __global__ void hc_kv_write(const KVLayerInfo* __restrict__ layers, i
                                        const int* __restrict__ positions,
                                        const int* __restrict__ row_to_slot,
                                        const int* __restrict__ block_table,
-                                       int max_blocks_per_seq, int num_slots, int components,
-                                       int row_bytes,
+                                       int max_blocks_per_seq, int paged, int num_slots,
+                                       int components, int row_bytes,
                                        hc_i64 slot_stride, hc_i64 kv_stride, hc_i64 head_stride,
                                        hc_i64 tok_stride, int* status) {
     const KVLayerInfo info = layers[layer_offset + blockIdx.y];
@@ -179,7 +217,7 @@ extern "C" __global__ void hc_kv_write(const KVLayerInfo* __restrict__ layers, i
     }
     const HcWriteArgs a = {seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths,
                            positions, row_to_slot, block_table, max_blocks_per_seq, num_slots,
-                           components, row_bytes};
+                           components, row_bytes, paged};
     const int w = hc_vec_width(k | v | info.data | (hc_u64)row_bytes | (hc_u64)slot_stride |
                                (hc_u64)kv_stride | (hc_u64)head_stride | (hc_u64)tok_stride);
     HC_DISPATCH_WIDTH(w, hc_kv_write_body, a, info, reinterpret_cast<const char*>(k),
@@ -278,44 +316,6 @@ __device__ __forceinline__ void hc_load_words(unsigned* w, const char* p) {
     }
 }
 
-// One element's bits from a scalar load (the tail of a row).
-template <int SZ>
-__device__ __forceinline__ unsigned hc_load_elem(const char* p) {
-    if constexpr (SZ == 4) return *reinterpret_cast<const unsigned*>(p);
-    else return *reinterpret_cast<const unsigned short*>(p);
-}
-
-// Quantize elements [off, min(off + E, n)) of a row of SZ-byte inputs; off is a multiple of E,
-// off < n.
-template <int E, int SZ>
-__device__ __forceinline__ void hc_quantize_chunk(char* dst, const char* src, hc_i64 off,
-                                                  hc_i64 n, int src_dtype, float scale,
-                                                  const HcFp8& f) {
-    if (off + E <= n) {
-        unsigned w[(E * SZ + 3) / 4];
-        hc_load_words<E * SZ>(w, src + off * SZ);
-        unsigned out[(E + 3) / 4];
-#pragma unroll
-        for (int i = 0; i < (E + 3) / 4; ++i) out[i] = 0;
-#pragma unroll
-        for (int j = 0; j < E; ++j) {
-            unsigned x;
-            if constexpr (SZ == 4) x = w[j];
-            else x = (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
-            out[j >> 2] |= hc_quantize(x, src_dtype, scale, f) << ((j & 3) * 8);
-        }
-        char* d = dst + off;
-        if constexpr (E == 16) *reinterpret_cast<uint4*>(d) = uint4{out[0], out[1], out[2], out[3]};
-        else if constexpr (E == 8) *reinterpret_cast<uint2*>(d) = uint2{out[0], out[1]};
-        else if constexpr (E == 4) *reinterpret_cast<unsigned*>(d) = out[0];
-        else if constexpr (E == 2) *reinterpret_cast<unsigned short*>(d) = (unsigned short)out[0];
-        else *reinterpret_cast<unsigned char*>(d) = (unsigned char)out[0];
-    } else {
-        for (hc_i64 i = off; i < n; ++i)
-            dst[i] = (char)hc_quantize(hc_load_elem<SZ>(src + i * SZ), src_dtype, scale, f);
-    }
-}
-
 struct HcScaleArgs {
     const int* rows;      // the scale row of each group position
     const float* k;       // null: k_value for every layer and head
@@ -330,57 +330,87 @@ struct HcQuantArgs {
     HcFp8 fmt;
 };
 
-template <int E, int SZ, typename I>
-__device__ void hc_kv_write_fp8_impl(const HcWriteArgs& a, const KVLayerInfo& info,
-                                     const HcQuantArgs& q, const char* k, const char* v,
-                                     const HcScaleArgs& sc, hc_i64 slot_stride,
-                                     hc_i64 kv_stride, hc_i64 head_stride, hc_i64 tok_stride,
-                                     int* status) {
-    const int row = q.row;
-    const int H = info.num_kv_heads;
-    const int D = a.row_bytes;  // one byte per FP8 element
-    const I chunks = (I)((D + E - 1) / E);
-    const I heads2 = (I)(a.components * H);
-    const I total = (I)a.num_tokens * heads2 * chunks;
-    const I step = (I)gridDim.x * blockDim.x;
-    for (I g = (I)blockIdx.x * blockDim.x + threadIdx.x; g < total; g += step) {
-        const I c = g % chunks;
-        const I r = g / chunks;
-        const int kvh = (int)(r % heads2);
-        const int t = (int)(r / heads2);
-        const int kv = kvh / H;
-        const int head = kvh - kv * H;
-        hc_i64 dst = 0;
-        const int what = hc_token_target(a, info, t, kv, head, slot_stride, kv_stride,
-                                         head_stride, tok_stride, &dst);
-        if (what != 0) {
-            if (what == 2 && c == 0 && kvh == 0 && blockIdx.y == 0) hc_report(status);
-            continue;
-        }
-        const float* table = kv ? sc.v : sc.k;
-        const float scale =
-            table == nullptr ? (kv ? sc.v_value : sc.k_value)
-                             : table[(hc_i64)row * (kv ? sc.v_layer_stride : sc.k_layer_stride) +
-                                     (hc_i64)head * (kv ? sc.v_head_stride : sc.k_head_stride)];
-        const char* src = (kv ? v : k) + ((hc_i64)t * H + head) * D * SZ;
-        hc_quantize_chunk<E, SZ>(reinterpret_cast<char*>(info.data) + dst, src, (hc_i64)c * E,
-                                 D, q.src_dtype, scale, q.fmt);
+// Quantizes the E elements held in w (E * SZ bytes as loaded by hc_load_words) and stores their
+// E bytes at d (E-byte aligned) with one store.
+template <int E, int SZ>
+__device__ __forceinline__ void hc_quantize_store(char* d, const unsigned* w,
+                                                  const HcQuantArgs& q, float scale) {
+    unsigned out[(E + 3) / 4];
+#pragma unroll
+    for (int i = 0; i < (E + 3) / 4; ++i) out[i] = 0;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        unsigned x;
+        if constexpr (SZ == 4) x = w[j];
+        else x = (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
+        out[j >> 2] |= hc_quantize(x, q.src_dtype, scale, q.fmt) << ((j & 3) * 8);
     }
+    if constexpr (E == 16) *reinterpret_cast<uint4*>(d) = uint4{out[0], out[1], out[2], out[3]};
+    else if constexpr (E == 8) *reinterpret_cast<uint2*>(d) = uint2{out[0], out[1]};
+    else if constexpr (E == 4) *reinterpret_cast<unsigned*>(d) = out[0];
+    else if constexpr (E == 2) *reinterpret_cast<unsigned short*>(d) = (unsigned short)out[0];
+    else *reinterpret_cast<unsigned char*>(d) = (unsigned char)out[0];
 }
 
+// Items a lane quantizes at once (each up to 64 input bytes in registers).
+#define HC_FP8_IN_FLIGHT 2
+
+// The rows of hc_kv_write, E elements (E input elements of SZ bytes in, E bytes out) per chunk.
 template <int E, int SZ>
 __device__ void hc_kv_write_fp8_body(const HcWriteArgs& a, const KVLayerInfo& info,
                                      const HcQuantArgs& q, const char* k, const char* v,
                                      const HcScaleArgs& sc, hc_i64 slot_stride,
                                      hc_i64 kv_stride, hc_i64 head_stride, hc_i64 tok_stride,
                                      int* status) {
-    const hc_u64 bound = (hc_u64)a.num_tokens * a.components * info.num_kv_heads * a.row_bytes;
-    if (hc_fits_u32(bound))
-        hc_kv_write_fp8_impl<E, SZ, unsigned>(a, info, q, k, v, sc, slot_stride, kv_stride,
-                                              head_stride, tok_stride, status);
-    else
-        hc_kv_write_fp8_impl<E, SZ, hc_u64>(a, info, q, k, v, sc, slot_stride, kv_stride,
-                                            head_stride, tok_stride, status);
+    constexpr int NW = (E * SZ + 3) / 4;  // input words per chunk
+    const int H = info.num_kv_heads;
+    const int D = a.row_bytes;  // one byte per FP8 element; E | D
+    const HcRowWalk w = hc_row_walk(a.components * H, D / E);
+    const int row_step = 32 >> w.shift;
+    char* const cache = reinterpret_cast<char*>(info.data);
+    const int lane = (int)(threadIdx.x & 31u);
+    for (int t = hc_warp_id(); t < a.num_tokens; t += hc_warp_count()) {
+        hc_i64 dst = 0;
+        const int what = hc_token_target(a, info, t, slot_stride, tok_stride, &dst);
+        if (what != 0) {
+            if (what == 2 && lane == 0 && blockIdx.y == 0) hc_report(status);
+            continue;
+        }
+        int r = w.sub, i = 0;
+        while (r < w.rows) {
+            unsigned in[HC_FP8_IN_FLIGHT][NW];
+            char* out[HC_FP8_IN_FLIGHT];
+            float scale[HC_FP8_IN_FLIGHT];
+#pragma unroll
+            for (int u = 0; u < HC_FP8_IN_FLIGHT; ++u) {
+                out[u] = nullptr;
+                scale[u] = 1.0f;
+                if (r >= w.rows) continue;
+                const int c = w.col + (i << w.shift);
+                if (c < w.chunks) {
+                    const int kv = r >= H ? 1 : 0;
+                    const int head = r - kv * H;
+                    const hc_i64 at = (((hc_i64)t * H + head) * D + (hc_i64)c * E) * SZ;
+                    hc_load_words<E * SZ>(in[u], (kv ? v : k) + at);
+                    const float* table = kv ? sc.v : sc.k;
+                    scale[u] = table == nullptr
+                                   ? (kv ? sc.v_value : sc.k_value)
+                                   : table[(hc_i64)q.row * (kv ? sc.v_layer_stride
+                                                               : sc.k_layer_stride) +
+                                           (hc_i64)head * (kv ? sc.v_head_stride
+                                                              : sc.k_head_stride)];
+                    out[u] = cache + dst + kv * kv_stride + head * head_stride + (hc_i64)c * E;
+                }
+                if (++i == w.per_lane) {
+                    i = 0;
+                    r += row_step;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < HC_FP8_IN_FLIGHT; ++u)
+                if (out[u] != nullptr) hc_quantize_store<E, SZ>(out[u], in[u], q, scale[u]);
+        }
+    }
 }
 
 template <int SZ>
@@ -409,13 +439,13 @@ __device__ void hc_kv_write_fp8_width(int e, const HcWriteArgs& a, const KVLayer
 // head * k_head_stride] (likewise v). Chunks of E elements: E the largest power of two <= 16
 // that keeps every FP8 store E-byte aligned and every input load min(16, E * itemsize)-byte
 // aligned, so aligned rows move with 16-byte vectors on both sides.
-extern "C" __global__ void hc_kv_write_fp8(
+extern "C" __global__ void __launch_bounds__(256, 4) hc_kv_write_fp8(
     const KVLayerInfo* __restrict__ layers, int layer_offset, const KVSrcInfo* __restrict__ srcs,
     hc_u64 k_ptr, hc_u64 v_ptr, const int* __restrict__ seq_offsets, int uniform_tokens,
     int batch, int num_tokens, const int* __restrict__ cache_lengths,
     const int* __restrict__ positions, const int* __restrict__ row_to_slot,
-    const int* __restrict__ block_table, int max_blocks_per_seq, int num_slots, int components,
-    int head_dim,
+    const int* __restrict__ block_table, int max_blocks_per_seq, int paged, int num_slots,
+    int components, int head_dim,
     int src_dtype, int fp8_format, const int* __restrict__ scale_rows,
     const float* __restrict__ k_scales, const float* __restrict__ v_scales, int k_layer_stride,
     int k_head_stride, int v_layer_stride, int v_head_stride, float k_scale, float v_scale,
@@ -432,7 +462,7 @@ extern "C" __global__ void hc_kv_write_fp8(
     }
     const HcWriteArgs a = {seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths,
                            positions, row_to_slot, block_table, max_blocks_per_seq, num_slots,
-                           components, head_dim};
+                           components, head_dim, paged};
     const HcScaleArgs sc = {scale_rows, k_scales, v_scales, k_layer_stride, k_head_stride,
                             v_layer_stride, v_head_stride, k_scale, v_scale};
     const HcQuantArgs q = {scale_rows != nullptr ? scale_rows[gp] : gp, src_dtype,

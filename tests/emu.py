@@ -38,8 +38,11 @@ def build(family: str, wide_index: bool = False) -> ctypes.CDLL:
     src = kernel_dir() / f"{family}.cu"
     exports = "".join(f"CUDA_EMU_EXPORT({name})\n" for name in FAMILIES[family])
     define = "#define HC_FORCE_U64_INDEX 1\n" if wide_index else ""
+    # block-wide kernels (barriers, shared memory): their threads run as coroutines
+    barriers = ["-DCUDA_EMU_BARRIERS=1"] if "__syncthreads" in src.read_text() else []
     wrapper = f'{define}#include "{src}"\n{exports}'
-    digest = hashlib.sha256((" ".join(FLAGS) + wrapper + HEADER.read_text() + src.read_text()
+    digest = hashlib.sha256((" ".join(FLAGS + tuple(barriers)) + wrapper + HEADER.read_text()
+                             + src.read_text()
                              + (kernel_dir() / "common.cuh").read_text()).encode()).hexdigest()
     out_dir = Path(tempfile.gettempdir()) / "hcache-emu"
     out_dir.mkdir(exist_ok=True)
@@ -48,7 +51,7 @@ def build(family: str, wide_index: bool = False) -> ctypes.CDLL:
         cpp = out_dir / f"{family}-{digest[:16]}.cpp"
         cpp.write_text(wrapper)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [os.environ.get("CXX", "g++"), *FLAGS,
+        cmd = [os.environ.get("CXX", "g++"), *FLAGS, *barriers,
                "-include", str(HEADER), f"-I{kernel_dir()}", str(cpp), "-o", str(tmp)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:

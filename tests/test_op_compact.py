@@ -429,3 +429,56 @@ def test_compaction_plan_scalars_outside_c_int_raise(kind):
     with pytest.raises(ValueError, match="new_batch: expected"):
         ops.compaction_plan(int32_on(xp, [0]), 1, 2**40, plan, backend=backend)
     assert not as_bytes(plan).any()
+
+
+# --- the block-wide plan (issue 22): every word equals the serial definition's ----------------
+
+@st.composite
+def plan_inputs(draw):
+    """``(max_batch, old_batch, new_batch, mapping, lengths)`` up to 1100 slots (past 1024 the
+    kernel's serial path): monotone compactions (one long chain), permutations (cycles of any
+    length, fixed points), mixtures with evictions and holes, and a mapping spoiled at a random
+    place (out of range or a duplicate) a quarter of the time."""
+    max_batch = draw(st.sampled_from([1, 2, 31, 33, 200, 1023, 1024, 1100]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    old_batch = int(rng.integers(0, max_batch + 1))
+    shape = draw(st.sampled_from(["monotone", "permutation", "mixed"]))
+    keep = rng.random(old_batch) < (1.0 if shape == "permutation" else rng.random())
+    kept = np.flatnonzero(keep)
+    if shape == "monotone":
+        new_batch = len(kept)
+        targets = np.arange(new_batch)
+    else:
+        new_batch = int(rng.integers(len(kept), max_batch + 1))
+        targets = rng.permutation(new_batch)[:len(kept)]
+    mapping = np.full(old_batch, -1, np.int32)
+    mapping[kept] = targets
+    if old_batch and draw(st.integers(0, 3)) == 0:
+        i = int(rng.integers(old_batch))
+        if len(kept) >= 2 and rng.integers(2):
+            j = int(kept[rng.integers(len(kept))])
+            if j != i:
+                mapping[i] = mapping[j]
+        else:
+            mapping[i] = new_batch + int(rng.integers(0, 3))
+    lengths = rng.integers(-2, 5000, max_batch).astype(np.int32)
+    return max_batch, old_batch, new_batch, mapping, lengths
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@settings(max_examples=25, deadline=None)
+@given(c=plan_inputs())
+def test_compaction_plan_words_equal_the_reference_at_any_size(kind, c):
+    """Plans of up to 1100 slots (block-wide up to 1024, serial past it), valid or spoiled: every
+    word (status, count, longest span, offender, inverse mapping, done flags and the schedule
+    in order) equals the reference's, the serial definition."""
+    xp, backend = kernel_env(kind)
+    max_batch, old, new, mapping, lengths = c
+    want = np.zeros(ops.compaction_plan_size(max_batch), np.int32)
+    ops.compaction_plan(mapping, old, new, want, lengths=lengths)
+    plan = xp.full(ops.compaction_plan_size(max_batch), 0, np.int32)
+    ops.compaction_plan(on(xp, mapping), old, new, plan, lengths=on(xp, lengths),
+                        backend=backend)
+    got = as_bytes(plan).view(np.int32)
+    count = 4 + 2 * max_batch + 2 * int(want[1])
+    assert got[:count].tolist() == want[:count].tolist()

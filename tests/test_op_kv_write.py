@@ -455,6 +455,70 @@ def test_kv_write_decode_against_hand_values(layout, lengths, rows, slots):
     assert int(status[0]) == counted
 
 
+class _FewWarps:
+    """A backend that launches the kernel with ``warps`` warps in all (grid x = 1): the warps
+    stride over the tokens, each taking several (the wrappers size grids for one token per
+    warp, so only this reaches the stride)."""
+
+    def __init__(self, inner, warps):
+        self.inner, self.warps = inner, warps
+
+    def launch(self, family, name, grid, block, args):
+        self.inner.launch(family, name, (1, *grid[1:]), (32 * self.warps, 1, 1), args)
+
+
+@pytest.mark.emu
+@pytest.mark.parametrize("kind", ["emu", "emu-reverse"])
+@settings(max_examples=40)
+@given(c=write_cases(modes=("ragged", "positions", "paged", "nhd", "decode"),
+                     components=(1, 2)),
+       warps=st.integers(1, 3))
+def test_kv_write_with_fewer_warps_than_tokens_matches_reference(kind, c, warps):
+    """One to three warps in the whole launch (every warp then takes several tokens, in every
+    mode, latent or K/V): the caches and status equal the reference's and the token-by-token
+    model's, as with a warp per token."""
+    xp, backend = kernel_env(kind)
+    ref_arena, k_arena = twins(c["seed"], xp)
+    rg, rkeep, rk, rv, rkw, rstatus = _write_state(ref_arena, c)
+    kg, kkeep, kk, kv, kkw, kstatus = _write_state(k_arena, c)
+    ops.kv_write(rg, rk, rv, status=rstatus, **rkw)
+    ops.kv_write(kg, kk, kv, status=kstatus, backend=_FewWarps(backend, warps), **kkw)
+    for r, k in zip(rkeep, kkeep):
+        assert_same_bytes(r, k)
+    assert int(rstatus[0]) == int(kstatus[0])
+    k_arena.check_canaries()
+
+
+class _NullEmptyTable:
+    """A backend that passes a null block-table pointer when the table has no columns, as a
+    GPU does for an empty array (the 13th and 14th arguments: table, max_blocks_per_seq)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def launch(self, family, name, grid, block, args):
+        args = list(args)
+        if int(args[13]) == 0:
+            args[12] = np.uint64(0)
+        self.inner.launch(family, name, grid, block, tuple(args))
+
+
+@pytest.mark.emu
+def test_kv_write_paged_flag_not_the_table_pointer_says_paged():
+    """A [batch, 0] block table whose pointer is null (a GPU's empty array) is still a paged
+    write: every token is counted and no contiguous slot is written (the kernel used to read a
+    null table as "contiguous caches" and write slot b)."""
+    xp, backend = kernel_env("emu")
+    layer = np.zeros((3, 2, 1, 4, 8), np.uint8)
+    k = np.ones((3, 1, 8), np.uint8)
+    status = np.zeros(1, np.int32)
+    ops.kv_write(KVGroup([layer]), k, k, layers=0, uniform_tokens=1,
+                 block_table=np.zeros((3, 0), np.int32), status=status,
+                 backend=_NullEmptyTable(backend))
+    assert int(status[0]) == 3
+    assert not layer.any()
+
+
 # --- edge cases and argument checks every path handles alike (reference and kernel) ----------
 
 @pytest.mark.parametrize("kind", WITH_REFERENCE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hcache import ops
@@ -46,6 +46,36 @@ def test_lengths_add_is_all_or_nothing(kind, lengths, inc, n, max_len, seed):
     assert as_bytes(cur).view(np.int32).tolist() == want.tolist()
     assert int(status[0]) == int(refused)
     arena.check_canaries()
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 2600), bad=st.one_of(st.none(), st.integers(0, 2599)),
+       scalar=st.booleans(), seed=st.integers(0, 2**16))
+def test_lengths_add_of_a_large_batch_is_all_or_nothing(kind, n, bad, scalar, seed):
+    """Batches past one thread per entry (the block's threads stride, up to 2600 entries) with
+    at most one offending entry anywhere (a negative increment, or a length that passes
+    max_len): the whole batch is refused and counted once, or every entry is updated."""
+    xp, backend = kernel_env(kind)
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 1000, n).astype(np.int32)
+    inc = rng.integers(0, 5, n).astype(np.int32)
+    max_len = 2000
+    if bad is not None and bad < n:
+        if scalar or rng.integers(2):
+            lengths[bad] = max_len
+        else:
+            inc[bad] = -1
+    increment = 1 if scalar else on(xp, inc)
+    delta = 1 if scalar else inc
+    cur = on(xp, lengths.copy())
+    status = xp.zeros(1, np.int32)
+    nxt = lengths.astype(np.int64) + delta
+    refused = bool(((np.asarray(delta) < 0) | (nxt > max_len)).any())
+    ops.lengths_add(cur, n, increment, max_len, status=status, backend=backend)
+    want = lengths if refused else nxt
+    assert as_bytes(cur).view(np.int32).tolist() == want.tolist()
+    assert int(as_bytes(status).view(np.int32)[0]) == int(refused)
 
 
 def test_lengths_add_refuses_overflow_whole():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hcache import ops
@@ -142,3 +142,43 @@ def test_slot_copy_index_arrays_must_be_arrays(kind):
     state = xp.zeros((2, 3), np.float32)
     with pytest.raises(TypeError, match="src_idx: expected a"):
         ops.slot_copy(SlotSet([(state, state)]), [0], int32_on(xp, [1]), backend=backend)
+
+
+class _OneSmallBlock:
+    """A backend that launches one block of 32 threads (tiles of 128 chunks): the block strides
+    over several tiles per pair and over every pair."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def launch(self, family, name, grid, block, args):
+        self.inner.launch(family, name, (1, *grid[1:]), (32, 1, 1), args)
+
+
+@pytest.mark.emu
+@pytest.mark.parametrize("kind", ["emu", "emu-reverse"])
+@settings(max_examples=30)
+@given(c=slot_copy_cases(), rows=st.integers(1, 90), seed=st.integers(0, 2**32 - 1))
+def test_slot_copy_of_slots_spanning_many_tiles_matches_the_model(kind, c, rows, seed):
+    """Slots of up to 90 x 6 elements (several tiles each, a partial last one, every
+    alignment) copied by one small block: the bytes equal the pair-by-pair model's."""
+    xp, backend = kernel_env(kind)
+    c = dict(c, tensors=[(ns, nd, [rows, *shape[:1]] if shape else [rows], dt)
+                         for ns, nd, shape, dt in c["tensors"]])
+    arena = Arena(np.random.default_rng(seed), xp)
+    pairs, src, dst, status = _slot_state(arena, c, xp)
+    expected = [d.copy() for _, d in pairs]
+    bad = 0
+    for s, d in zip(c["src"], c["dst"]):
+        if s == -1 or d == -1:
+            continue
+        for j, (a, b) in enumerate(pairs):
+            if 0 <= s < a.shape[0] and 0 <= d < b.shape[0]:
+                expected[j][d] = a[s]
+            elif j == 0:
+                bad += 1
+    ops.slot_copy(SlotSet(pairs), src, dst, status=status, backend=_OneSmallBlock(backend))
+    for (_, b), e in zip(pairs, expected):
+        assert_same_bytes(e, b)
+    assert int(status[0]) == bad
+    arena.check_canaries()

@@ -21,6 +21,7 @@ __all__ = ["DTYPE", "Timer", "BenchContext", "Mamba", "Model", "models", "kv_gro
            "mamba_states"]
 
 DTYPE = np.float16  # KV caches and conv states; SSM states are float32
+REPLAYS = 20  # back-to-back graph replays (or copies) per timed run on a GPU
 
 
 class Timer:
@@ -73,20 +74,106 @@ class BenchContext:
         src, dst = self.xp.ones(half, np.uint8), self.xp.empty(half, np.uint8)
         return self.timer(lambda: dst.__setitem__(Ellipsis, src))
 
+    def host_us(self, fn) -> float:
+        """Median wall µs of the call ``fn()`` alone (what the host spends enqueuing it; no
+        sync inside the timed span, the device is drained between runs)."""
+        sync = (lambda: None) if self.xp is np else _cuda.runtime().synchronize_stream
+        for _ in range(self.timer.warmup):
+            fn()
+        times = []
+        for _ in range(self.timer.repeat):
+            sync()
+            t0 = time.perf_counter_ns()
+            fn()
+            times.append((time.perf_counter_ns() - t0) / 1e3)
+        sync()
+        return statistics.median(times)
+
+    def kernel_us(self, fn) -> float | None:
+        """Median device µs of the launches of ``fn()`` alone, on a GPU (None on the CPU):
+        replays of a CUDA graph captured from one call, timed by events around
+        :data:`REPLAYS` back-to-back replays; where capture fails, events around as many
+        back-to-back calls (then host gaps count once the host is slower than the device)."""
+        if self.xp is np:
+            return None
+        cp = self.xp
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+            try:
+                stream.begin_capture()
+                try:
+                    fn()
+                finally:
+                    graph = stream.end_capture()
+                run = lambda: graph.launch(stream)  # noqa: E731
+                run()
+            except Exception:  # noqa: BLE001 - not capturable: time the calls instead
+                run = fn
+            stream.synchronize()
+            return self._events_us(run, REPLAYS)
+
+    def memcpy_us(self, nbytes: int) -> float:
+        """Median µs of one ``cudaMemcpyAsync`` device-to-device copy moving ``nbytes`` (read +
+        written, so ``nbytes / 2`` copied), events around :data:`REPLAYS` back-to-back copies;
+        on the CPU, a NumPy copy of the same bytes."""
+        half = max(nbytes // 2, 16)
+        src, dst = self.xp.ones(half, np.uint8), self.xp.empty(half, np.uint8)
+        if self.xp is np:
+            return self.timer(lambda: np.copyto(dst, src))
+        runtime = self.xp.cuda.runtime
+
+        def copy():
+            runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half,
+                                runtime.memcpyDeviceToDevice,
+                                self.xp.cuda.get_current_stream().ptr)
+
+        copy()
+        return self._events_us(copy, REPLAYS)
+
+    def _events_us(self, fn, calls: int) -> float:
+        """Median over ``timer.repeat`` runs of µs per call of ``calls`` back-to-back ``fn()``,
+        by CUDA events on the current stream."""
+        rt = _cuda.runtime()
+        start, end = rt.event(timing=True), rt.event(timing=True)
+        times = []
+        for _ in range(self.timer.repeat):
+            rt.record(start)
+            for _ in range(calls):
+                fn()
+            rt.record(end)
+            rt.event_synchronize(end)
+            times.append(rt.elapsed_ms(start, end) * 1e3 / calls)
+        return statistics.median(times)
+
     def measure(self, model: str, case: str, fn, nbytes: int, naive, launches: int) -> dict:
         """Time ``fn``, a copy of the same bytes and ``naive`` (the obvious CuPy alternative, or
         None); return the report row (without ``family``).
 
         ``nbytes`` counts the bytes that must move, read + written; ``launches`` the kernel
-        launches of one ``fn()`` on a GPU.
+        launches of one ``fn()`` on a GPU. Row fields: ``us`` (events around one call, host
+        gaps included), ``kernel_us`` (device time of the launches alone, None on the CPU),
+        ``host_us`` (wall time of the call, no sync), ``memcpy_us`` (a device-to-device
+        ``cudaMemcpyAsync`` of the same bytes, same run; a NumPy copy on the CPU),
+        ``kernel_vs_memcpy`` (``memcpy_us / kernel_us``: 1 is copy speed), ``vs_copy`` and
+        ``speedup_vs_naive`` (against ``us``).
         """
         us = self.timer(fn)
+        kernel_us = self.kernel_us(fn)
+        host_us = self.host_us(fn)
+        memcpy_us = self.memcpy_us(nbytes)
         copy_us = self.copy_us(nbytes)
         naive_us = self.timer(naive) if naive is not None else None
         return {"model": model, "case": case, "us": round(us, 3), "bytes": int(nbytes),
                 "GBps": round(nbytes / us / 1e3, 2) if us else None,
                 "vs_copy": significant(copy_us / us) if us else None,
                 "speedup_vs_naive": significant(naive_us / us) if naive_us and us else None,
+                "kernel_us": round(kernel_us, 3) if kernel_us is not None else None,
+                "host_us": round(host_us, 3),
+                "memcpy_us": round(memcpy_us, 3),
+                "kernel_vs_memcpy": (significant(memcpy_us / kernel_us) if kernel_us
+                                     else None),
                 "launches": launches}
 
 

@@ -18,6 +18,7 @@ from . import _loader
 from .tables import PLAN_HEADER, compaction_plan_size, plan_max_batch
 
 BLOCK = 256          # threads per block for every kernel
+WARP = 32            # the kernels that give a warp to a row or token (kv_write)
 MAX_GRID_X = 8192    # grid-stride loops cover the rest
 MAX_GRID_Z = 64
 

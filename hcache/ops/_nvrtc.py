@@ -12,13 +12,14 @@ import ctypes
 import ctypes.util
 import glob
 import os
+import re
 from functools import cache
 from pathlib import Path
 
 from ..errors import KernelCompileError
 from . import _loader
 
-__all__ = ["find_libnvrtc", "nvrtc_version", "compile_family"]
+__all__ = ["find_libnvrtc", "nvrtc_version", "compile_family", "kernel_registers"]
 
 
 def _candidates() -> list[str]:
@@ -77,6 +78,28 @@ def compile_family(family: str, arch: str = "sm_80") -> int:
     RuntimeError
         libnvrtc could not be found or failed.
     """
+    return _compile(family, arch, ())[0]
+
+
+def kernel_registers(family: str, arch: str = "sm_90") -> dict[str, int]:
+    """Registers per thread of each kernel of ``family`` compiled for ``arch`` (ptxas ``-v``):
+    ``{kernel name: registers}``. Raises as :func:`compile_family`."""
+    log = _compile(family, arch, ("-Xptxas=-v",))[1]
+    found: dict[str, int] = {}
+    name = None
+    for line in log.splitlines():
+        entry = re.search(r"(?:Compiling entry function|Function properties for) '?(\w+)'?",
+                          line)
+        if entry:
+            name = entry.group(1)
+        used = re.search(r"Used (\d+) registers", line)
+        if used and name is not None:
+            found[name] = int(used.group(1))
+    return found
+
+
+def _compile(family: str, arch: str, extra: tuple[str, ...]) -> tuple[int, str]:
+    """``(cubin size, compile log)`` of ``family`` for ``arch`` with ``extra`` options."""
     lib = find_libnvrtc()
     if lib is None:
         raise RuntimeError("libnvrtc not found: install nvidia-cuda-nvrtc-cu12 (hcache[test])")
@@ -86,16 +109,17 @@ def compile_family(family: str, arch: str = "sm_80") -> int:
                                        Path(path).name.encode(), 0, None, None),
            "nvrtcCreateProgram")
     try:
-        opts = [o.encode() for o in (*_loader.nvrtc_options(), f"-arch={arch}")]
+        opts = [o.encode() for o in (*_loader.nvrtc_options(), f"-arch={arch}", *extra)]
         argv = (ctypes.c_char_p * len(opts))(*opts)
         code = lib.nvrtcCompileProgram(prog, len(opts), argv)
         size = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
         log = ctypes.create_string_buffer(size.value)
         lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace")
         if code != 0:
-            raise KernelCompileError(path, log.value.decode(errors="replace"))
+            raise KernelCompileError(path, text)
         _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-        return int(size.value)
+        return int(size.value), text
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))

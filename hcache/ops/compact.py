@@ -19,6 +19,8 @@ from ._launch import (
     ptr,
 )
 
+PLAN_THREADS = 1024  # the plan kernel's block (and HC_PLAN_NODES)
+
 __all__ = ["compaction_plan", "kv_compact", "slots_compact"]
 
 
@@ -51,7 +53,9 @@ def compaction_plan(mapping, old_batch, new_batch, plan, *, lengths=None, stream
     run = launcher(xp, backend, stream, plan)
     if run is None:
         return ref.compaction_plan(mapping, old_batch, new_batch, plan, lengths=lengths)
-    _PLANS.run(run, key, "compact", "hc_compaction_plan", (1, 1, 1), (1, 1, 1),
+    # one block, a thread per slot (a larger max_batch: the kernel's serial path)
+    threads = min(PLAN_THREADS, max(32, ceil_div(max_batch, 32) * 32))
+    _PLANS.run(run, key, "compact", "hc_compaction_plan", (1, 1, 1), (threads, 1, 1),
                (ptr(mapping), i32(old_batch), i32(new_batch), i32(max_batch),
                 ptr(lengths), ptr(plan)))
 

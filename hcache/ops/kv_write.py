@@ -14,8 +14,8 @@ from . import _loader
 from . import reference as ref
 from ._launch import (
     BLOCK,
+    WARP,
     CupyLauncher,
-    ceil_div,
     check_status,
     cuda_device,
     f32,
@@ -209,26 +209,19 @@ def _launch_rows(run, kernel, group, layers, ks, vs, launched, row_bytes, rows, 
     """Launch ``kernel`` of ``kv_write.cu`` over the rows of ``launched`` layers: the argument
     list both write kernels share (layer table, sources, row mapping, strides), with ``extra``
     (the quantizing kernel's codes and scales) between the row width and the strides. One
-    thread per 16-byte chunk of a ``row_bytes`` row (one row per token, component and head)."""
+    warp per token (its rows: one per component and head, ``row_bytes`` each); ``paged`` says
+    explicitly that ``block_table`` is given (an empty table may have a null pointer)."""
     seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths, positions, row_to_slot, \
         block_table = rows
     srcs, k_ptr, v_ptr, offset = _sources(run, group, layers, ks, vs)
     max_blocks = int(block_table.shape[1]) if block_table is not None else 0
-    # The kernel tells a paged write by a non-null table. A zero-size CuPy array has the
-    # address 0, so a table without columns (or rows) would pass for no table and the tokens
-    # would be written contiguously; any valid address stands in for it, never read: with
-    # max_blocks == 0 (or no rows) every position is past the table, skipped and counted.
-    table = block_table
-    if table is not None and table.size == 0:
-        table = group.device_layer_infos
-    heads = max(group.num_kv_heads[i] for i in launched)
-    grid = (grid_x(num_tokens * group.components * heads * ceil_div(row_bytes, 16)),
-            len(launched), 1)
+    grid = (grid_x(num_tokens * WARP), len(launched), 1)
     slot_s, kv_s, head_s, tok_s = group.byte_strides
     head = (ptr(group.device_layer_infos),)
     body = (ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
-            ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(table),
-            i32(max_blocks), i32(group.num_slots), i32(group.components), i32(row_bytes),
+            ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(block_table),
+            i32(max_blocks), i32(block_table is not None), i32(group.num_slots),
+            i32(group.components), i32(row_bytes),
             *extra,
             i64(slot_s), i64(kv_s), i64(head_s), i64(tok_s), ptr(status))
     run.launch("kv_write", kernel, grid, (BLOCK, 1, 1),

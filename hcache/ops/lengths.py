@@ -50,8 +50,10 @@ def lengths_add(lengths, n, increment, max_len, *, status=None, stream=None, bac
     if run is None:
         return ref.lengths_add(lengths, n, increment if inc is None else inc[:n], max_len,
                                status=status)
+    # one block, a thread per entry up to 1024 (then threads stride)
+    threads = min(1024, max(32, -(-n // 32) * 32))
     _MEMO.run(run, (lengths, n, increment, max_len, status, stream), "lengths",
-              "hc_lengths_add", (1, 1, 1), (1, 1, 1),
+              "hc_lengths_add", (1, 1, 1), (threads, 1, 1),
               (ptr(lengths), i32(n), ptr(inc), i32(scalar), i32(max_len), ptr(status)))
 
 

@@ -7,9 +7,9 @@ from .._checks import int32_array
 from . import reference as ref
 from ._launch import (
     BLOCK,
+    MAX_GRID_X,
     ceil_div,
     check_status,
-    grid_x,
     i32,
     launcher,
     ptr,
@@ -41,7 +41,9 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None, stream=None, backend=None
         return ref.slot_copy(slots, src_idx[:n], dst_idx[:n], status=status)
     if n == 0:
         return
-    grid = (grid_x(n * ceil_div(slots.max_slot_bytes, 16)), slots.num_tensors, 1)
+    # a block per tile of 4 * BLOCK chunks of one pair
+    grid = (min(MAX_GRID_X, n * max(1, ceil_div(slots.max_slot_bytes, 16 * 4 * BLOCK))),
+            slots.num_tensors, 1)
     run.launch("slot_copy", "hc_slot_copy", grid, (BLOCK, 1, 1),
                (ptr(slots.device_infos), ptr(src_idx), ptr(dst_idx), i32(n),
                 ptr(status)))
