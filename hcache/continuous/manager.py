@@ -112,7 +112,7 @@ class ContinuousBatchingKVCacheManager:
     num_blocks = property(lambda self: self._num_blocks, doc="Blocks (= max_batch_size).")
     max_batch_size = property(lambda self: self._num_blocks, doc="Most live sequences.")
     max_seq_len = property(lambda self: self._max_seq_len, doc="Tokens per sequence.")
-    max_sequence_length = max_seq_len    # the other managers' name (max_seq_len is MAX's)
+    max_sequence_length = property(max_seq_len.fget, doc="Alias of max_seq_len (MAX's name).")
     ring_window = property(lambda self: self._ring_window,
                            doc="Tokens a block holds per layer when it is a ring, else 0.")
     num_layers = property(lambda self: self._num_layers, doc="Decoder layers per block.")
