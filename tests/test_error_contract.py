@@ -243,7 +243,6 @@ REGRESSIONS = [
     (("MambaSlotAllocator", "register_block_hashes_batch"), "hashes", [2**64]),
     (("MambaSlotAllocator", "register_block_hashes_batch"), "hashes", [-2]),
     (("MambaSlotAllocator", "allocate_slots_batch"), "block_ids", [5, True]),
-    (("MambaSlotAllocator", "allocate_slots_batch"), "block_ids", [5, 5]),
     (("MambaSlotAllocator", "allocate_slots_batch"), "block_ids", None),
     (("MambaSlotAllocator", "can_allocate_slots"), "block_ids", [5, [0]]),
     (("MambaSlotAllocator", "on_kv_blocks_deregistered"), "block_ids_list", None),
