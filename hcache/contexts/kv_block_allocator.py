@@ -23,6 +23,7 @@ import numpy as np
 from .._checks import as_int, block_id_array, check_int, hash_array
 from .._copying import refuse_copy
 from .block_forest import BlockForest
+from .evictable_leaves import EvictableLeaves
 
 __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
 
@@ -91,6 +92,7 @@ class KVBlockAllocator:
         self.block_ref_counts = np.empty(n, dtype=np.int32)
         self.block_timestamps = np.empty(n, dtype=np.int64)
         self._forest = BlockForest(n)
+        self._leaves = EvictableLeaves(n)
         self._observers: list = []
         self.pending_parents = None
         self.reset()
@@ -154,7 +156,31 @@ class KVBlockAllocator:
         potential_matched_count = as_int("potential_matched_count", potential_matched_count)
         if self._free_top >= n:
             return True
+        if potential_matched_count == 0:
+            return self.can_allocate_memory_blocks(n)
         return self.get_allocatable_count() - potential_matched_count >= n
+
+    def can_allocate_memory_blocks(self, n: int, retained=None) -> bool:
+        """Whether :meth:`allocate_memory_blocks` ``(n)`` would succeed after
+        :meth:`retain_memory_blocks` ``(retained)`` (block ids, optional: blocks that are then
+        in use, so not evictable). Costs O(n log cached leaves) when the free stack is short.
+
+        Raises
+        ------
+        IndexError
+            A retained id is out of range.
+        TypeError, ValueError
+            ``n`` is not an int >= 0.
+        """
+        n = as_int("n", n)
+        keep = () if retained is None else block_id_array("retained", retained,
+                                                         self._num_blocks).tolist()
+        short = n - self._free_top
+        if short <= 0:
+            return True
+        if not self.caches_released_blocks:
+            return False
+        return self._peel(short, keep, commit=False) is not None
 
     # --- commands -----------------------------------------------------------------------
 
@@ -191,8 +217,7 @@ class KVBlockAllocator:
         if short > 0:
             if not self.caches_released_blocks:
                 return None
-            evicted = self._forest.peel(short, self._evictable_mask(),
-                                          self.block_timestamps)
+            evicted = self._peel(short)
             if evicted is None:
                 return None
             pending = self._deregister(evicted)
@@ -203,6 +228,50 @@ class KVBlockAllocator:
         self.block_timestamps[ids] = self._clock
         if evicted is not None:
             self._notify(*pending)
+        return ids
+
+    def allocate_memory_blocks_per_request(self, counts: list) -> np.ndarray | None:
+        """Allocate ``counts[i]`` blocks for each ``i`` in one call: the concatenation of what
+        consecutive :meth:`allocate_memory_blocks` ``(counts[i])`` calls return (the same ids
+        in the same order, the same victims), with one eviction and one observer call.
+
+        Parameters
+        ----------
+        counts : list of int
+            Blocks per request, each >= 0 (checked by the caller).
+
+        Returns
+        -------
+        numpy.ndarray of int32 [sum(counts)] or None
+            None (and nothing changed) when fewer blocks can be made free.
+        """
+        total = sum(counts)
+        top = self._free_top
+        if total <= top:
+            return self.allocate_memory_blocks(total)
+        if not self.caches_released_blocks:
+            return None
+        evicted = self._peel(total - top)
+        if evicted is None:
+            return None
+        pending = self._deregister(evicted)
+        # Each call takes its count from the top of the free stack, evicting (and pushing, in
+        # peel order) what the stack lacks: the stack's blocks top down, then the victims.
+        stack = self._free_stack[:total].tolist()
+        out: list[int] = []
+        s, v = top, top
+        for k in counts:
+            m = min(k, s)
+            chunk = stack[s - m: s] + stack[v: v + k - m]
+            chunk.reverse()
+            out += chunk
+            s -= m
+            v += k - m
+        self._free_top = 0
+        ids = np.asarray(out, dtype=np.int32)
+        self.block_ref_counts[ids] = 1
+        self.block_timestamps[ids] = self._clock
+        self._notify(*pending)
         return ids
 
     def retain_memory_blocks(self, block_ids) -> None:
@@ -224,6 +293,7 @@ class KVBlockAllocator:
         uniq, counts = np.unique(ids, return_counts=True)
         self.block_ref_counts[uniq] += counts.astype(np.int32)
         self.block_timestamps[uniq] = self._clock
+        self._leaves.discard(uniq)
 
     def release_memory_blocks(self, block_ids) -> None:
         """Drop one reference per occurrence of each id. Blocks reaching 0 are freed when
@@ -249,8 +319,12 @@ class KVBlockAllocator:
         zero = uniq[after == 0]
         registered = self.block_hashes[zero] != -1
         self._push_free(zero[~registered])
-        if not self.caches_released_blocks and registered.any():
-            self._notify(*self._deregister(zero[registered]))
+        if not self.caches_released_blocks:
+            if registered.any():
+                self._notify(*self._deregister(zero[registered]))
+            return
+        cached = zero[registered]
+        self._leaves.add(cached[self._forest.child_counts[cached] == 0], self.block_timestamps)
 
     def register_kv_block_hashes(self, block_ids, hashes, parent_hashes=None) -> None:
         """Record the prefix hash of each block (a batch, applied whole or not at all).
@@ -286,12 +360,14 @@ class KVBlockAllocator:
         pending = self._forest.plan_registration(ids, hs, ps, self.block_ref_counts)
         if self.enable_prefix_caching:
             self._forest.link(*pending)
+            self._drop_linked_parents(pending[0])
 
     def _register_new_blocks(self, block_ids, hashes, parent_hashes, likely_parents=None) -> None:
         """:meth:`register_kv_block_hashes` unchecked (distinct used unregistered blocks, distinct
         new positive hashes; int64 arrays); ``likely_parents``: see :meth:`BlockForest.link`."""
         if self.enable_prefix_caching:
             self._forest.link(block_ids, hashes, parent_hashes, likely_parents)
+            self._drop_linked_parents(block_ids)
 
     def evict_lru_blocks(self, n: int) -> bool:
         """Deregister and free ``n`` cached blocks, peeling leaves oldest first (ties by id).
@@ -305,7 +381,9 @@ class KVBlockAllocator:
         n = as_int("n", n)
         if n == 0:
             return True
-        victims = self._forest.peel(n, self._evictable_mask(), self.block_timestamps)
+        if not self.caches_released_blocks:
+            return False
+        victims = self._peel(n)
         if victims is None:
             return False
         self._notify(*self._deregister(victims))
@@ -321,6 +399,7 @@ class KVBlockAllocator:
         self.block_ref_counts.fill(0)
         self.block_timestamps.fill(0)
         self._forest.reset()
+        self._leaves.reset()
         self._clock = 0
 
     # --- internals ----------------------------------------------------------------------
@@ -333,13 +412,43 @@ class KVBlockAllocator:
         pinned = None if self.pending_parents is None else self.pending_parents()
         return self._forest.evictable_mask(self.block_ref_counts, pinned)
 
+    def _drop_linked_parents(self, block_ids: np.ndarray) -> None:
+        """The parents of newly registered ``block_ids`` gained a child: no longer leaves."""
+        parents = self._forest.parent_ids[block_ids]
+        parents = parents[parents >= 0]
+        if len(parents):
+            self._leaves.discard(parents if len(parents) == 1 else np.unique(parents))
+
+    def _peel(self, n: int, keep=(), commit: bool = True) -> np.ndarray | None:
+        """The first ``n`` blocks of the leaf-peeling order (oldest timestamp first, ties by id;
+        the blocks backlog registrations will link to, and ``keep``, stay with their ancestors)
+        as int64, or None; ``commit``: they leave the leaves (see
+        :meth:`EvictableLeaves.peel`)."""
+        pinned = None if self.pending_parents is None else self.pending_parents()
+        if pinned is not None and len(pinned):
+            keep = set(keep).union(pinned.tolist())
+        elif keep:
+            keep = set(keep)
+        forest = self._forest
+        out = self._leaves.peel(n, forest.parent_ids, forest.child_counts,
+                                self.block_ref_counts, self.block_timestamps,
+                                keep or frozenset(), commit)
+        return None if out is None else np.asarray(out, dtype=np.int64)
+
     def _deregister(self, ids: np.ndarray):
         """Unregister and free unique registered ``ids`` and return the observer arguments
         ``(ids_list, hashes_set)``; the caller notifies once its call has committed."""
-        hashes = self._forest.unlink(ids)
+        hashes, parents = self._forest.unlink(ids)
         self.block_ref_counts[ids] = 0
         self.block_timestamps[ids] = 0
         self._push_free(ids)
+        if self.caches_released_blocks and len(parents):
+            self._leaves.discard(ids)
+            parents = parents[(self._forest.child_counts[parents] == 0)
+                              & (self.block_ref_counts[parents] == 0)]
+            self._leaves.add(parents, self.block_timestamps)
+        elif self.caches_released_blocks:
+            self._leaves.discard(ids)
         return ids.tolist(), hashes
 
     def _push_free(self, ids: np.ndarray) -> None:
@@ -394,6 +503,9 @@ class KVBlockAllocator:
         if not self.enable_prefix_caching and registered.any():
             errors.append("registered blocks with prefix caching disabled")
         errors += self._forest.broken_invariants()
+        leaves = cached & (self._forest.child_counts == 0) if self.caches_released_blocks \
+            else np.zeros(n, dtype=bool)
+        errors += self._leaves.broken_invariants(leaves, self.block_timestamps)
         if (self.block_timestamps[registered | used] > self._clock).any():
             errors.append("timestamps ahead of the clock")
         if errors:

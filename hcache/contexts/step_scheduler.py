@@ -87,8 +87,8 @@ class StepScheduler:
         # Pinning takes the matched blocks that eviction could reclaim out of the pool; a cached
         # matched block with an in-use descendant was never reclaimable, so it costs nothing.
         # (Ancestors of matched blocks are matched blocks, so nothing else becomes pinned.)
-        pinned = kv.get_evictable_block_count(matched) if matched else 0
-        if not kv.is_memory_available(num_new, pinned):
+        if not kv.can_allocate_memory_blocks(num_new, matched):
+            pinned = kv.get_evictable_block_count(matched) if matched else 0
             available = kv.get_allocatable_count() - pinned
             raise CacheCapacityError(f"KV blocks: {num_new} required, {available} allocatable",
                                      required=num_new, available=available)
@@ -170,9 +170,8 @@ class StepScheduler:
         if total:
             if kv.num_free_blocks >= total:
                 new = kv.allocate_memory_blocks(total)
-            else:   # eviction: one allocation per request, in order, as extend_request does
-                new = np.concatenate([kv.allocate_memory_blocks(k)
-                                      for k in need[need > 0].tolist()])
+            else:   # eviction: the blocks a loop of extend_request would get, in one call
+                new = kv.allocate_memory_blocks_per_request(need[need > 0].tolist())
             requests.add_blocks(rows, need, new)
             if self.window is not None:
                 self.window.extend(rows, need, total)
