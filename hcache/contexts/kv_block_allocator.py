@@ -196,9 +196,10 @@ class KVBlockAllocator:
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
         self._observers.append(fn)
 
-    def allocate_memory_blocks(self, n: int) -> np.ndarray | None:
+    def allocate_memory_blocks(self, n: int, retained=None) -> np.ndarray | None:
         """Pop ``n`` free blocks (ref count 1, timestamp = clock), evicting cached blocks under
-        lru when the free stack is short.
+        lru when the free stack is short; ``retained`` (block ids, optional) are blocks the
+        caller retains next: evicted as if retained already (neither they nor their ancestors).
 
         Returns
         -------
@@ -208,16 +209,20 @@ class KVBlockAllocator:
 
         Raises
         ------
+        IndexError
+            A retained id is out of range.
         TypeError, ValueError
             ``n`` is not an int >= 0.
         """
         n = as_int("n", n)
+        keep = () if retained is None else block_id_array("retained", retained,
+                                                         self._num_blocks).tolist()
         short = n - self._free_top
         evicted = None
         if short > 0:
             if not self.caches_released_blocks:
                 return None
-            evicted = self._peel(short)
+            evicted = self._peel(short, keep)
             if evicted is None:
                 return None
             pending = self._deregister(evicted)
