@@ -134,6 +134,7 @@ class LeavesMachine(RuleBasedStateMachine):
             return
         assert self.victims() == oracle
         singles = [twin.allocate_memory_blocks(k) for k in counts]
+        assert self.victims() == oracle     # the twin shares the observer: the same victims
         assert got.tolist() == np.concatenate(singles).tolist()
         assert np.array_equal(twin.free_block_ids, a.free_block_ids)
         event(f"batch allocation evicted: {short > 0}")

@@ -26,8 +26,8 @@ import numpy as np
 
 __all__ = ["EvictableLeaves"]
 
-# The heap is rebuilt from the members when it holds more than twice their number plus this
-# many entries, so stale entries cost O(1) amortised each.
+# The heap is rebuilt from the members when it outgrows twice its size after the last rebuild
+# plus this many entries, so stale entries cost O(1) amortised each.
 _SLACK = 1024
 
 
@@ -43,37 +43,32 @@ class EvictableLeaves:
     def __init__(self, num_blocks: int):
         self.member = np.zeros(num_blocks, dtype=bool)
         self._heap: list[tuple[int, int]] = []
-        self._count = 0
+        self._limit = _SLACK
 
     def reset(self) -> None:
         """No leaves."""
         self.member.fill(False)
         self._heap.clear()
-        self._count = 0
+        self._limit = _SLACK
 
     def __len__(self) -> int:
-        return self._count
+        return int(np.count_nonzero(self.member))
 
     def add(self, block_ids: np.ndarray, timestamps: np.ndarray) -> None:
-        """Make the leaves among ``block_ids`` (int, any order, members skipped) members."""
+        """Make ``block_ids`` (leaves, any order; members and repeats allowed) members."""
         ids = block_ids[~self.member[block_ids]]
         if not len(ids):
             return
-        ids = np.unique(ids) if len(ids) > 1 else ids
         self.member[ids] = True
-        self._count += len(ids)
         push, heap = heapq.heappush, self._heap
         for entry in zip(timestamps[ids].tolist(), ids.tolist()):
-            push(heap, entry)
-        if len(heap) > 2 * self._count + _SLACK:
+            push(heap, entry)     # a repeat pushes twice: the second entry is stale once taken
+        if len(heap) > self._limit:
             self._rebuild(timestamps)
 
     def discard(self, block_ids: np.ndarray) -> None:
-        """Drop ``block_ids`` (distinct) that are members: they gained a holder or a child."""
-        ids = block_ids[self.member[block_ids]]
-        if len(ids):
-            self.member[ids] = False
-            self._count -= len(ids)
+        """Drop ``block_ids`` (any, repeats allowed): they gained a holder or a child."""
+        self.member[block_ids] = False
 
     def peel(self, n: int, parent_ids: np.ndarray, child_counts: np.ndarray,
              ref_counts: np.ndarray, timestamps: np.ndarray, keep=frozenset(),
@@ -121,19 +116,20 @@ class EvictableLeaves:
         for entry in aside:
             member[entry[1]] = True
             push(heap, entry)
-        if len(out) == n and commit:
-            self._count += len(promoted) - n
-            return out
-        for entry in taken:
-            member[entry[1]] = True
-            push(heap, entry)
-        member[promoted] = False
+        if len(out) < n or not commit:
+            for entry in taken:
+                member[entry[1]] = True
+                push(heap, entry)
+            member[promoted] = False
+        if len(heap) > self._limit:
+            self._rebuild(timestamps)
         return None if len(out) < n else out
 
     def _rebuild(self, timestamps: np.ndarray) -> None:
         ids = np.flatnonzero(self.member)
         self._heap = list(zip(timestamps[ids].tolist(), ids.tolist()))
         heapq.heapify(self._heap)
+        self._limit = 2 * len(self._heap) + _SLACK
 
     def broken_invariants(self, leaves: np.ndarray, timestamps: np.ndarray) -> list[str]:
         """Every broken invariant given the true leaves (``bool [num_blocks]``); reads only."""
@@ -141,8 +137,6 @@ class EvictableLeaves:
         if (self.member != leaves).any():
             errors.append(f"evictable leaves {np.flatnonzero(self.member).tolist()}, expected "
                           f"{np.flatnonzero(leaves).tolist()}")
-        if self._count != int(self.member.sum()):
-            errors.append(f"evictable leaf count {self._count}, expected {int(self.member.sum())}")
         live = {b for t, b in self._heap if self.member[b] and int(timestamps[b]) == t}
         if live != set(np.flatnonzero(self.member).tolist()):
             errors.append("an evictable leaf has no live heap entry")

@@ -20,7 +20,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, block_id_array, check_int, hash_array
+from .._checks import as_int, block_id_array, check_int, hash_array, host_ints
 from .._copying import refuse_copy
 from .block_forest import BlockForest
 from .evictable_leaves import EvictableLeaves
@@ -242,14 +242,23 @@ class KVBlockAllocator:
 
         Parameters
         ----------
-        counts : list of int
-            Blocks per request, each >= 0 (checked by the caller).
+        counts : sequence of int [r]
+            Blocks per request, each >= 0.
 
         Returns
         -------
         numpy.ndarray of int32 [sum(counts)] or None
             None (and nothing changed) when fewer blocks can be made free.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``counts`` is not a 1-D sequence of ints >= 0.
         """
+        counts = host_ints("counts", counts)
+        if len(counts) and counts.min() < 0:
+            raise ValueError(f"counts: expected ints >= 0, got {int(counts.min())}")
+        counts = counts.tolist()
         total = sum(counts)
         top = self._free_top
         if total <= top:
@@ -420,9 +429,7 @@ class KVBlockAllocator:
     def _drop_linked_parents(self, block_ids: np.ndarray) -> None:
         """The parents of newly registered ``block_ids`` gained a child: no longer leaves."""
         parents = self._forest.parent_ids[block_ids]
-        parents = parents[parents >= 0]
-        if len(parents):
-            self._leaves.discard(parents if len(parents) == 1 else np.unique(parents))
+        self._leaves.discard(parents[parents >= 0])
 
     def _peel(self, n: int, keep=(), commit: bool = True) -> np.ndarray | None:
         """The first ``n`` blocks of the leaf-peeling order (oldest timestamp first, ties by id;
