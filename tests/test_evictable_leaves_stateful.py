@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import copy
 import heapq
+from types import MethodType
 
 import hypothesis.strategies as st
 import numpy as np
-from hypothesis import event, settings
+from hypothesis import event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from test_decode_fast_paths import STEMS, outcome, plan_tuple
+from test_dynamic_context import make_ctx, state
 
 from hcache.contexts import KVBlockAllocator
 
@@ -186,3 +189,108 @@ class LeavesMachine(RuleBasedStateMachine):
 
 TestLeaves = LeavesMachine.TestCase
 TestLeaves.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# --- a whole context against one that evicts by the full scan -----------------------------------
+
+
+def as_full_scan(ctx):
+    """``ctx`` whose KV allocator evicts by :func:`old_peel` and allocates a batch request by
+    request, as before issue 24 (its incremental leaves are kept but never read)."""
+    kv = ctx.kv_block_allocator
+
+    def peel(self, n, keep=(), commit=True):
+        pinned = [] if self.pending_parents is None else self.pending_parents().tolist()
+        out = old_peel(self, n, pinned, keep)
+        return None if out is None else np.asarray(out, dtype=np.int64)
+
+    def per_request(self, counts):
+        if not self.is_memory_available(sum(counts)):
+            return None
+        return np.concatenate([self.allocate_memory_blocks(k) for k in counts])
+
+    kv._peel = MethodType(peel, kv)
+    kv.allocate_memory_blocks_per_request = MethodType(per_request, kv)
+    return ctx
+
+
+def drive_full_scan_twins(seed) -> int:
+    """Run a context and its :func:`as_full_scan` twin side by side; returns the number of
+    blocks deregistered."""
+    rng = np.random.default_rng(seed)
+    bs = int(rng.choice([1, 2, 3]))
+    kw = dict(bs=bs, mamba=1, slots=int(rng.integers(2, 7)), rows=int(rng.integers(3, 7)),
+              max_blocks=24 // bs, registration_budget=[None, 1, 2][int(rng.integers(3))])
+    blocks = int(rng.integers(24 // bs, 48 // bs))    # one or two rows at full length
+    new, old = make_ctx(blocks, **kw), as_full_scan(make_ctx(blocks, **kw))
+    evictions = ([], [])
+    for c, log in zip((new, old), evictions, strict=True):
+        c.kv_block_allocator.add_blocks_deregistered_observer(
+            lambda ids, hs, g=log: g.extend(ids))
+
+    def settled(c):
+        """What does not depend on when the backlog is hashed (the full scan asks for the
+        backlog's parents at other times, which hashes it earlier: docs/design.md §6.8)."""
+        kv, t = c.kv_block_allocator, c._requests
+        return ([a.tolist() for a in (kv.free_block_ids, kv.block_ref_counts,
+                                      kv.block_timestamps, t.request_to_kv_block_ids,
+                                      t.lengths, t.computed, np.asarray(c.mamba_conv_states),
+                                      np.asarray(c.mamba_ssm_states))],
+                list(c.request_ids), c.stats.kv_hit_blocks, c.stats.skipped_tokens,
+                c.stats.mamba_hits)
+
+    def both(f):
+        got = [outcome(lambda c=c: f(c)) for c in (new, old)]
+        assert got[0] == got[1]
+        assert evictions[0] == evictions[1]     # the same victims, in the same order
+        assert settled(new) == settled(old)
+
+    next_id = 0
+    for _ in range(120):
+        op = rng.integers(10)
+        t = new._requests
+        ready = [r for r in new.request_ids if t.pending_end[t.row(r)] < 0]
+        if op < 2 or not new.request_ids:
+            stem = STEMS[int(rng.integers(len(STEMS)))]
+            tokens = stem[:int(rng.integers(1, len(stem) + 1))] + \
+                rng.integers(0, 3, int(rng.integers(0, 4))).tolist()
+            next_id += 1
+            both(lambda c, r=next_id, t=tokens: c.add_request(r, t).row)
+        elif op < 8 and ready:
+            toks = rng.integers(0, 3, len(ready)) if rng.integers(4) else \
+                [rng.integers(0, 3, int(rng.integers(1, 4))).tolist() for _ in ready]
+            both(lambda c, i=ready, t=toks: plan_tuple(c.extend_requests(i, t)))
+            both(lambda c: c.commit_step() and None)
+        elif op < 9:
+            both(lambda c: c.commit_step() and None)
+        else:
+            live = new.request_ids
+            gone = [r for r in live if rng.integers(3) == 0][:2] or live[:1]
+            both(lambda c, g=gone: c.release_requests(g))
+    # Caught up, every table and map agrees. Which Mamba slot holds a state may not: the full
+    # scan's twin asks for the backlog's parents between per-request allocations, which hashes
+    # the backlog at other steps, and registration (so slot release) follows hashing (§6.8).
+    a, b = state(new), state(old)
+    m = new.mamba_slot_allocator
+    if m is not None:
+        slotted = [np.flatnonzero(np.asarray(x[11]) >= 0).tolist() for x in (a, b)]
+        assert slotted[0] == slotted[1]
+        a, b = a[:11] + a[12:], b[:11] + b[12:]
+    assert a == b
+    for c in (new, old):
+        c.check_invariants()
+    return len(evictions[0])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_context_equals_the_full_scan_context(seed):
+    """Admissions with shared stems, decode steps, commits and releases under KV-block pressure
+    (a pool that fills with cached blocks): every outcome, every piece of state (hit counts
+    included) and every live Mamba byte equals that of a context evicting by the full scan."""
+    event(f"blocks deregistered: {min(drive_full_scan_twins(seed), 5)}+")
+
+
+def test_the_full_scan_twins_evict():
+    """The side-by-side runs do evict, most of them (else they would prove little)."""
+    assert sum(drive_full_scan_twins(seed) > 0 for seed in range(8)) >= 4
