@@ -141,3 +141,4 @@ class EvictableLeaves:
         if live != set(np.flatnonzero(self.member).tolist()):
             errors.append("an evictable leaf has no live heap entry")
         return errors
+
