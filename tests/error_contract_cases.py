@@ -545,7 +545,12 @@ CASES[(ALLOC, "__init__")] = Case(
 case(ALLOC, "add_blocks_deregistered_observer", make_alloc, lambda _: {"fn": print},
      fn=Callable())
 case(ALLOC, "advance_clock", make_alloc, lambda _: {"steps": 1}, steps=Int(0, 2**63 - 1 - 3))
-case(ALLOC, "allocate_memory_blocks", make_alloc, lambda _: {"n": 2}, n=Int(0))
+case(ALLOC, "allocate_memory_blocks", make_alloc, lambda _: {"n": 2, "retained": [0]}, n=Int(0),
+     retained=Ints(0, 7, fixed_length=False, none_ok=True))
+case(ALLOC, "allocate_memory_blocks_per_request", make_alloc, lambda _: {"counts": [1, 0, 2]},
+     counts=Ints(0, fixed_length=False))
+case(ALLOC, "can_allocate_memory_blocks", make_alloc, lambda _: {"n": 5, "retained": [0]},
+     n=Int(0), retained=Ints(0, 7, fixed_length=False, none_ok=True))
 case(ALLOC, "evict_lru_blocks", make_alloc, lambda _: {"n": 1}, n=Int(0))
 case(ALLOC, "get_evictable_block_count", make_alloc, lambda _: {"block_ids": [0, 1]},
      block_ids=Ints(0, 7, fixed_length=False, none_ok=True))

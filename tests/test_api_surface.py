@@ -57,6 +57,7 @@ FIRST_WAVE = {
     ),
     'KVBlockAllocator': (
         'add_blocks_deregistered_observer', 'advance_clock', 'allocate_memory_blocks',
+        'allocate_memory_blocks_per_request', 'can_allocate_memory_blocks',
         'caches_released_blocks', 'check_invariants', 'clock', 'evict_lru_blocks',
         'free_block_ids', 'get_allocatable_count', 'get_evictable_block_count',
         'is_memory_available', 'num_blocks', 'num_cached_blocks', 'num_free_blocks',

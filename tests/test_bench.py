@@ -97,6 +97,7 @@ def test_host_bench_on_cpu_reports_every_case(tmp_path, capsys):
     assert {"hybrid commit(1) 52 layers", "continuous fetch+step", "context add_request",
             "cpu kv_write decode b64"} <= set(cases)
     assert sum(c.startswith("context decode") for c in cases) == 5
+    assert {"serving decode block16 pool x1", "serving decode block256 pool x1"} <= set(cases)
     for r in rows:
         assert r["family"] == "host" and 0 < r["us"] <= r["worst_us"]
         assert min(r["us"], r["mean_us"]) <= r["worst_us"]

@@ -3,6 +3,10 @@
 What an engine pays on the host, every step, for the caches' bookkeeping: no kernel can win
 this back. Cases (batch 256 unless named otherwise):
 
+* ``serving ...`` (the headline, :mod:`hcache.bench.host_serving`): a prefix-caching server's
+  steady state, arrivals and finishes every step over a pool full of cached blocks, block 16 and
+  256, at 1x and 4x the pool (thread CPU time);
+
 * ``hybrid commit``: ``HybridCacheManager.commit_sequence_length(1)`` of a 52-layer
   Nemotron-H layout;
 * ``continuous fetch+step``: ``ContinuousBatchingKVCacheManager.fetch`` + ``step`` of a decode
@@ -39,6 +43,7 @@ import time
 
 import numpy as np
 
+from hcache.bench import host_serving
 from hcache.config import HybridCacheConfig, KVLayerConfig
 from hcache.contexts import DynamicInferenceContext
 from hcache.continuous.hybrid_manager import ContinuousBatchingHybridCacheManager
@@ -55,7 +60,8 @@ BLOCK = 16
 
 def run(ctx) -> list[dict]:
     rounds = ctx.timer.repeat
-    rows = [_hybrid_commit(ctx, rounds), _continuous_step(ctx, rounds)]
+    rows = host_serving.run(ctx)     # the headline: a prefix-caching server's steady state
+    rows += [_hybrid_commit(ctx, rounds), _continuous_step(ctx, rounds)]
     rows += _hybrid_continuous_steps(ctx, rounds)
     for prompt in (64, 512, 960):
         rows.append(_context_decode(ctx, rounds, BATCH, prompt))

@@ -1,5 +1,6 @@
-"""The registered KV blocks: their prefix hashes, the hash map and the parent forest, with the
-leaf-peeling eviction order (docs/design.md §6).
+"""The registered KV blocks: their prefix hashes, the hash map and the parent forest (docs/design.md
+§6); the leaf-peeling eviction order over it is kept by
+:class:`~hcache.contexts.evictable_leaves.EvictableLeaves`.
 
 A registered block holds a positive hash; ``hash_to_block`` is the inverse of ``hashes`` on
 registered blocks. Registered blocks form a forest through their parent links: a block's parent
@@ -19,7 +20,6 @@ them in where the forest needs them.
 
 from __future__ import annotations
 
-import heapq
 from itertools import repeat
 
 import numpy as np
@@ -177,22 +177,27 @@ class BlockForest:
         else:
             self.child_counts[linked] += 1
 
-    def unlink(self, block_ids: np.ndarray) -> set:
+    def unlink(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """Unregister unique registered ``block_ids``, orphaning their children; returns their
-        former hashes."""
+        former hashes and the registered blocks that lost a child (int64, unique)."""
         hashes = self.hashes[block_ids]
         for h in hashes.tolist():
             del self.hash_to_block[h]
         parents = self.parent_ids[block_ids]
-        np.subtract.at(self.child_counts, parents[parents >= 0], 1)
-        orphans = np.isin(self.parent_ids, block_ids)
-        self.parent_ids[orphans] = -1
-        self.parent_hashes[orphans] = 0
+        parents = parents[parents >= 0].astype(np.int64)
+        np.subtract.at(self.child_counts, parents, 1)
+        # Children outside the batch exist only under a block still counting some: a peel
+        # unlinks whole subtrees, so the scan of every link is for other deregistrations.
+        if self.child_counts[block_ids].any():
+            orphans = np.isin(self.parent_ids, block_ids)
+            self.parent_ids[orphans] = -1
+            self.parent_hashes[orphans] = 0
         self.parent_ids[block_ids] = -1
         self.parent_hashes[block_ids] = 0
         self.child_counts[block_ids] = 0
         self.hashes[block_ids] = -1
-        return set(hashes.tolist())
+        parents = parents[self.hashes[parents] != -1]
+        return set(hashes.tolist()), (np.unique(parents) if len(parents) > 1 else parents)
 
     # --- eviction order -----------------------------------------------------------------
 
@@ -218,36 +223,6 @@ class BlockForest:
             blocked[parents] = True
             parents = self.parent_ids[parents]
         return cached & ~blocked
-
-    def peel(self, n: int, evictable: np.ndarray, timestamps: np.ndarray) -> np.ndarray | None:
-        """The first ``n`` blocks of the leaf-peeling order over ``evictable`` (oldest
-        ``timestamps`` first, ties by block id), or None if fewer are evictable.
-
-        Leaves come from one vectorised sort; only parents freed by the peel go through a heap,
-        so the Python loop runs ``n`` times.
-        """
-        if np.count_nonzero(evictable) < n:
-            return None
-        ts = timestamps
-        leaves = np.flatnonzero(evictable & (self.child_counts == 0))
-        leaves = leaves[np.lexsort((leaves, ts[leaves]))].tolist()
-        children = self.child_counts.copy()
-        heap: list[tuple[int, int]] = []
-        out: list[int] = []
-        i = 0
-        while len(out) < n:
-            if heap and (i >= len(leaves) or heap[0] < (int(ts[leaves[i]]), leaves[i])):
-                b = heapq.heappop(heap)[1]
-            else:
-                b = leaves[i]
-                i += 1
-            out.append(b)
-            p = int(self.parent_ids[b])
-            if p >= 0:
-                children[p] -= 1
-                if children[p] == 0 and evictable[p]:
-                    heapq.heappush(heap, (int(ts[p]), p))
-        return np.asarray(out, dtype=np.int64)
 
     # --- checks -------------------------------------------------------------------------
 

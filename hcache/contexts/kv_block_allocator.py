@@ -7,10 +7,10 @@ Every block is in exactly one of three states:
 * **cached**: ref count 0 and registered (``"lru"`` policy only), off the free stack until
   evicted under pressure.
 
-The free stack holds exactly the free blocks; cached blocks exist only under ``"lru"`` with
-prefix caching on (checked by :meth:`KVBlockAllocator.check_invariants`). The registered blocks
-and their eviction order are a :class:`~hcache.contexts.block_forest.BlockForest` the allocator
-owns. All bookkeeping lives on the host in NumPy arrays.
+The free stack (:mod:`.free_block_stack`) holds exactly the free blocks; cached blocks exist only
+under ``"lru"`` with prefix caching on (:mod:`.kv_block_invariants`). The registered blocks are a
+:class:`~.block_forest.BlockForest`, their eviction order :class:`~.evictable_leaves.
+EvictableLeaves`; all on the host in NumPy arrays.
 """
 
 from __future__ import annotations
@@ -20,15 +20,18 @@ from operator import attrgetter
 
 import numpy as np
 
-from .._checks import as_int, block_id_array, check_int, hash_array
+from .._checks import as_int, block_id_array, check_int, hash_array, host_ints
 from .._copying import refuse_copy
 from .block_forest import BlockForest
+from .evictable_leaves import EvictableLeaves
+from .free_block_stack import FreeBlockStack
+from .kv_block_invariants import broken_kv_block_invariants
 
 __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
 
 EVICTION_POLICIES = ("lru", "ref_zero")
-_INT64_MAX = 2**63 - 1
 _log = logging.getLogger(__name__)
+_INT64_MAX = 2**63 - 1
 
 
 class KVBlockAllocator:
@@ -86,11 +89,11 @@ class KVBlockAllocator:
         self._num_blocks = n
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.eviction_policy = eviction_policy.lower()
-        self._free_stack = np.empty(n, dtype=np.int32)
-        self._free_top = 0
+        self._free = FreeBlockStack(n)
         self.block_ref_counts = np.empty(n, dtype=np.int32)
         self.block_timestamps = np.empty(n, dtype=np.int64)
         self._forest = BlockForest(n)
+        self._leaves = EvictableLeaves(n)
         self._observers: list = []
         self.pending_parents = None
         self.reset()
@@ -118,7 +121,8 @@ class KVBlockAllocator:
         """True when registered blocks survive a ref count of 0 (caching on, policy lru)."""
         return self.enable_prefix_caching and self.eviction_policy == "lru"
 
-    num_free_blocks = property(attrgetter("_free_top"), doc="Blocks on the free stack.")
+    num_free_blocks = property(attrgetter("_free.top"), doc="Blocks on the free stack.")
+    _free_top = property(attrgetter("_free.top"), lambda a, top: setattr(a._free, "top", top))
     num_used_blocks = property(lambda self: int(np.count_nonzero(self.block_ref_counts > 0)),
                                doc="Blocks some request holds (ref count > 0).")
     num_cached_blocks = property(lambda self: int(np.count_nonzero(
@@ -128,14 +132,17 @@ class KVBlockAllocator:
     @property
     def free_block_ids(self) -> np.ndarray:
         """Copy of the free stack, ``int32 [num_free_blocks]``, bottom first."""
-        return self._free_stack[: self._free_top].copy()
+        return self._free.free_block_ids
 
     # --- queries ------------------------------------------------------------------------
 
     def get_evictable_block_count(self, block_ids=None) -> int:
         """Cached blocks :meth:`evict_lru_blocks` can reclaim (those with no in-use descendant;
         0 unless lru), among ``block_ids`` if given (``IndexError`` for an id out of range)."""
-        mask = self._evictable_mask()
+        mask = np.zeros(self._num_blocks, dtype=bool)
+        if self.caches_released_blocks:
+            pinned = None if self.pending_parents is None else self.pending_parents()
+            mask = self._forest.evictable_mask(self.block_ref_counts, pinned)
         if block_ids is not None:
             mask = mask[block_id_array("block_ids", block_ids, self._num_blocks)]
         return int(np.count_nonzero(mask))
@@ -143,8 +150,8 @@ class KVBlockAllocator:
     def get_allocatable_count(self) -> int:
         """Free blocks plus, under lru, evictable cached blocks."""
         if not self.caches_released_blocks:
-            return self._free_top
-        return self._free_top + self.get_evictable_block_count()
+            return self._free.top
+        return self._free.top + self.get_evictable_block_count()
 
     def is_memory_available(self, n: int, potential_matched_count: int = 0) -> bool:
         """Whether :meth:`allocate_memory_blocks` ``(n)`` would succeed after pinning
@@ -152,9 +159,20 @@ class KVBlockAllocator:
         fresh blocks; a block with an in-use descendant is not evictable, not counted)."""
         n = as_int("n", n)
         potential_matched_count = as_int("potential_matched_count", potential_matched_count)
-        if self._free_top >= n:
+        if self._free.top >= n:
             return True
+        if potential_matched_count == 0:
+            return self.can_allocate_memory_blocks(n)
         return self.get_allocatable_count() - potential_matched_count >= n
+
+    def can_allocate_memory_blocks(self, n: int, retained=None) -> bool:
+        """Whether :meth:`allocate_memory_blocks` ``(n, retained)`` would succeed, in O(n log
+        cached leaves). ``IndexError``: a retained id out of range; ``TypeError`` /
+        ``ValueError``: ``n`` is not an int >= 0."""
+        n, keep = as_int("n", n), self._kept(retained)
+        short = n - self._free.top
+        return short <= 0 or (self.caches_released_blocks
+                              and self._peel(short, keep, commit=False) is not None)
 
     # --- commands -----------------------------------------------------------------------
 
@@ -170,38 +188,39 @@ class KVBlockAllocator:
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
         self._observers.append(fn)
 
-    def allocate_memory_blocks(self, n: int) -> np.ndarray | None:
+    def allocate_memory_blocks(self, n: int, retained=None) -> np.ndarray | None:
         """Pop ``n`` free blocks (ref count 1, timestamp = clock), evicting cached blocks under
-        lru when the free stack is short.
+        lru when the free stack is short; ``retained`` (block ids, optional) are blocks the
+        caller retains next: evicted as if retained already (neither they nor their ancestors).
 
-        Returns
-        -------
-        numpy.ndarray of int32 [n] or None
-            A new array of distinct block ids, or None (and nothing changed) when fewer than
-            ``n`` blocks can be made free.
-
-        Raises
-        ------
-        TypeError, ValueError
-            ``n`` is not an int >= 0.
+        Returns a new ``int32 [n]`` array of distinct ids, or None (nothing changed) when fewer
+        than ``n`` blocks can be made free. Raises ``IndexError`` (a retained id out of range),
+        ``TypeError`` / ``ValueError`` (``n`` is not an int >= 0).
         """
-        n = as_int("n", n)
-        short = n - self._free_top
-        evicted = None
-        if short > 0:
-            if not self.caches_released_blocks:
-                return None
-            evicted = self._forest.peel(short, self._evictable_mask(),
-                                          self.block_timestamps)
+        return self._allocate(as_int("n", n), self._kept(retained))
+
+    def allocate_memory_blocks_per_request(self, counts) -> np.ndarray | None:
+        """``int32 [sum(counts)]``: what consecutive :meth:`allocate_memory_blocks`
+        ``(counts[i])`` calls return, concatenated (the same ids, order and victims), with one
+        eviction and one observer call; None (nothing changed) when fewer blocks can be made
+        free. ``TypeError`` / ``ValueError``: ``counts`` is not a 1-D sequence of ints >= 0."""
+        counts = host_ints("counts", counts)
+        if len(counts) and counts.min() < 0:
+            raise ValueError(f"counts: expected ints >= 0, got {int(counts.min())}")
+        return self._allocate(int(counts.sum()), (), counts.tolist())
+
+    def _allocate(self, n: int, keep, counts=None) -> np.ndarray | None:
+        top, pending = self._free.top, None
+        if n > top:
+            evicted = self._peel(n - top, keep) if self.caches_released_blocks else None
             if evicted is None:
                 return None
-            pending = self._deregister(evicted)
-        top = self._free_top - n
-        ids = self._free_stack[top: self._free_top][::-1].copy()
-        self._free_top = top
+            pending = self._deregister(evicted)     # pushed on the stack, in peel order
+        ids = self._free.pop(n) if pending is None or counts is None \
+            else self._free.pop_per_request(counts, top)
         self.block_ref_counts[ids] = 1
         self.block_timestamps[ids] = self._clock
-        if evicted is not None:
+        if pending is not None:
             self._notify(*pending)
         return ids
 
@@ -224,6 +243,7 @@ class KVBlockAllocator:
         uniq, counts = np.unique(ids, return_counts=True)
         self.block_ref_counts[uniq] += counts.astype(np.int32)
         self.block_timestamps[uniq] = self._clock
+        self._leaves.discard(uniq)
 
     def release_memory_blocks(self, block_ids) -> None:
         """Drop one reference per occurrence of each id. Blocks reaching 0 are freed when
@@ -248,9 +268,13 @@ class KVBlockAllocator:
         self.block_ref_counts[uniq] = after.astype(np.int32)
         zero = uniq[after == 0]
         registered = self.block_hashes[zero] != -1
-        self._push_free(zero[~registered])
-        if not self.caches_released_blocks and registered.any():
-            self._notify(*self._deregister(zero[registered]))
+        self._free.push(zero[~registered])
+        if not self.caches_released_blocks:
+            if registered.any():
+                self._notify(*self._deregister(zero[registered]))
+            return
+        cached = zero[registered]
+        self._leaves.add(cached[self._forest.child_counts[cached] == 0], self.block_timestamps)
 
     def register_kv_block_hashes(self, block_ids, hashes, parent_hashes=None) -> None:
         """Record the prefix hash of each block (a batch, applied whole or not at all).
@@ -286,12 +310,14 @@ class KVBlockAllocator:
         pending = self._forest.plan_registration(ids, hs, ps, self.block_ref_counts)
         if self.enable_prefix_caching:
             self._forest.link(*pending)
+            self._drop_linked_parents(pending[0])
 
     def _register_new_blocks(self, block_ids, hashes, parent_hashes, likely_parents=None) -> None:
         """:meth:`register_kv_block_hashes` unchecked (distinct used unregistered blocks, distinct
         new positive hashes; int64 arrays); ``likely_parents``: see :meth:`BlockForest.link`."""
         if self.enable_prefix_caching:
             self._forest.link(block_ids, hashes, parent_hashes, likely_parents)
+            self._drop_linked_parents(block_ids)
 
     def evict_lru_blocks(self, n: int) -> bool:
         """Deregister and free ``n`` cached blocks, peeling leaves oldest first (ties by id).
@@ -305,7 +331,9 @@ class KVBlockAllocator:
         n = as_int("n", n)
         if n == 0:
             return True
-        victims = self._forest.peel(n, self._evictable_mask(), self.block_timestamps)
+        if not self.caches_released_blocks:
+            return False
+        victims = self._peel(n)
         if victims is None:
             return False
         self._notify(*self._deregister(victims))
@@ -314,38 +342,45 @@ class KVBlockAllocator:
     def reset(self) -> None:
         """Free every block, clear hashes, ref counts, timestamps and the clock. Observers are
         kept and not called (owners of derived state reset it themselves)."""
-        n = self._num_blocks
-        # Bottom-to-top n-1..0, so a fresh pool hands out ids 0, 1, 2, ...
-        self._free_stack[:] = np.arange(n - 1, -1, -1, dtype=np.int32)
-        self._free_top = n
+        self._free.reset()
         self.block_ref_counts.fill(0)
         self.block_timestamps.fill(0)
         self._forest.reset()
+        self._leaves.reset()
         self._clock = 0
 
     # --- internals ----------------------------------------------------------------------
 
-    def _evictable_mask(self) -> np.ndarray:
-        """``bool [num_blocks]``: the blocks leaf peeling can reach (none unless cached blocks
-        are kept)."""
-        if not self.caches_released_blocks:
-            return np.zeros(self._num_blocks, dtype=bool)
-        pinned = None if self.pending_parents is None else self.pending_parents()
-        return self._forest.evictable_mask(self.block_ref_counts, pinned)
+    def _drop_linked_parents(self, block_ids: np.ndarray) -> None:
+        parents = self._forest.parent_ids[block_ids]    # they gained a child: no leaves
+        self._leaves.discard(parents[parents >= 0])
+
+    def _kept(self, retained) -> tuple:
+        return () if retained is None else tuple(block_id_array(
+            "retained", retained, self._num_blocks).tolist())
+
+    def _peel(self, n: int, keep=(), commit: bool = True) -> np.ndarray | None:
+        """The first ``n`` victims (int64) of leaf peeling, keeping ``keep`` and the blocks the
+        backlog will link to (:meth:`EvictableLeaves.peel`), or None."""
+        pinned = () if self.pending_parents is None else self.pending_parents().tolist()
+        f = self._forest
+        out = self._leaves.peel(n, f.parent_ids, f.child_counts, self.block_ref_counts,
+                                self.block_timestamps, set(keep).union(pinned), commit)
+        return None if out is None else np.asarray(out, dtype=np.int64)
 
     def _deregister(self, ids: np.ndarray):
         """Unregister and free unique registered ``ids`` and return the observer arguments
         ``(ids_list, hashes_set)``; the caller notifies once its call has committed."""
-        hashes = self._forest.unlink(ids)
+        hashes, parents = self._forest.unlink(ids)
         self.block_ref_counts[ids] = 0
         self.block_timestamps[ids] = 0
-        self._push_free(ids)
+        self._free.push(ids)
+        if self.caches_released_blocks:     # parents left childless at ref count 0: leaves
+            self._leaves.discard(ids)
+            self._leaves.add(parents[(self._forest.child_counts[parents] == 0)
+                                     & (self.block_ref_counts[parents] == 0)],
+                             self.block_timestamps)
         return ids.tolist(), hashes
-
-    def _push_free(self, ids: np.ndarray) -> None:
-        k = ids.shape[0]
-        self._free_stack[self._free_top: self._free_top + k] = ids
-        self._free_top += k
 
     def _notify(self, block_ids: list, hashes: set) -> None:
         for fn in list(self._observers):
@@ -359,42 +394,7 @@ class KVBlockAllocator:
     def check_invariants(self) -> None:
         """Verify the bookkeeping; raise RuntimeError listing every broken invariant (see the
         module docstring). Reads only."""
-        errors: list[str] = []
-        n, top = self._num_blocks, self._free_top
-        refs = self.block_ref_counts
-        if not 0 <= top <= n:
-            errors.append(f"free stack top {top} outside [0, {n}]")
-        stack = self._free_stack[: max(0, min(top, n))].astype(np.int64)
-        in_range = (stack >= 0) & (stack < n)
-        if not in_range.all():
-            errors.append(f"free stack holds out-of-range ids {stack[~in_range].tolist()}")
-        stack = stack[in_range]
-        is_free = np.zeros(n, dtype=bool)
-        is_free[stack] = True
-        if np.unique(stack).shape[0] != stack.shape[0]:
-            errors.append("free stack holds duplicate ids")
-        if (refs < 0).any():
-            errors.append(f"negative ref counts at {np.flatnonzero(refs < 0).tolist()}")
-        registered, used = self._forest.registered, refs > 0
-        cached = registered & ~used
-        bad_free = is_free & (registered | used)
-        if bad_free.any():
-            errors.append(f"free blocks registered or in use: "
-                          f"{np.flatnonzero(bad_free).tolist()}")
-        lost = ~is_free & ~registered & ~used
-        if lost.any():
-            errors.append(f"unregistered ref-0 blocks off the free stack: "
-                          f"{np.flatnonzero(lost).tolist()}")
-        total = int(is_free.sum()) + int(used.sum()) + int(cached.sum())
-        if total != n:
-            errors.append(f"free + used + cached = {total}, expected {n}")
-        if not self.caches_released_blocks and cached.any():
-            errors.append(f"cached blocks under policy {self.eviction_policy} / caching "
-                          f"{self.enable_prefix_caching}: {np.flatnonzero(cached).tolist()}")
-        if not self.enable_prefix_caching and registered.any():
-            errors.append("registered blocks with prefix caching disabled")
-        errors += self._forest.broken_invariants()
-        if (self.block_timestamps[registered | used] > self._clock).any():
-            errors.append("timestamps ahead of the clock")
+        errors = broken_kv_block_invariants(self, self._free.ids, self._free.top, self._forest,
+                                            self._leaves)
         if errors:
             raise RuntimeError("KVBlockAllocator invariants broken:\n  " + "\n  ".join(errors))

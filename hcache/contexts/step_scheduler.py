@@ -95,20 +95,21 @@ class StepScheduler:
         # Pinning takes the matched blocks that eviction could reclaim out of the pool; a cached
         # matched block with an in-use descendant was never reclaimable, so it costs nothing.
         # (Ancestors of matched blocks are matched blocks, so nothing else becomes pinned.)
-        pinned = kv.get_evictable_block_count(matched) if matched else 0
-        if not kv.is_memory_available(num_new, pinned):
+        # Without a local block space to check too, the allocation is the check (it changes
+        # nothing when it fails); the matched blocks are kept from eviction as if pinned first.
+        new = None
+        if self.window is None:
+            new = kv.allocate_memory_blocks(num_new, matched)
+        if new is None and not kv.can_allocate_memory_blocks(num_new, matched):
+            pinned = kv.get_evictable_block_count(matched) if matched else 0
             available = kv.get_allocatable_count() - pinned
             raise CacheCapacityError(f"KV blocks: {num_new} required, {available} allocatable",
                                      required=num_new, available=available)
         if self.window is not None:
             self.window.check_admit(local_ids, num_new)
+            new = kv.allocate_memory_blocks(num_new, matched)
         if matched:
             kv.retain_memory_blocks(matched)
-        new = kv.allocate_memory_blocks(num_new)
-        if new is None:  # unreachable: availability was checked with the pins accounted for
-            kv.release_memory_blocks(matched)
-            raise CacheCapacityError("KV blocks: allocation failed after pinning",
-                                     required=num_new, available=kv.get_allocatable_count())
         restored = matched[skip // bs - 1] if skip and self.num_mamba_layers else -1
         stats = PrefixCacheStats(
             requests=1, prompt_tokens=n, skipped_tokens=skip, kv_hit_blocks=len(matched),
@@ -170,18 +171,22 @@ class StepScheduler:
         else:
             need = -(-ends // bs) - requests.num_blocks[rows]
         total = int(np.count_nonzero(need)) if counts is None else int(need.sum())
-        if total and not kv.is_memory_available(total):
-            available = kv.get_allocatable_count()
-            raise CacheCapacityError(f"KV blocks: {total} required, {available} allocatable",
-                                     required=total, available=available)
+        new = None
+        if total:
+            # Without a local block space to check too, the allocation is the check (a refused
+            # one changes nothing); with eviction it hands out what a loop of extend_request
+            # would get, in one call.
+            if self.window is None:
+                new = self._allocate(need, total)
+            if new is None if self.window is None else not kv.is_memory_available(total):
+                available = kv.get_allocatable_count()
+                raise CacheCapacityError(f"KV blocks: {total} required, {available} allocatable",
+                                         required=total, available=available)
         if self.window is not None:
             self.window.check_extend(total)
         if total:
-            if kv.num_free_blocks >= total:
-                new = kv.allocate_memory_blocks(total)
-            else:   # eviction: one allocation per request, in order, as extend_request does
-                new = np.concatenate([kv.allocate_memory_blocks(k)
-                                      for k in need[need > 0].tolist()])
+            if new is None:
+                new = self._allocate(need, total)
             requests.add_blocks(rows, need, new)
             if self.window is not None:
                 self.window.extend(rows, need, total)
@@ -202,6 +207,13 @@ class StepScheduler:
         return BatchStepPlan(ids, rows, requests.request_to_mamba_state_idx[rows], starts, ends,
                              offsets, flat.copy(),
                              requests.request_to_kv_block_ids.take(rows, axis=0))
+
+    def _allocate(self, need: np.ndarray, total: int):
+        """``need[i]`` new blocks per row, ``total`` in all, or None (nothing changed)."""
+        kv = self.kv
+        if kv.num_free_blocks >= total:
+            return kv.allocate_memory_blocks(total)
+        return kv.allocate_memory_blocks_per_request(need[need > 0].tolist())
 
     def _plan_snapshots(self, rows, starts, ends, counts, closing) -> None:
         """Ask the Mamba slot allocator for the boundary states of the extension chunks

@@ -1,0 +1,144 @@
+"""The cached leaves of the block forest in LRU order: where leaf peeling starts (docs/design.md
+§6, issue 24).
+
+A *leaf* is a registered block with ref count 0 and no registered child. Leaf peeling (the
+eviction rule of :class:`~hcache.contexts.KVBlockAllocator`) repeatedly takes the leaf with the
+oldest timestamp (ties by block id) among the leaves that are not pinned, and a parent whose
+last child it took becomes a leaf. A cached block with a used descendant never becomes a leaf
+(the chain down to the used block keeps a child), and a pinned block's cached ancestors keep
+the pinned block as a child, so the peel reaches exactly the evictable blocks.
+
+:class:`EvictableLeaves` keeps the leaves incrementally: the allocator reports every change of
+a block's leaf status (ref count to or from 0, a child registered or unregistered) and the set
+answers a peel of ``n`` blocks in O(n log leaves), whatever the pool size. The order is a binary
+heap of ``(timestamp, block)`` with lazy deletion: an entry is live while its block is a member
+and still has that timestamp (a cached block's timestamp does not change while it is cached).
+
+Invariants (:meth:`EvictableLeaves.broken_invariants`): ``member`` marks exactly the leaves;
+every member has a live heap entry.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+__all__ = ["EvictableLeaves"]
+
+# The heap is rebuilt from the members when it outgrows twice its size after the last rebuild
+# plus this many entries, so stale entries cost O(1) amortised each.
+_SLACK = 1024
+
+
+class EvictableLeaves:
+    """The cached childless registered blocks among ``num_blocks``, oldest first.
+
+    Attributes
+    ----------
+    member : bool [num_blocks]
+        The leaves.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.member = np.zeros(num_blocks, dtype=bool)
+        self._heap: list[tuple[int, int]] = []
+        self._limit = _SLACK
+
+    def reset(self) -> None:
+        """No leaves."""
+        self.member.fill(False)
+        self._heap.clear()
+        self._limit = _SLACK
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.member))
+
+    def add(self, block_ids: np.ndarray, timestamps: np.ndarray) -> None:
+        """Make ``block_ids`` (leaves, any order; members and repeats allowed) members."""
+        ids = block_ids[~self.member[block_ids]]
+        if not len(ids):
+            return
+        self.member[ids] = True
+        push, heap = heapq.heappush, self._heap
+        for entry in zip(timestamps[ids].tolist(), ids.tolist()):
+            push(heap, entry)     # a repeat pushes twice: the second entry is stale once taken
+        if len(heap) > self._limit:
+            self._rebuild(timestamps)
+
+    def discard(self, block_ids: np.ndarray) -> None:
+        """Drop ``block_ids`` (any, repeats allowed): they gained a holder or a child."""
+        self.member[block_ids] = False
+
+    def peel(self, n: int, parent_ids: np.ndarray, child_counts: np.ndarray,
+             ref_counts: np.ndarray, timestamps: np.ndarray, keep=frozenset(),
+             commit: bool = True) -> list | None:
+        """The first ``n`` blocks of the leaf-peeling order, or None if fewer can be peeled.
+
+        Parameters
+        ----------
+        n : int
+        parent_ids, child_counts, ref_counts, timestamps : arrays [num_blocks]
+            The forest's links and the allocator's counts, read only.
+        keep : set of int
+            Blocks never taken (pinned or about to be retained); their ancestors stay.
+        commit : bool
+            True: the returned blocks leave the set (the caller unregisters them) and the
+            parents they leave childless join it. False, or on None: nothing changes.
+        """
+        heap, member = self._heap, self.member
+        pop, push = heapq.heappop, heapq.heappush
+        out: list[int] = []
+        taken: list[tuple[int, int]] = []
+        promoted: list[int] = []
+        aside: list[tuple[int, int]] = []
+        remaining: dict[int, int] = {}      # children left of the parents touched
+        while len(out) < n and heap:
+            entry = pop(heap)
+            t, b = entry
+            if not member[b] or int(timestamps[b]) != t:
+                continue        # stale
+            member[b] = False
+            if b in keep:
+                aside.append(entry)
+                continue
+            out.append(b)
+            taken.append(entry)
+            p = int(parent_ids[b])
+            if p >= 0:
+                left = remaining.get(p)
+                left = (int(child_counts[p]) if left is None else left) - 1
+                remaining[p] = left
+                if left == 0 and ref_counts[p] == 0:
+                    member[p] = True
+                    promoted.append(p)
+                    push(heap, (int(timestamps[p]), p))
+        for entry in aside:
+            member[entry[1]] = True
+            push(heap, entry)
+        if len(out) < n or not commit:
+            for entry in taken:
+                member[entry[1]] = True
+                push(heap, entry)
+            member[promoted] = False
+        if len(heap) > self._limit:
+            self._rebuild(timestamps)
+        return None if len(out) < n else out
+
+    def _rebuild(self, timestamps: np.ndarray) -> None:
+        ids = np.flatnonzero(self.member)
+        self._heap = list(zip(timestamps[ids].tolist(), ids.tolist()))
+        heapq.heapify(self._heap)
+        self._limit = 2 * len(self._heap) + _SLACK
+
+    def broken_invariants(self, leaves: np.ndarray, timestamps: np.ndarray) -> list[str]:
+        """Every broken invariant given the true leaves (``bool [num_blocks]``); reads only."""
+        errors = []
+        if (self.member != leaves).any():
+            errors.append(f"evictable leaves {np.flatnonzero(self.member).tolist()}, expected "
+                          f"{np.flatnonzero(leaves).tolist()}")
+        live = {b for t, b in self._heap if self.member[b] and int(timestamps[b]) == t}
+        if live != set(np.flatnonzero(self.member).tolist()):
+            errors.append("an evictable leaf has no live heap entry")
+        return errors
+
