@@ -6,7 +6,8 @@
 #   env.txt        nvidia-smi and `python -m hcache info` (every kernel family compiled)
 #   gpu_tier.txt   the gpu test tier (pytest-xdist with 8 workers when installed)
 #   sanitizer.txt  compute-sanitizer memcheck (CuPy's pool off, so an overrun inside a pooled
-#                  block is seen) then initcheck, over the kernel tests
+#                  block is seen) then initcheck, over the kernel tests; racecheck over the
+#                  kernels that use shared memory (lengths, compaction plan)
 #   bench.txt      `python -m hcache bench` then `--host`; their reports are the two JSON files
 #                  <date>_<gpu>_kernels.json and <date>_<gpu>_host.json
 #   suite.txt      the whole test suite with 16 workers (issue 29), in the time left
@@ -61,6 +62,12 @@ if [ -n "$SANITIZER" ]; then
             "$SANITIZER" --tool "$tool" --error-exitcode 99 --print-limit 20 \
             python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_op_*.py
     done
+    # racecheck: shared memory only, which the block-wide lengths and compaction-plan kernels use
+    echo "== racecheck" >> "$OUT/sanitizer.txt"
+    stage racecheck 40 "$OUT/sanitizer.txt" env HYPOTHESIS_PROFILE=ci \
+        "$SANITIZER" --tool racecheck --error-exitcode 99 --print-limit 20 \
+        python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_op_lengths.py \
+        tests/test_op_compact.py
 else
     echo "compute-sanitizer not found" > "$OUT/sanitizer.txt"
     echo "sanitizer=not-found" >> "$SUMMARY"

@@ -58,8 +58,9 @@ def test_every_stage_runs_under_a_time_limit_into_at_most_eight_files(tmp_path):
     calls, out, _ = _run(tmp_path)
     sanitizer = [c for c in calls if c.startswith("compute-sanitizer")]
     tools = [c.split("--tool ", 1)[1].split()[0] for c in sanitizer]
-    assert tools == ["memcheck", "initcheck"]
-    assert all(" pool=0 " in c for c in sanitizer)           # CuPy's pool off under both
+    assert tools == ["memcheck", "initcheck", "racecheck"]
+    assert all(" pool=0 " in c for c in sanitizer[:2])       # CuPy's pool off under both
+    assert "test_op_lengths.py" in sanitizer[2] and "test_op_compact.py" in sanitizer[2]
     assert all("--error-exitcode" in c for c in sanitizer)
     python = [c for c in calls if c.startswith("python3") and "import xdist" not in c]
     assert all("timeout=?" not in c for c in python + sanitizer)   # each under `timeout`
@@ -73,7 +74,8 @@ def test_every_stage_runs_under_a_time_limit_into_at_most_eight_files(tmp_path):
     # each stage's own output is in its log as it ran
     assert "-m pytest -m gpu" in (out / "gpu_tier.txt").read_text()
     summary = (out / "summary.txt").read_text()
-    for stage in ("info", "gpu_tier", "memcheck", "initcheck", "bench", "bench_host", "suite"):
+    for stage in ("info", "gpu_tier", "memcheck", "initcheck", "racecheck", "bench",
+                  "bench_host", "suite"):
         assert f"{stage}=0 " in summary
 
 
