@@ -20,8 +20,9 @@ def test_readme_opens_with_both_halves_and_the_manager_table():
     head = README[:README.index("## Set-up")]
     assert "**What hcache does.**" in head and "**What your engine does.**" in head
     assert "### Which manager for which engine" in head
-    assert "K/V only" in head          # continuous batching, until it holds states
+    # continuous batching: the K/V-only seed manager and the one that holds states (issue 26)
     for name in ("HybridCacheManager", "ContinuousBatchingKVCacheManager",
+                 "ContinuousBatchingHybridCacheManager",
                  "DynamicInferenceContext", "PagedKVPool", "hcache.interop.jax"):
         assert name in head, name
     assert "### The cache layouts" in head and "```text" in head

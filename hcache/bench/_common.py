@@ -96,23 +96,11 @@ class BenchContext:
         back-to-back calls (then host gaps count once the host is slower than the device)."""
         if self.xp is np:
             return None
-        cp = self.xp
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
-            fn()
-            stream.synchronize()
-            try:
-                stream.begin_capture()
-                try:
-                    fn()
-                finally:
-                    graph = stream.end_capture()
-                run = lambda: graph.launch(stream)  # noqa: E731
-                run()
-            except Exception:  # noqa: BLE001 - not capturable: time the calls instead
-                run = fn
-            stream.synchronize()
-            return self._events_us(run, REPLAYS)
+        replay = _cuda.runtime().capture_replay(fn)
+        if replay is None:
+            return self._events_us(fn, REPLAYS)
+        replay()
+        return self._events_us(replay, REPLAYS)
 
     def memcpy_us(self, nbytes: int) -> float:
         """Median µs of one ``cudaMemcpyAsync`` device-to-device copy moving ``nbytes`` (read +
@@ -122,12 +110,10 @@ class BenchContext:
         src, dst = self.xp.ones(half, np.uint8), self.xp.empty(half, np.uint8)
         if self.xp is np:
             return self.timer(lambda: np.copyto(dst, src))
-        runtime = self.xp.cuda.runtime
+        rt = _cuda.runtime()
 
         def copy():
-            runtime.memcpyAsync(dst.data.ptr, src.data.ptr, half,
-                                runtime.memcpyDeviceToDevice,
-                                self.xp.cuda.get_current_stream().ptr)
+            rt.copy_d2d(dst, src, half)
 
         copy()
         return self._events_us(copy, REPLAYS)

@@ -67,7 +67,11 @@ def run(ctx: BenchContext) -> list[dict]:
                      "us": round(us, 3), "bytes": int(nbytes),
                      "GBps": round(nbytes / us / 1e3, 2) if us else None,
                      "vs_copy": significant(copy_us / us) if us else None,
-                     "speedup_vs_naive": significant(naive_us / us) if us else None, "launches": 1})
+                     "speedup_vs_naive": significant(naive_us / us) if us else None, "launches": 1,
+                     # no kernel: a pull is host-driven (its wall time is host_us); memcpy_us a
+                     # same-run copy of the same bytes, as the kernel rows have
+                     "kernel_us": None, "host_us": round(us, 3), "memcpy_us": round(copy_us, 3),
+                     "kernel_vs_memcpy": None})
     return rows
 
 

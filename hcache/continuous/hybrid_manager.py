@@ -176,11 +176,13 @@ class ContinuousBatchingHybridCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no live sequence holds (what :meth:`claim` can hand out now)."""
         with self._cond:
             return len(self._sequences.free)
 
     @property
     def num_live_sequences(self) -> int:
+        """Sequences claimed and not released."""
         with self._cond:
             return len(self._sequences.block_of)
 

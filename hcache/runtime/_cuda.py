@@ -200,6 +200,30 @@ class CupyRuntime:
         """``cudaStreamSynchronize(current stream)``."""
         self.cp.cuda.get_current_stream().synchronize()
 
+    def copy_d2d(self, dst, src, nbytes: int) -> None:
+        """``cudaMemcpyAsync(dst, src, nbytes, DeviceToDevice, current stream)``."""
+        rt = self.cp.cuda.runtime
+        rt.memcpyAsync(dst.data.ptr, src.data.ptr, int(nbytes), rt.memcpyDeviceToDevice,
+                       self.cp.cuda.get_current_stream().ptr)
+
+    def capture_replay(self, fn):
+        """A callable that launches, on the current stream, a CUDA graph captured (on a new
+        non-blocking stream) from one ``fn()``, run once uncaptured first for its lazy set-up;
+        ``None`` when ``fn`` cannot be captured. For timing launches without host time."""
+        stream = self.cp.cuda.Stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+            try:
+                stream.begin_capture()
+                try:
+                    fn()
+                finally:
+                    graph = stream.end_capture()
+            except Exception:  # noqa: BLE001 - not capturable: the caller times the calls
+                return None
+        return lambda: graph.launch(self.cp.cuda.get_current_stream())
+
     def to_host(self, a) -> np.ndarray:
         """``cudaMemcpyAsync`` device to host on the current stream, then
         ``cudaStreamSynchronize``: **synchronizes** the current stream."""

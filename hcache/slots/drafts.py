@@ -98,6 +98,7 @@ class DraftStates:
 
     @property
     def max_draft_tokens(self) -> int:
+        """Draft positions per sequence each buffer holds (``k`` of a verify pass, at most)."""
         return self._max_draft
 
     @property
