@@ -194,16 +194,22 @@ class IntermediateStates:
         chunk_start, seq_len = finished + skip, chunk - skip
         boundaries = [(first_block + matched) * bs, (prompt_len // bs) * bs, (required - 1) * bs]
         boundaries += extra.tolist()
-        kept = [p - chunk_start for p in boundaries
-                if 0 < p - chunk_start < seq_len and (p - chunk_start) % align == 0]
-        offsets = sorted(list(dict.fromkeys(kept))[:_K])
-        columns = [(chunk_start + o) // bs - 1 for o in offsets]
+        kept = {}      # loops, not comprehensions: this runs once per admitted request
+        for p in boundaries:
+            o = p - chunk_start
+            if 0 < o < seq_len and o % align == 0:
+                kept[o] = None
+        offsets = sorted(list(kept)[:_K])
+        columns = []
+        for o in offsets:
+            columns.append((chunk_start + o) // bs - 1)
         if finished + chunk >= prompt_len and prompt_len > 0 and prompt_len % bs == 0:
             columns.append(prompt_len // bs - 1)  # the EOS entry
-        if [c for c in columns if c >= len(table) or table[c] < 0]:
-            raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary of "
-                             f"row {row}, got {table[:max(columns) + 1].tolist()}")
-        block_ids = [int(table[c]) for c in columns[:len(offsets)]]
+        for c in columns:
+            if c >= len(table) or table[c] < 0:
+                raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary "
+                                 f"of row {row}, got {table[:max(columns) + 1].tolist()}")
+        block_ids = table[columns[:len(offsets)]].tolist()
         eos = int(table[columns[-1]]) if len(columns) > len(offsets) else -1
         n = len(offsets)
         self.offsets[row] = 0

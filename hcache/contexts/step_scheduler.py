@@ -20,6 +20,8 @@ from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan, _Chunk
 
 __all__ = ["StepScheduler"]
 
+_PLAIN_ROOT = np.frombuffer(chain_root(None), np.uint8)   # the root of every unsalted chain
+
 
 class StepScheduler:
     """Schedules steps of the requests of ``requests``.
@@ -66,9 +68,13 @@ class StepScheduler:
         """
         requests, kv, bs, mamba = self.requests, self.kv, self.block_size, self.mamba
         n = len(tokens)
-        salt, keys = cache_salt("salt", salt), block_keys("extra_keys", extra_keys, -(-n // bs))
         full = n // bs if requests.hashing else 0
-        root = np.frombuffer(chain_root(salt), np.uint8)
+        if salt is None and extra_keys is None:     # the plain chain (Megatron-LM's)
+            keys, root = {}, _PLAIN_ROOT
+        else:
+            salt = cache_salt("salt", salt)
+            keys = block_keys("extra_keys", extra_keys, -(-n // bs))
+            root = np.frombuffer(chain_root(salt), np.uint8)
         hashes, digests = chain_block_hashes(root[None],
                                              tokens[:full * bs].reshape(full, bs),
                                              np.array([full]),
