@@ -32,8 +32,8 @@ def kernel_dir() -> Path:
     """The folder holding ``*.cu``/``*.cuh``: ``hcache/kernels`` in an installed wheel (package
     data), else the repository's top-level ``kernels/`` (a checkout or an editable install)."""
     package = Path(__file__).resolve().parent.parent
-    shipped = package / "kernels"
-    return shipped if shipped.is_dir() else package.parent / "kernels"
+    shipped = package / "kernels"    # by its header: a stale folder (a __pycache__) is no wheel
+    return shipped if (shipped / "common.cuh").is_file() else package.parent / "kernels"
 
 
 def kernel_source(family: str) -> tuple[str, str]:
