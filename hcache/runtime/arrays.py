@@ -29,16 +29,14 @@ def _is_runtime_array(value) -> bool:
 
 def on_device(value) -> bool:
     """True when ``value`` says its memory is device memory (a runtime array, the CUDA array
-    interface, a DLPack device other than the host)."""
-    if _is_runtime_array(value) or hasattr(value, "__cuda_array_interface__"):
+    interface, a DLPack device other than the host). DLPack is asked before the interface,
+    whose producer may compute it only after its pending work (see :func:`as_array`)."""
+    if _is_runtime_array(value):
         return True
-    where = getattr(value, "__dlpack_device__", None)
-    if where is None:
-        return False
-    try:
-        return int(where()[0]) not in _DLPACK_HOST
-    except _FOREIGN_ERRORS:
-        return False
+    where = _dlpack_device(value)
+    if where is not None:
+        return where[0] not in _DLPACK_HOST
+    return hasattr(value, "__cuda_array_interface__")
 
 
 def host_array(name: str, value) -> np.ndarray:
@@ -87,10 +85,11 @@ def as_array(name: str, value, device: Device, stream=None):
 
     On ``cpu`` see :func:`host_array`. On ``cuda`` a runtime (CuPy) array is returned as it is;
     any other device array is viewed in place, with ``stream`` (the call's stream) ordered
-    after its producer on the device, never by a host wait: ``__cuda_array_interface__``
-    through :func:`hcache.device.adopt` and :func:`hcache.device.wait_for_producer` (whose
-    ``stream`` entry names the producer), else DLPack (``__dlpack__(stream=...)``: the
-    producer orders its work before ``stream``). During a CUDA graph capture nothing is
+    after its producer on the device, never by a host wait: DLPack where the array has it
+    (``__dlpack__(stream=...)``: the producer orders its work before ``stream``; it carries
+    bfloat16 and float8), else ``__cuda_array_interface__`` through
+    :func:`hcache.device.adopt` and :func:`hcache.device.wait_for_producer` (whose ``stream``
+    entry names the producer). During a CUDA graph capture nothing is
     waited for: the caller orders the producer before capturing. Host memory is refused,
     since using it would mean a copy.
 
@@ -124,9 +123,12 @@ def _adopt(name: str, value, device: Device, stream, rt):
     checked for its device before any work is queued for it, then viewed on ``stream`` after
     its producer (the interface's ``stream`` entry, or DLPack's own ordering)."""
     kind = type(value).__name__
-    iface = getattr(value, "__cuda_array_interface__", None)
+    # DLPack first where both are offered (JAX, torch): it carries every cache dtype (the
+    # interface has no typestr for bfloat16 or float8) and orders the producer on the device;
+    # an interface without a ``stream`` entry says nothing of the producer's pending work
+    where = _dlpack_device(value) if hasattr(value, "__dlpack__") else None
+    iface = None if where is not None else getattr(value, "__cuda_array_interface__", None)
     if iface is None:
-        where = _dlpack_device(value)
         if where is None or where[0] in _DLPACK_HOST:
             raise TypeError(f"{name}: expected a {device.xp.__name__} array (or an array on "
                             f"{device} with __cuda_array_interface__ or __dlpack__), got {kind}")
