@@ -7,7 +7,8 @@
 //   * a cycle m -> x -> ... -> m saves m into a per-thread register first (HC_TMP), moves the rest
 //     backwards, then stores the register; a monotone mapping has no cycles;
 //   * a slot below new_batch that receives nothing gets an HC_CLEAR entry (at the end).
-// The copy kernels then run the whole schedule for each chunk they own; since one thread owns a
+// The copy kernels then run the whole schedule once per tile of chunks they own (each entry
+// resolved once per tile, its chunks loaded before they are stored); since one thread owns a
 // chunk offset in every slot (common.cuh), program order alone orders reads before writes.
 //
 // Plan layout (int32, 4 + 8 max_batch entries; mirrored by hcache/ops/tables.py, whose
@@ -308,15 +309,68 @@ __device__ __forceinline__ hc_i64 hc_span_bytes(int len, int cap, int row_bytes)
     return (hc_i64)l * row_bytes;
 }
 
+// Chunks a thread holds at once: a block takes a tile of HC_COMPACT_IN_FLIGHT * blockDim chunks
+// of the span (thread j: chunks j, j + blockDim, ...), walks the schedule once per tile,
+// resolving each entry's slots and span once, and per entry loads all of its chunks before its
+// first store. A byte offset belongs to one thread in every slot, so program order still orders
+// each move's reads after the earlier moves' writes (the plan's chains and cycles).
+#define HC_COMPACT_IN_FLIGHT 4
+
+// The chunk offsets of one thread's tile: first, first + stride, ... (stride = blockDim * W).
+struct HcTile {
+    hc_i64 first;
+    hc_i64 stride;
+};
+
+template <int W>
+__device__ __forceinline__ void hc_tile_load(HcChunk* buf, const char* src, HcTile t, hc_i64 n) {
+    const hc_i64 left = n - t.first;  // bytes of the span from the thread's first chunk on
+#pragma unroll
+    for (int u = 0; u < HC_COMPACT_IN_FLIGHT; ++u) {
+        const hc_i64 at = u * t.stride;
+        if (at < left) hc_load_chunk<W>(buf[u], src + t.first, at, left);
+    }
+}
+
+template <int W>
+__device__ __forceinline__ void hc_tile_store(char* dst, const HcChunk* buf, HcTile t, hc_i64 n) {
+    const hc_i64 left = n - t.first;  // bytes of the span from the thread's first chunk on
+#pragma unroll
+    for (int u = 0; u < HC_COMPACT_IN_FLIGHT; ++u) {
+        const hc_i64 at = u * t.stride;
+        if (at < left) hc_store_chunk<W>(dst + t.first, buf[u], at, left);
+    }
+}
+
+template <int W>
+__device__ __forceinline__ void hc_tile_zero(char* dst, HcTile t, hc_i64 n) {
+    const hc_i64 left = n - t.first;  // bytes of the span from the thread's first chunk on
+#pragma unroll
+    for (int u = 0; u < HC_COMPACT_IN_FLIGHT; ++u) {
+        const hc_i64 at = u * t.stride;
+        if (at < left) hc_zero_chunk<W>(dst + t.first, at, left);
+    }
+}
+
+// The bytes of one block's tile; tile k of a span starts at byte k * hc_tile_bytes<W>().
+template <int W>
+__device__ __forceinline__ hc_i64 hc_tile_bytes() {
+    return (hc_i64)HC_COMPACT_IN_FLIGHT * blockDim.x * W;
+}
+
 template <int W>
 __device__ void hc_kv_compact_body(char* base, hc_i64 slot_stride,
                                    const int* sched, int count, const int* lengths, int cap,
                                    int row_bytes, int num_slots, hc_i64 span_limit) {
-    const hc_i64 step = (hc_i64)gridDim.z * blockDim.x * W;
-    for (hc_i64 off = ((hc_i64)blockIdx.z * blockDim.x + threadIdx.x) * W; off < span_limit;
-         off += step) {
-        HcChunk tmp = {0u, 0u, 0u, 0u};
+    const hc_i64 tile = hc_tile_bytes<W>();
+    for (hc_i64 start = blockIdx.z * tile; start < span_limit; start += gridDim.z * tile) {
+        const HcTile t = {start + (hc_i64)threadIdx.x * W, (hc_i64)blockDim.x * W};
+        HcChunk tmp[HC_COMPACT_IN_FLIGHT];
+        HcChunk buf[HC_COMPACT_IN_FLIGHT];
+#pragma unroll
+        for (int u = 0; u < HC_COMPACT_IN_FLIGHT; ++u) tmp[u] = HcChunk{0u, 0u, 0u, 0u};
         hc_i64 tmp_n = 0;
+        if (t.first >= span_limit) break;  // a thread past the span's end (its last tile)
         for (int e = 0; e < count; ++e) {
             const int src = sched[2 * e];
             const int dst = sched[2 * e + 1];
@@ -324,15 +378,16 @@ __device__ void hc_kv_compact_body(char* base, hc_i64 slot_stride,
                 if (src < 0 || src >= num_slots) continue;
                 tmp_n = hc_span_bytes(lengths[src], cap, row_bytes);
                 if (tmp_n > span_limit) tmp_n = span_limit;
-                if (off < tmp_n) hc_load_chunk<W>(tmp, base + src * slot_stride, off, tmp_n);
+                hc_tile_load<W>(tmp, base + src * slot_stride, t, tmp_n);
             } else if (src == HC_TMP) {
                 if (dst < 0 || dst >= num_slots) continue;
-                if (off < tmp_n) hc_store_chunk<W>(base + dst * slot_stride, tmp, off, tmp_n);
+                hc_tile_store<W>(base + dst * slot_stride, tmp, t, tmp_n);
             } else if (src >= 0 && src < num_slots && dst >= 0 && dst < num_slots) {
                 hc_i64 n = hc_span_bytes(lengths[src], cap, row_bytes);
                 if (n > span_limit) n = span_limit;
-                if (off < n) hc_copy_chunk<W>(base + dst * slot_stride, base + src * slot_stride,
-                                              off, n);
+                if (t.first >= n) continue;  // nothing of this span in the thread's chunks
+                hc_tile_load<W>(buf, base + src * slot_stride, t, n);
+                hc_tile_store<W>(base + dst * slot_stride, buf, t, n);
             }
         }
     }
@@ -368,25 +423,29 @@ extern "C" __global__ void hc_kv_compact(const KVLayerInfo* __restrict__ layers,
 template <int W>
 __device__ void hc_slots_compact_body(char* base, hc_i64 slot_bytes, const int* sched, int count,
                                       int num_slots) {
-    const hc_i64 step = (hc_i64)gridDim.x * blockDim.x * W;
-    for (hc_i64 off = ((hc_i64)blockIdx.x * blockDim.x + threadIdx.x) * W; off < slot_bytes;
-         off += step) {
-        HcChunk tmp = {0u, 0u, 0u, 0u};
+    const hc_i64 tile = hc_tile_bytes<W>();
+    for (hc_i64 start = blockIdx.x * tile; start < slot_bytes; start += gridDim.x * tile) {
+        const HcTile t = {start + (hc_i64)threadIdx.x * W, (hc_i64)blockDim.x * W};
+        HcChunk tmp[HC_COMPACT_IN_FLIGHT];
+        HcChunk buf[HC_COMPACT_IN_FLIGHT];
+#pragma unroll
+        for (int u = 0; u < HC_COMPACT_IN_FLIGHT; ++u) tmp[u] = HcChunk{0u, 0u, 0u, 0u};
+        if (t.first >= slot_bytes) break;  // a thread past the slot's end (its last tile)
         for (int e = 0; e < count; ++e) {
             const int src = sched[2 * e];
             const int dst = sched[2 * e + 1];
             if (dst == HC_TMP) {
                 if (src >= 0 && src < num_slots)
-                    hc_load_chunk<W>(tmp, base + src * slot_bytes, off, slot_bytes);
+                    hc_tile_load<W>(tmp, base + src * slot_bytes, t, slot_bytes);
             } else if (dst < 0 || dst >= num_slots) {
                 continue;
             } else if (src == HC_TMP) {
-                hc_store_chunk<W>(base + dst * slot_bytes, tmp, off, slot_bytes);
+                hc_tile_store<W>(base + dst * slot_bytes, tmp, t, slot_bytes);
             } else if (src == HC_CLEAR) {
-                hc_zero_chunk<W>(base + dst * slot_bytes, off, slot_bytes);
+                hc_tile_zero<W>(base + dst * slot_bytes, t, slot_bytes);
             } else if (src >= 0 && src < num_slots) {
-                hc_copy_chunk<W>(base + dst * slot_bytes, base + src * slot_bytes, off,
-                                 slot_bytes);
+                hc_tile_load<W>(buf, base + src * slot_bytes, t, slot_bytes);
+                hc_tile_store<W>(base + dst * slot_bytes, buf, t, slot_bytes);
             }
         }
     }

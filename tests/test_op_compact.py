@@ -139,6 +139,96 @@ def test_latent_compaction_matches_reference_and_model(kind, c):
     test_compaction_matches_reference_and_model.hypothesis.inner_test(kind, c)
 
 
+class _OneSmallBlock:
+    """A backend that launches the copy kernels with one block of 32 threads along their tiled
+    axis (z of ``hc_kv_compact``, x of ``hc_slots_compact``; tiles of 128 chunks), so the block
+    strides over every tile of every span; the plan kernel runs as asked."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def launch(self, family, name, grid, block, args):
+        if name == "hc_kv_compact":
+            grid, block = (*grid[:2], 1), (32, 1, 1)
+        elif name == "hc_slots_compact":
+            grid, block = (1, *grid[1:]), (32, 1, 1)
+        self.inner.launch(family, name, grid, block, args)
+
+
+@st.composite
+def long_compaction_cases(draw):
+    """Compactions whose KV spans and states cover from under one tile to many (up to 40
+    tokens of up to 512 elements, states of up to 90 x 6 elements), every dtype, head dim and
+    alignment, spans ending in a partial chunk, and lengths from 0 (an empty span) to past the
+    cache."""
+    c = draw(compaction_cases(components=(1, 2)))
+    # a multiple of 16 tokens keeps the head spans 16-byte aligned for any row size, so a span
+    # of an odd length ends in a partial chunk
+    seq = draw(st.one_of(st.integers(1, 40), st.sampled_from([16, 32])))
+    lengths = draw(st.lists(st.integers(0, seq), min_size=c["max_batch"],
+                            max_size=c["max_batch"]))
+    if draw(st.booleans()):  # a length the kernel must clamp to [0, S]
+        lengths[draw(st.integers(0, c["max_batch"] - 1))] = draw(st.sampled_from([-3, seq + 4]))
+    mamba = draw(st.lists(st.tuples(st.lists(st.integers(1, 90), min_size=1, max_size=2)
+                                    .map(lambda s: [s[0], *[min(x, 6) for x in s[1:]]]),
+                                    dtypes), min_size=0, max_size=2))
+    return dict(c, seq=seq, heads=c["heads"][:2], lengths=np.asarray(lengths, np.int32),
+                mamba=mamba)
+
+
+@pytest.mark.emu
+@pytest.mark.parametrize("kind", ["emu", "emu-reverse"])
+@settings(max_examples=40)
+@given(c=long_compaction_cases(), small=st.booleans())
+def test_compaction_of_spans_of_many_tiles_matches_the_model(kind, c, small):
+    """Spans of many tiles (a partial last one, misaligned starts, tiny and empty spans), run
+    by the launch the wrapper picks or by one small block that strides over every tile: the
+    caches, states and lengths equal the scratch-copy model's and the reference's."""
+    xp, backend = kernel_env(kind)
+    ref_arena, k_arena = twins(c["seed"], xp)
+    ref_state = _compaction_state(ref_arena, c, np)
+    k_state = _compaction_state(k_arena, c, xp)
+    expected = _naive_compaction(ref_state[0], ref_state[1], ref_state[2], c["mapping"],
+                                 c["new"], c["seq"])
+    _run_compaction(ref_state, c, None)
+    _run_compaction(k_state, c, _OneSmallBlock(backend) if small else backend)
+    for e, r, k in zip(expected[0] + expected[1] + [expected[2]],
+                       ref_state[0] + ref_state[1] + [ref_state[2]],
+                       k_state[0] + k_state[1] + [k_state[2]]):
+        assert_same_bytes(e, r)
+        assert_same_bytes(e, k)
+    k_arena.check_canaries()
+
+
+@pytest.mark.emu
+@pytest.mark.parametrize("kind", ["emu", "emu-reverse"])
+@pytest.mark.parametrize("small", [False, True])
+@pytest.mark.parametrize("head_dim", [3, 36])
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+def test_compaction_of_spans_ending_in_a_partial_chunk(kind, small, head_dim, dtype):
+    """16-byte aligned head spans (32 tokens) whose moved prefixes end inside a chunk (rows of
+    3 or 36 elements, odd lengths; up to two tiles of one small block), through two cycles and
+    a chain: the bytes equal the scratch-copy model's and the reference's."""
+    xp, backend = kernel_env(kind)
+    c = dict(max_batch=6, old=6, new=5, mapping=[2, 0, 1, -1, 4, 3], dtype=resolve_dtype(dtype),
+             head_dim=head_dim, seq=32, heads=[2], components=2,
+             lengths=np.asarray([31, 17, 5, 9, 32, 33], np.int32), mamba=[((7,), np.uint8)],
+             misalign=0, seed=head_dim)
+    ref_arena, k_arena = twins(c["seed"], xp)
+    ref_state = _compaction_state(ref_arena, c, np)
+    k_state = _compaction_state(k_arena, c, xp)
+    expected = _naive_compaction(ref_state[0], ref_state[1], ref_state[2], c["mapping"],
+                                 c["new"], c["seq"])
+    _run_compaction(ref_state, c, None)
+    _run_compaction(k_state, c, _OneSmallBlock(backend) if small else backend)
+    for e, r, k in zip(expected[0] + expected[1] + [expected[2]],
+                       ref_state[0] + ref_state[1] + [ref_state[2]],
+                       k_state[0] + k_state[1] + [k_state[2]]):
+        assert_same_bytes(e, r)
+        assert_same_bytes(e, k)
+    k_arena.check_canaries()
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 @given(bad=bad_mappings(), seed=st.integers(0, 2**32 - 1), dtype=dtypes)
 def test_invalid_mapping_moves_nothing(kind, bad, seed, dtype):

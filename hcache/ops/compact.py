@@ -20,6 +20,7 @@ from ._launch import (
 )
 
 PLAN_THREADS = 1024  # the plan kernel's block (and HC_PLAN_NODES)
+IN_FLIGHT = 4        # chunks per thread of a copy kernel's tile (HC_COMPACT_IN_FLIGHT)
 
 __all__ = ["compaction_plan", "kv_compact", "slots_compact"]
 
@@ -100,7 +101,7 @@ def slots_compact(slots, plan, *, stream=None, backend=None):
     run = launcher(xp, backend, stream, plan)
     if run is None:
         return ref.slots_compact(slots, plan)
-    grid = (grid_x(ceil_div(slots.max_slot_bytes, 16)), slots.num_tensors, 1)
+    grid = (grid_x(ceil_div(slots.max_slot_bytes, 16 * IN_FLIGHT)), slots.num_tensors, 1)
     _SLOT_MOVES.run(run, key, "compact", "hc_slots_compact", grid, (BLOCK, 1, 1),
                     (ptr(slots.device_infos), ptr(plan), i32(max_batch)))
 
