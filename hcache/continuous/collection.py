@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import token_counts
-from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..kv_scales import check_scale, source_dtype
 from ..runtime import _cuda
 from ..runtime.arrays import as_array
 from ..runtime.device import stream_handle
+from .fetched_batch import FetchedBatch, check_room, ragged_token_counts
 
 __all__ = ["ContinuousBatchingKVCacheCollection"]
 
 
-class ContinuousBatchingKVCacheCollection:
+class ContinuousBatchingKVCacheCollection(FetchedBatch):
     """One fetched batch of a ``ContinuousBatchingKVCacheManager``.
 
     Built only by the manager's ``fetch``; do not construct it directly. It reads and writes
@@ -42,75 +41,14 @@ class ContinuousBatchingKVCacheCollection:
         row's first new token). Same lifetime as ``lookup_table``.
     """
 
-    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
-
-    __slots__ = ("_manager", "_store", "seq_ids", "lookup_table", "cache_lengths", "_blocks",
-                 "_lengths", "_room")
-
-    def __init__(self, manager, store, seq_ids, host_blocks, host_lengths):
-        self._manager = manager
-        self._store = store
-        self.seq_ids = tuple(seq_ids)
-        self.lookup_table = store.lookup_table[:len(self.seq_ids)]
-        self.cache_lengths = store.cache_lengths[:len(self.seq_ids)]
-        # Host mirrors of the two device arrays: committed lengths cannot change while the
-        # batch is in flight (only ``step`` commits, and release of an in-flight seq is refused),
-        # so ``write`` validates positions against them without reading the device.
-        self._blocks = host_blocks.view()      # int64 [batch], views that cannot write
-        self._lengths = host_lengths.view()
-        self._blocks.flags.writeable = False
-        self._lengths.flags.writeable = False
-        # how many tokens every row takes: max_seq_len - the longest row
-        self._room = store.max_seq_len - int(host_lengths.max()) if len(host_lengths) else 0
+    __slots__ = ()
 
     # --- queries ----------------------------------------------------------------------------
-
-    @property
-    def manager(self):
-        """The manager that fetched this batch."""
-        return self._manager
-
-    @property
-    def batch_size(self) -> int:
-        """Number of rows."""
-        return len(self.seq_ids)
-
-    @property
-    def is_active(self) -> bool:
-        """True from ``fetch`` until ``step`` ends the batch."""
-        return self._manager.in_flight is self
-
-    @property
-    def blocks(self) -> tuple[int, ...]:
-        """Host copy of ``lookup_table``: the block of each row."""
-        return tuple(int(b) for b in self._blocks)
-
-    @property
-    def host_cache_lengths(self) -> tuple[int, ...]:
-        """The lengths of :attr:`cache_lengths_host` as a tuple of ints (an alias of the same
-        idea, kept for existing callers): committed tokens of each row at fetch time."""
-        return tuple(int(n) for n in self._lengths)
-
-    @property
-    def lookup_table_host(self) -> np.ndarray:
-        """Read-only host mirror of ``lookup_table``, int64 ``[batch]``."""
-        return self._blocks
-
-    @property
-    def cache_lengths_host(self) -> np.ndarray:
-        """Read-only host mirror of ``cache_lengths``, int64 ``[batch]`` (the name; see also
-        :attr:`host_cache_lengths`)."""
-        return self._lengths
 
     @property
     def max_cache_length(self) -> int:
         """The longest committed length in the batch (0 for an empty cache)."""
         return int(self._lengths.max()) if self._lengths.size else 0
-
-    @property
-    def is_context_encoding(self) -> bool:
-        """True when every row's cache is empty (the batch encodes prompts)."""
-        return not bool(self._lengths.any())
 
     def key_cache(self, layer: int):
         """Keys of decoder layer ``layer``: a view ``[num_blocks, max_seq_len, num_heads,
@@ -201,12 +139,7 @@ class ContinuousBatchingKVCacheCollection:
             heads, size = group.num_kv_heads[0], group.head_dim
             ragged = seq_lengths is not None
             if ragged:
-                listed = token_counts(seq_lengths, self.batch_size, "seq_lengths")
-                big = [i for i, c in enumerate(listed) if c > store.max_seq_len]
-                if big:   # refused before int64 could overflow
-                    raise ValueError(f"seq_lengths[{big[0]}]: expected at most "
-                                     f"{store.max_seq_len} new tokens, got {listed[big[0]]}")
-                counts = np.asarray(listed, dtype=np.int64)
+                counts = ragged_token_counts(seq_lengths, self.batch_size, store.max_seq_len)
             key = as_array(names[0], key, store.device, stream)
             self._check_rows(names[0], key, heads, size, ragged)
             src = source_dtype(names[0], key.dtype, store.dtype, group.xp)  # k before v
@@ -236,12 +169,7 @@ class ContinuousBatchingKVCacheCollection:
                                  f"seq_lengths), got {key.shape[0]}")
             if not ragged:
                 counts = np.full(self.batch_size, int(key.shape[1]), dtype=np.int64)
-            over = np.flatnonzero(self._lengths + counts > store.max_seq_len)
-            if over.size:
-                i = int(over[0])
-                raise ValueError(f"{names[0]}: expected at most "
-                                 f"{store.max_seq_len - int(self._lengths[i])} new tokens for "
-                                 f"row {i} (seq_id {self.seq_ids[i]}), got {int(counts[i])}")
+            check_room(names[0], self, counts, store.max_seq_len)
             if counts.any():
                 store.write(layer, key, value, batch=self.batch_size, counts=counts,
                             ragged=ragged, src_dtype=src, scales=scales, stream=stream)
@@ -277,20 +205,3 @@ class ContinuousBatchingKVCacheCollection:
             store.write(layer, key, value, batch=want[0], counts=None, ragged=False,
                         stream=stream)
         return True
-
-    def _check_rows(self, name, a, heads, size, ragged=False) -> None:
-        if ragged:
-            if a.ndim != 3 or tuple(a.shape[1:]) != (heads, size):
-                raise ValueError(f"{name}: expected shape [total_tokens, {heads}, {size}], "
-                                 f"got {tuple(a.shape)}")
-        elif a.ndim != 4 or a.shape[0] != self.batch_size or tuple(a.shape[2:]) != (heads, size):
-            raise ValueError(f"{name}: expected shape [{self.batch_size}, new_tokens, {heads}, "
-                             f"{size}], got {tuple(a.shape)}")
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous array")
-
-    def __repr__(self) -> str:
-        state = "active" if self.is_active else "ended"
-        return (f"ContinuousBatchingKVCacheCollection(seq_ids={list(self.seq_ids)}, "
-                f"blocks={list(self.blocks)}, cache_lengths={list(self.host_cache_lengths)}, "
-                f"{state})")

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import token_counts
-from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..runtime.arrays import as_array
 from ..runtime.device import stream_handle
+from .fetched_batch import FetchedBatch, check_room, ragged_token_counts
 from .hybrid_store import STATE_KINDS
 
 __all__ = ["ContinuousBatchingHybridCollection"]
 
 
-class ContinuousBatchingHybridCollection:
+class ContinuousBatchingHybridCollection(FetchedBatch):
     """One fetched batch of a ``ContinuousBatchingHybridCacheManager``; built only by its
     ``fetch``.
 
@@ -36,55 +35,13 @@ class ContinuousBatchingHybridCollection:
         Device array: committed tokens of each row at fetch time.
     """
 
-    __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
+    __slots__ = ("_routes",)
 
-    __slots__ = ("_manager", "_store", "_routes", "seq_ids", "lookup_table", "cache_lengths",
-                 "_blocks", "_lengths")
-
-    def __init__(self, manager, store, routes, seq_ids, host_blocks, host_lengths):
-        self._manager, self._store, self._routes = manager, store, routes
-        self.seq_ids = tuple(seq_ids)
-        self.lookup_table = store.lookup_table[:len(self.seq_ids)]
-        self.cache_lengths = store.cache_lengths[:len(self.seq_ids)]
-        # committed lengths cannot change while the batch is in flight (only step commits)
-        self._blocks, self._lengths = host_blocks.view(), host_lengths.view()
-        self._blocks.flags.writeable = False
-        self._lengths.flags.writeable = False
+    def __init__(self, manager, store, seq_ids, host_blocks, host_lengths, routes):
+        super().__init__(manager, store, seq_ids, host_blocks, host_lengths)
+        self._routes = routes
 
     # --- queries ----------------------------------------------------------------------------
-
-    manager = property(lambda self: self._manager, doc="The manager that fetched this batch.")
-    batch_size = property(lambda self: len(self.seq_ids), doc="Number of rows.")
-
-    @property
-    def is_active(self) -> bool:
-        """True from ``fetch`` until ``step`` ends the batch."""
-        return self._manager.in_flight is self
-
-    @property
-    def blocks(self) -> tuple[int, ...]:
-        """Host copy of ``lookup_table``."""
-        return tuple(int(b) for b in self._blocks)
-
-    @property
-    def host_cache_lengths(self) -> tuple[int, ...]:
-        """Host copy of ``cache_lengths``."""
-        return tuple(int(n) for n in self._lengths)
-
-    @property
-    def lookup_table_host(self) -> np.ndarray:
-        """Read-only host mirror of ``lookup_table``, int64 ``[batch]``."""
-        return self._blocks
-
-    @property
-    def cache_lengths_host(self) -> np.ndarray:
-        """Read-only host mirror of ``cache_lengths``, int64 ``[batch]``."""
-        return self._lengths
-
-    @property
-    def is_context_encoding(self) -> bool:
-        """True when every row's cache is empty (the batch encodes prompts)."""
-        return not bool(self._lengths.any())
 
     def kv_cache(self, layer):
         """The KV cache decoder ``layer`` reads (its owner's under ``kv_sharing``): ``[num_blocks,
@@ -168,12 +125,7 @@ class ContinuousBatchingHybridCollection:
             vs = self._as_list("v", v, len(indices), optional=True) if every else [v]
             ragged = seq_lengths is not None
             if ragged:
-                listed = token_counts(seq_lengths, self.batch_size, "seq_lengths")
-                big = [i for i, c in enumerate(listed) if c > store.max_seq_len]
-                if big:
-                    raise ValueError(f"seq_lengths[{big[0]}]: expected at most "
-                                     f"{store.max_seq_len} new tokens, got {listed[big[0]]}")
-                counts = np.asarray(listed, dtype=np.int64)
+                counts = ragged_token_counts(seq_lengths, self.batch_size, store.max_seq_len)
             rows, tokens = [], None
             for j, a in enumerate(indices):
                 kn, vn = (f"k[{j}]", f"v[{j}]") if every else ("k", "v")
@@ -190,12 +142,7 @@ class ContinuousBatchingHybridCollection:
                                  f"tokens (the sum of seq_lengths), got {tokens}")
             if not ragged:
                 counts = np.full(self.batch_size, tokens, dtype=np.int64)
-            over = np.flatnonzero(self._lengths + counts > store.max_seq_len)
-            if over.size:
-                i = int(over[0])
-                raise ValueError(f"k: expected at most {store.max_seq_len - int(self._lengths[i])}"
-                                 f" new tokens for row {i} (seq_id {self.seq_ids[i]}), "
-                                 f"got {int(counts[i])}")
+            check_room("k", self, counts, store.max_seq_len)
             if not counts.any():
                 return
             writes: dict = {}
@@ -285,7 +232,7 @@ class ContinuousBatchingHybridCollection:
         cache = store.caches[a]
         heads, size, latent = cache.shape[2], cache.shape[4], cache.shape[1] == 1
         key = as_array(kn, key, store.device, stream)
-        self._check_rows(kn, key, heads, size, cache.dtype, ragged)
+        self._check_rows(kn, key, heads, size, ragged, cache.dtype)
         if latent:
             if value is not None:
                 raise ValueError(f"{vn}: expected None (a latent MLA layer stores keys only), "
@@ -294,24 +241,11 @@ class ContinuousBatchingHybridCollection:
         if value is None:
             raise ValueError(f"{vn}: expected values shaped as {kn}, got None")
         value = as_array(vn, value, store.device, stream)
-        self._check_rows(vn, value, heads, size, cache.dtype, ragged)
+        self._check_rows(vn, value, heads, size, ragged, cache.dtype)
         if key.shape != value.shape:
             raise ValueError(f"{vn}: expected the shape of {kn} {tuple(key.shape)}, "
                              f"got {tuple(value.shape)}")
         return key, value
-
-    def _check_rows(self, name, a, heads, size, dtype, ragged) -> None:
-        if ragged:
-            if a.ndim != 3 or tuple(a.shape[1:]) != (heads, size):
-                raise ValueError(f"{name}: expected shape [total_tokens, {heads}, {size}], "
-                                 f"got {tuple(a.shape)}")
-        elif a.ndim != 4 or a.shape[0] != self.batch_size or tuple(a.shape[2:]) != (heads, size):
-            raise ValueError(f"{name}: expected shape [{self.batch_size}, new_tokens, {heads}, "
-                             f"{size}], got {tuple(a.shape)}")
-        if a.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype}, got {a.dtype}")
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{name}: expected a C-contiguous array")
 
     def _state_rows(self, name, a, view, stream):
         if type(a) is not self._store.device.xp.ndarray:   # foreign arrays: viewed, checked
@@ -324,9 +258,3 @@ class ContinuousBatchingHybridCollection:
         if not a.flags.c_contiguous:
             raise ValueError(f"{name}: expected a C-contiguous array")
         return a
-
-    def __repr__(self) -> str:
-        state = "active" if self.is_active else "ended"
-        return (f"ContinuousBatchingHybridCollection(seq_ids={list(self.seq_ids)}, "
-                f"blocks={list(self.blocks)}, cache_lengths={list(self.host_cache_lengths)}, "
-                f"{state})")

@@ -13,32 +13,26 @@ and state pool, so one ``lookup_table`` indexes all of them.
 The protocol's rules are the seed's: seq_ids from a counter that never repeats, one batch in
 flight shared by all threads (``BatchInFlightError``, or ``wait=True``), no release of an
 in-flight sequence, one re-entrant lock with a condition around all bookkeeping, writes that hold
-it across their launches. The bookkeeping is the seed's
-:class:`~hcache.continuous.sequences.SequenceBlocks`; the device side is a
+it across their launches: both managers compose one
+:class:`~hcache.continuous.batch_protocol.BatchProtocol` (the seed's
+:class:`~hcache.continuous.sequences.SequenceBlocks` inside); the device side is a
 :class:`~hcache.continuous.hybrid_store.HybridBlockStore`.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-
-import numpy as np
-
-from .._checks import INT32_MAX, as_int, check_index, exact_int, token_counts
+from .._checks import INT32_MAX, as_int, check_index
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.caches import HybridCacheConfig, hybrid_config_from_hf
 from ..config.sizing import continuous_hybrid_manager_nbytes, largest_fitting
 from ..memory import check_fits
 from ..rings import ring_start
-from ..runtime.device import launch_scope, resolve_device, stream_handle
+from ..runtime.device import resolve_device, stream_handle
 from ..slots.hybrid import KVHeadDimGroupView
+from .batch_protocol import BatchProtocol
 from .hybrid_collection import ContinuousBatchingHybridCollection
 from .hybrid_store import HybridBlockStore
-from .invariants import broken_manager_invariants
-from .manager import BatchInFlightError
 from .routing import LayerRoutes
-from .sequences import SequenceBlocks, seq_id_list, token_count_array
 
 __all__ = ["ContinuousBatchingHybridCacheManager", "ContinuousBatchingHybridCollection"]
 
@@ -73,10 +67,9 @@ class ContinuousBatchingHybridCacheManager:
         check_fits("config", self.nbytes(config), self._device)
         self._routes = LayerRoutes(config)
         self._store = HybridBlockStore(self._device, config)
-        self._cond = self._store.lock
-        self._sequences = SequenceBlocks(config.max_batch_size, self.max_seq_len)
-        self._inflight: ContinuousBatchingHybridCollection | None = None
-        self._inflight_owner: threading.Thread | None = None
+        self._batches = BatchProtocol(self, self._store, config.max_batch_size, self.max_seq_len,
+                                      ContinuousBatchingHybridCollection, (self._routes,))
+        self._sequences = self._batches.sequences
         self._group_views = tuple(
             KVHeadDimGroupView(g.device_layer_infos, g.num_layers, g.head_dim, g.max_kv_heads,
                                tuple(self._routes.owner_layers[a] for a in g.layer_indices),
@@ -174,40 +167,23 @@ class ContinuousBatchingHybridCacheManager:
 
     # --- queries ----------------------------------------------------------------------------
 
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks no live sequence holds (what :meth:`claim` can hand out now)."""
-        with self._cond:
-            return len(self._sequences.free)
-
-    @property
-    def num_live_sequences(self) -> int:
-        """Sequences claimed and not released."""
-        with self._cond:
-            return len(self._sequences.block_of)
-
-    @property
-    def cache_lengths(self) -> dict[int, int]:
-        """Snapshot ``{seq_id: committed tokens}`` of the live sequences."""
-        with self._cond:
-            return self._sequences.lengths()
-
-    @property
-    def in_flight(self) -> ContinuousBatchingHybridCollection | None:
-        """The fetched batch not yet stepped, or ``None``."""
-        return self._inflight
+    num_free_blocks = property(lambda self: self._batches.num_free_blocks,
+                               doc="Blocks no live sequence holds (what :meth:`claim` can "
+                                   "hand out now).")
+    num_live_sequences = property(lambda self: self._batches.num_live_sequences,
+                                  doc="Sequences claimed and not released.")
+    cache_lengths = property(lambda self: self._batches.cache_lengths,
+                             doc="Snapshot ``{seq_id: committed tokens}`` of the live sequences.")
+    in_flight = property(lambda self: self._batches.in_flight,
+                         doc="The fetched batch not yet stepped, or ``None``.")
 
     def can_claim(self, batch_size: int) -> bool:
         """True when ``claim(batch_size)`` would succeed now."""
-        n = as_int("batch_size", batch_size, 0)
-        with self._cond:
-            return n <= len(self._sequences.free)
+        return self._batches.can_claim(batch_size)
 
     def block_of(self, seq_id: int) -> int:
         """The block of a live sequence. ``ValueError`` for an unknown id."""
-        sid = exact_int("seq_id", seq_id)
-        with self._cond:
-            return self._sequences.block(sid)
+        return self._batches.block_of(seq_id)
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -224,8 +200,8 @@ class ContinuousBatchingHybridCacheManager:
         """
         n = as_int("batch_size", batch_size, 0)
         stream_handle(stream)
-        with self._cond:
-            ids = self._sequences.claim(n)
+        with self._batches.lock:   # the states are zeroed before another thread sees the ids
+            ids = self._batches.claim(n)
             self._store.clear_states([self._sequences.block_of[s] for s in ids], stream)
             return ids
 
@@ -239,34 +215,7 @@ class ContinuousBatchingHybridCacheManager:
         ContinuousBatchingHybridCollection
             Active until :meth:`step`.
         """
-        ids = seq_id_list(seq_ids)
-        if not isinstance(wait, (bool, np.bool_)):
-            raise TypeError(f"wait: expected a bool, got {type(wait).__name__}")
-        if not ids:
-            raise ValueError("seq_ids: expected at least one seq_id, got 0")
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
-                                                                      np.floating)):
-                raise TypeError(f"timeout: expected None or seconds, "
-                                f"got {type(timeout).__name__}")
-            if math.isnan(timeout) or timeout < 0:
-                raise ValueError(f"timeout: expected seconds >= 0, got {timeout}")
-        stream_handle(stream)
-        with self._cond:
-            if self._inflight is not None:
-                if not wait or self._inflight_owner is threading.current_thread():
-                    raise BatchInFlightError("fetch: expected no batch in flight, got one of "
-                                             f"seq_ids {list(self._inflight.seq_ids)}; step it")
-                if not self._cond.wait_for(lambda: self._inflight is None, timeout):
-                    raise BatchInFlightError(f"fetch: expected the batch in flight to be "
-                                             f"stepped within {timeout} s, got none")
-            blocks = self._sequences.blocks_of(ids)
-            lengths = self._sequences.block_len[blocks]
-            self._store.load_batch(blocks, lengths, stream)
-            coll = ContinuousBatchingHybridCollection(self, self._store, self._routes, ids,
-                                                      blocks, lengths)
-            self._inflight, self._inflight_owner = coll, threading.current_thread()
-            return coll
+        return self._batches.fetch(seq_ids, wait, timeout, stream)
 
     def step(self, valid_lengths, collection) -> None:
         """Commit ``valid_lengths[i]`` more tokens to row ``i`` and end the batch (the states
@@ -280,20 +229,7 @@ class ContinuousBatchingHybridCacheManager:
             ``collection`` is ended or not this manager's; ``valid_lengths`` has the wrong
             count or a negative entry; a row would pass ``max_seq_len``. Nothing changes.
         """
-        with self._cond:
-            self._check_active(collection, "step")
-            cap = self.max_seq_len
-            add = token_count_array(valid_lengths, collection.batch_size, cap)
-            old = collection.cache_lengths_host
-            new = old + add
-            if (new > cap).any():
-                i = int(np.flatnonzero(new > cap)[0])
-                got = token_counts(valid_lengths, collection.batch_size)[i]
-                raise ValueError(f"valid_lengths[{i}]: expected at most {cap - int(old[i])} "
-                                 f"for seq_id {collection.seq_ids[i]}, got {got}")
-            self._sequences.commit(collection.lookup_table_host, new)
-            self._inflight, self._inflight_owner = None, None
-            self._cond.notify_all()
+        self._batches.step(valid_lengths, collection)
 
     def release(self, seq_id: int, stream=None) -> None:
         """Return a sequence's block (of every cache and state pool); the id is never valid
@@ -306,45 +242,20 @@ class ContinuousBatchingHybridCacheManager:
         ValueError
             Unknown (or released) ``seq_id``, or one in the batch in flight.
         """
-        sid = exact_int("seq_id", seq_id)
-        stream_handle(stream)
-        with self._cond:
-            self._sequences.block(sid)
-            if self._inflight is not None and sid in self._inflight.seq_ids:
-                raise ValueError(f"seq_id: expected a sequence not in the batch in flight, "
-                                 f"got {sid}; step the batch first")
-            with launch_scope(self._device, stream, self._store.order):
-                pass   # the block's reuse is ordered after the work queued on ``stream``
-            self._sequences.release(sid)
+        self._batches.release(seq_id, stream)
 
     def reset(self) -> None:
         """Release every live sequence and end the batch in flight (seq_ids handed out before
         stay invalid; a later claim zeroes the states it hands out)."""
-        with self._cond:
-            self._sequences.reset()
-            self._inflight, self._inflight_owner = None, None
-            self._cond.notify_all()
+        self._batches.reset()
 
     # --- checks and diagnostics -------------------------------------------------------------
-
-    def _check_active(self, collection, what: str) -> None:
-        if not isinstance(collection, ContinuousBatchingHybridCollection):
-            raise TypeError(f"collection: expected a ContinuousBatchingHybridCollection, "
-                            f"got {type(collection).__name__}")
-        if collection.manager is not self:
-            raise ValueError(f"{what}: expected a collection of this manager, got a foreign one")
-        if self._inflight is not collection:
-            raise ValueError(f"{what}: expected the batch in flight, got an ended collection")
 
     def check_invariants(self) -> None:
         """The seed's checks (free blocks, live sequences, lengths, the batch in flight and its
         device index buffers). **Synchronizes** on cuda. ``RuntimeError`` listing every broken
         invariant."""
-        with self._cond:
-            p = broken_manager_invariants(self._sequences, self._inflight, self._inflight_owner)
-            if p:
-                raise RuntimeError("ContinuousBatchingHybridCacheManager: broken invariants:\n- "
-                                   + "\n- ".join(p))
+        self._batches.check_invariants("ContinuousBatchingHybridCacheManager")
 
     def memory_report(self) -> dict:
         """Device bytes: ``kv_cache``, ``recurrent``, ``conv`` (0 for a kind the layers lack),
@@ -353,7 +264,7 @@ class ContinuousBatchingHybridCacheManager:
         ``num_blocks``, ``free_blocks``, ``live_sequences``, ``committed_tokens``; ``dtype``,
         ``device``."""
         s = self._store
-        with self._cond:
+        with self._batches.lock:
             kv, rec, conv = s.kv_nbytes, s.state_nbytes("recurrent"), s.state_nbytes("conv")
             meta = s.metadata_nbytes
             return {"device": str(self._device), "dtype": self._config.kv.dtype,

@@ -21,37 +21,30 @@ Design decisions (where the reference is silent or not thread-safe):
   concurrent ``step`` cannot end the batch half-way. ``fetch`` and ``write`` should use one
   stream (the index buffers are reused by the next ``fetch``).
 
-The manager runs the batch protocol (claims, the batch in flight, threads); which block holds
-which sequence and its tokens are a :class:`~hcache.continuous.sequences.SequenceBlocks`; its
-device side (``blocks_buf``, index buffers, the lock) a
-:class:`~hcache.continuous.store.KVBlockStore` shared with the batches it hands out.
+The batch protocol (claims, the batch in flight and its owner thread, fetch's wait, step,
+release, reset) is a :class:`~hcache.continuous.batch_protocol.BatchProtocol` the manager
+composes and delegates to, shared with the hybrid manager; which block holds which sequence and
+its tokens are the protocol's :class:`~hcache.continuous.sequences.SequenceBlocks`; the device
+side (``blocks_buf``, index buffers, the lock) a :class:`~hcache.continuous.store.KVBlockStore`
+shared with the batches it hands out.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-
-import numpy as np
-
-from .._checks import as_int, exact_int, token_counts
+from .._checks import as_int
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..dtypes import dtype_name
 from ..memory import check_fits
 from ..rings import ring_start
-from ..runtime.device import Device, launch_scope, resolve_device, stream_handle
+from ..runtime.device import Device, resolve_device
+from .batch_protocol import BatchInFlightError, BatchProtocol
 from .collection import ContinuousBatchingKVCacheCollection
-from .invariants import broken_manager_invariants
 from .params import KVCacheStaticParams, manager_arguments
-from .sequences import SequenceBlocks, draft_token_counts, seq_id_list, token_count_array
+from .sequences import draft_token_counts
 from .store import KVBlockStore
 
 __all__ = ["KVCacheStaticParams", "ContinuousBatchingKVCacheManager",
            "ContinuousBatchingKVCacheCollection", "BatchInFlightError"]
-
-
-class BatchInFlightError(ValueError):
-    """``fetch`` was called while another batch is in flight (not yet stepped)."""
 
 
 class ContinuousBatchingKVCacheManager:
@@ -99,10 +92,9 @@ class ContinuousBatchingKVCacheManager:
                                    self._max_seq_len, kv_params.num_heads, kv_params.head_size,
                                    ring_window=self._ring_window,
                                    components=kv_params.components)
-        self._cond = self._store.lock                  # one lock for the manager and its batch
-        self._sequences = SequenceBlocks(n, self._max_seq_len)
-        self._inflight: ContinuousBatchingKVCacheCollection | None = None
-        self._inflight_owner: threading.Thread | None = None   # the thread that fetched it
+        self._batches = BatchProtocol(self, self._store, self._num_blocks, self._max_seq_len,
+                                      ContinuousBatchingKVCacheCollection)
+        self._sequences = self._batches.sequences
 
     # --- geometry ---------------------------------------------------------------------------
 
@@ -137,25 +129,13 @@ class ContinuousBatchingKVCacheManager:
 
     # --- queries ----------------------------------------------------------------------------
 
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks no live sequence holds (thread-safe)."""
-        with self._cond:
-            return len(self._sequences.free)
-
-    @property
-    def num_live_sequences(self) -> int:
-        """Claimed and not released sequences (thread-safe)."""
-        with self._cond:
-            return len(self._sequences.block_of)
-
-    @property
-    def cache_lengths(self) -> dict[int, int]:
-        """Snapshot ``{seq_id: committed tokens}`` of the live sequences."""
-        with self._cond:
-            return self._sequences.lengths()
-
-    in_flight = property(lambda self: self._inflight,
+    num_free_blocks = property(lambda self: self._batches.num_free_blocks,
+                               doc="Blocks no live sequence holds (thread-safe).")
+    num_live_sequences = property(lambda self: self._batches.num_live_sequences,
+                                  doc="Claimed and not released sequences (thread-safe).")
+    cache_lengths = property(lambda self: self._batches.cache_lengths,
+                             doc="Snapshot ``{seq_id: committed tokens}`` of the live sequences.")
+    in_flight = property(lambda self: self._batches.in_flight,
                          doc="The fetched batch not yet stepped, or ``None``.")
 
     # MAX's names, read-only aliases of hcache's (docs/design.md §5)
@@ -167,15 +147,11 @@ class ContinuousBatchingKVCacheManager:
 
     def can_claim(self, batch_size: int) -> bool:
         """True when ``claim(batch_size)`` would succeed now."""
-        n = as_int("batch_size", batch_size, 0)
-        with self._cond:
-            return n <= len(self._sequences.free)
+        return self._batches.can_claim(batch_size)
 
     def block_of(self, seq_id: int) -> int:
         """The block of a live sequence. Raises ``ValueError`` for an unknown id."""
-        sid = exact_int("seq_id", seq_id)
-        with self._cond:
-            return self._sequences.block(sid)
+        return self._batches.block_of(seq_id)
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -195,9 +171,7 @@ class ContinuousBatchingKVCacheManager:
             Fewer than ``batch_size`` free blocks (``.required``, ``.available``); nothing is
             claimed.
         """
-        n = as_int("batch_size", batch_size, 0)
-        with self._cond:
-            return self._sequences.claim(n)
+        return self._batches.claim(as_int("batch_size", batch_size, 0))
 
     def fetch(self, seq_ids, *, wait: bool = False, timeout: float | None = None,
               stream=None) -> ContinuousBatchingKVCacheCollection:
@@ -231,34 +205,7 @@ class ContinuousBatchingKVCacheManager:
             An id is not an int, ``timeout`` is not None or a number, or ``stream`` is not a
             stream.
         """
-        ids = seq_id_list(seq_ids)
-        if not isinstance(wait, (bool, np.bool_)):
-            raise TypeError(f"wait: expected a bool, got {type(wait).__name__}")
-        if not ids:
-            raise ValueError("seq_ids: expected at least one seq_id, got 0")
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
-                                                                      np.floating)):
-                raise TypeError(f"timeout: expected None or seconds, "
-                                f"got {type(timeout).__name__}")
-            if math.isnan(timeout) or timeout < 0:
-                raise ValueError(f"timeout: expected seconds >= 0, got {timeout}")
-        stream_handle(stream)   # validates ``stream`` before anything
-        with self._cond:
-            if self._inflight is not None:
-                # the Thread object, not get_ident(): idents are recycled once a thread exits
-                if not wait or self._inflight_owner is threading.current_thread():
-                    raise BatchInFlightError("fetch: expected no batch in flight, got one of "
-                                             f"seq_ids {list(self._inflight.seq_ids)}; step it")
-                if not self._cond.wait_for(lambda: self._inflight is None, timeout):
-                    raise BatchInFlightError(f"fetch: expected the batch in flight to be "
-                                             f"stepped within {timeout} s, got none")
-            blocks = self._sequences.blocks_of(ids)
-            lengths = self._sequences.block_len[blocks]
-            self._store.load_batch(blocks, lengths, stream)
-            coll = ContinuousBatchingKVCacheCollection(self, self._store, ids, blocks, lengths)
-            self._inflight, self._inflight_owner = coll, threading.current_thread()
-            return coll
+        return self._batches.fetch(seq_ids, wait, timeout, stream)
 
     def step(self, valid_lengths, collection: ContinuousBatchingKVCacheCollection) -> None:
         """Commit ``valid_lengths[i]`` more tokens to row ``i`` and end the batch.
@@ -271,20 +218,7 @@ class ContinuousBatchingKVCacheManager:
             ``collection`` is ended or not this manager's; ``valid_lengths`` has the wrong
             count or a negative entry; a row would pass ``max_seq_len``. Nothing changes.
         """
-        with self._cond:
-            self._check_active(collection, "step")
-            add = token_count_array(valid_lengths, collection.batch_size, self._max_seq_len)
-            old = collection.cache_lengths_host
-            new = old + add
-            if (new > self._max_seq_len).any():
-                i = int(np.flatnonzero(new > self._max_seq_len)[0])
-                got = token_counts(valid_lengths, collection.batch_size)[i]   # exact value
-                raise ValueError(f"valid_lengths[{i}]: expected at most "
-                                 f"{self._max_seq_len - int(old[i])} for seq_id "
-                                 f"{collection.seq_ids[i]}, got {got}")
-            self._sequences.commit(collection.lookup_table_host, new)
-            self._inflight, self._inflight_owner = None, None
-            self._cond.notify_all()
+        self._batches.step(valid_lengths, collection)
 
     def step_draft(self, accepted, num_draft_tokens, collection, *, bonus_token=False) -> None:
         """:meth:`step` of ``accepted[i] + bonus_token`` tokens per row after a speculative
@@ -313,16 +247,7 @@ class ContinuousBatchingKVCacheManager:
         ValueError
             Unknown (or already released) ``seq_id``, or one in the in-flight batch.
         """
-        sid = exact_int("seq_id", seq_id)
-        stream_handle(stream)
-        with self._cond:
-            self._sequences.block(sid)   # raises for an unknown id
-            if self._inflight is not None and sid in self._inflight.seq_ids:
-                raise ValueError(f"seq_id: expected a sequence not in the batch in flight, "
-                                 f"got {sid}; step the batch first")
-            with launch_scope(self._device, stream, self._store.order):
-                pass   # the block's reuse is ordered after the work queued on ``stream``
-            self._sequences.release(sid)
+        self._batches.release(seq_id, stream)
 
     def reset(self) -> None:
         """Release every live sequence and end the batch in flight: every block is free again.
@@ -334,32 +259,16 @@ class ContinuousBatchingKVCacheManager:
         wake up. Work already queued on a stream still writes the old blocks: order it before
         claiming again.
         """
-        with self._cond:
-            self._sequences.reset()
-            self._inflight, self._inflight_owner = None, None
-            self._cond.notify_all()
+        self._batches.reset()
 
     # --- checks and diagnostics -------------------------------------------------------------
-
-    def _check_active(self, collection, what: str) -> None:
-        if not isinstance(collection, ContinuousBatchingKVCacheCollection):
-            raise TypeError(f"collection: expected a ContinuousBatchingKVCacheCollection, "
-                            f"got {type(collection).__name__}")
-        if collection.manager is not self:
-            raise ValueError(f"{what}: expected a collection of this manager, got a foreign one")
-        if self._inflight is not collection:
-            raise ValueError(f"{what}: expected the batch in flight, got an ended collection")
 
     def check_invariants(self) -> None:
         """Cross-check the redundant bookkeeping under the lock (the invariants listed in
         :func:`~hcache.continuous.invariants.broken_manager_invariants`); ``RuntimeError``
         listing every broken one. **Synchronizes** the device on cuda (reads the in-flight index
         buffers back)."""
-        with self._cond:
-            p = broken_manager_invariants(self._sequences, self._inflight, self._inflight_owner)
-            if p:
-                raise RuntimeError("ContinuousBatchingKVCacheManager: broken invariants:\n- "
-                                   + "\n- ".join(p))
+        self._batches.check_invariants("ContinuousBatchingKVCacheManager")
 
     def memory_report(self) -> dict:
         """Sizes in bytes and occupancy: ``blocks_buf_bytes``, ``index_buffer_bytes``
@@ -370,7 +279,7 @@ class ContinuousBatchingKVCacheManager:
         ``num_blocks``, ``free_blocks``, ``live_sequences``, ``committed_tokens``,
         ``capacity_tokens``, ``token_utilization``, ``dtype``, ``device``; ``ring_window``
         (0 without rings)."""
-        with self._cond:
+        with self._batches.lock:
             blocks = int(self.blocks_buf.nbytes)
             per_block = blocks // self._num_blocks
             committed = int(self._sequences.block_len.sum())
