@@ -309,6 +309,34 @@ def test_a_duplicate_block_stays_private_after_the_original_is_dropped():
     assert outcomes[1] == outcomes[0]
 
 
+
+def test_a_decoded_duplicate_of_a_block_evicted_before_it_registers_stays_private():
+    """Row 1 decodes a duplicate of row 0's cached block, which its next allocation evicts
+    while the duplicate waits in the backlog: registering at once left it private (no hit),
+    and so does the lagging decode fast path, which checks its hashes against the drops."""
+    outcomes = []
+    for budget in (None, 1):
+        ctx = make_ctx(2, bs=2, mamba=1, slots=8, rows=4, max_blocks=4, policy="lru",
+                       registration_budget=budget)
+        ctx.add_request(0, [1, 2])
+        ctx.commit_step()
+        ctx.add_request(1, [1])
+        ctx.commit_step()
+        ctx.release_requests([0])                 # its block [1, 2] stays cached
+        ctx.extend_requests([1], [[2]])           # 1 completes a duplicate of it
+        ctx.commit_step()
+        ctx.extend_requests([1], [[3]])           # a full pool: evicts 0's block
+        ctx.commit_step()
+        assert ctx.kv_block_allocator.num_cached_blocks == 0
+        ctx.extend_requests([1], [[4]])
+        ctx.commit_step()                         # the duplicate registers (budget 1)
+        ctx.release_requests([1])
+        plan = ctx.add_request(2, [1, 2, 9])
+        outcomes.append((plan.num_matched_blocks, plan.skip_tokens))
+        check_all(ctx)
+    assert outcomes[0] == (0, 0)
+    assert outcomes[1] == outcomes[0]
+
 # --- stateful: eager (budget None) and maximally lagging (budget 1) side by side --------------
 
 STEMS = [[1, 2, 3, 4, 5, 6], [9, 8, 7, 6], [1, 2, 3, 4, 7, 7]]
@@ -584,7 +612,7 @@ def test_pruned_drops_change_no_outcome_of_a_serving_loop(seed, bs, rows):
         while len(left) < rows:
             n = int(rng.integers(1, 12))
             prompt = (stem[:n] if rng.random() < 0.5 else rng.integers(0, 3, n).tolist())
-            got = [outcome(lambda c=c: plan_outcome(c.add_request(next_id, prompt)))
+            got = [outcome(lambda c=c, i=next_id, p=prompt: plan_outcome(c.add_request(i, p)))
                    for c in ctxs]
             assert got[0] == got[1] == got[2]
             if isinstance(got[0], type):
@@ -594,7 +622,7 @@ def test_pruned_drops_change_no_outcome_of_a_serving_loop(seed, bs, rows):
         ids = [r for r in left if a.num_computed_tokens(r) == len(tokens_of(a, r))]
         toks = rng.integers(0, 3, len(ids))
         if ids:
-            got = [outcome(lambda c=c: c.extend_requests(ids, toks).rows.tolist())
+            got = [outcome(lambda c=c, i=ids, t=toks: c.extend_requests(i, t).rows.tolist())
                    for c in ctxs]
             assert got[0] == got[1] == got[2]
             if not isinstance(got[0], type):
