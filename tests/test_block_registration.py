@@ -13,7 +13,7 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import event, settings
+from hypothesis import event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from test_dynamic_context import check_all, make_ctx
 
@@ -309,6 +309,34 @@ def test_a_duplicate_block_stays_private_after_the_original_is_dropped():
     assert outcomes[1] == outcomes[0]
 
 
+
+def test_a_decoded_duplicate_of_a_block_evicted_before_it_registers_stays_private():
+    """Row 1 decodes a duplicate of row 0's cached block, which its next allocation evicts
+    while the duplicate waits in the backlog: registering at once left it private (no hit),
+    and so does the lagging decode fast path, which checks its hashes against the drops."""
+    outcomes = []
+    for budget in (None, 1):
+        ctx = make_ctx(2, bs=2, mamba=1, slots=8, rows=4, max_blocks=4, policy="lru",
+                       registration_budget=budget)
+        ctx.add_request(0, [1, 2])
+        ctx.commit_step()
+        ctx.add_request(1, [1])
+        ctx.commit_step()
+        ctx.release_requests([0])                 # its block [1, 2] stays cached
+        ctx.extend_requests([1], [[2]])           # 1 completes a duplicate of it
+        ctx.commit_step()
+        ctx.extend_requests([1], [[3]])           # a full pool: evicts 0's block
+        ctx.commit_step()
+        assert ctx.kv_block_allocator.num_cached_blocks == 0
+        ctx.extend_requests([1], [[4]])
+        ctx.commit_step()                         # the duplicate registers (budget 1)
+        ctx.release_requests([1])
+        plan = ctx.add_request(2, [1, 2, 9])
+        outcomes.append((plan.num_matched_blocks, plan.skip_tokens))
+        check_all(ctx)
+    assert outcomes[0] == (0, 0)
+    assert outcomes[1] == outcomes[0]
+
 # --- stateful: eager (budget None) and maximally lagging (budget 1) side by side --------------
 
 STEMS = [[1, 2, 3, 4, 5, 6], [9, 8, 7, 6], [1, 2, 3, 4, 7, 7]]
@@ -501,3 +529,173 @@ class EagerVersusLaggingUnderPressure(EagerVersusLaggingRegistration):
 TestEagerVersusLaggingUnderPressure = EagerVersusLaggingUnderPressure.TestCase
 TestEagerVersusLaggingUnderPressure.settings = settings(
     TestEagerVersusLaggingUnderPressure.settings, max_examples=100, stateful_step_count=40)
+
+
+
+# --- the drop log is pruned: the same context with pruning off is the oracle ---------------
+
+
+def assert_pruning_agrees(a, b):
+    """``a`` keeps every drop until its backlog drains (the rule before pruning), ``b`` prunes:
+    every outcome agrees, block ids included (the backlogs may differ in what is hashed, so
+    what registers when; :func:`assert_caught_up_alike` compares them after catching up), and
+    ``b`` keeps exactly the drops (since its backlog was last empty) at or after the commit of
+    its oldest queued block."""
+    kva, kvb = a.kv_block_allocator, b.kv_block_allocator
+    assert (kva.free_block_ids == kvb.free_block_ids).all()
+    assert (a.request_to_kv_block_ids == b.request_to_kv_block_ids).all()
+    assert (a.request_to_mamba_state_idx == b.request_to_mamba_state_idx).all()
+    assert kva.num_cached_blocks == kvb.num_cached_blocks
+    assert kva.get_allocatable_count() == kvb.get_allocatable_count()
+    sa, sb = vars(a.stats).copy(), vars(b.stats).copy()
+    sa.pop("stored_states"), sb.pop("stored_states")
+    assert sa == sb
+    rb = b._registration
+    oldest = rb._queue[0][3] if rb._queue else None
+    kept = {}       # every drop while ``b`` had a backlog, the last one of each hash
+    for commit, hashes in b.drops_seen:
+        kept.update(dict.fromkeys(hashes, commit))
+    assert rb._dropped == ({} if oldest is None else
+                           {h: d for h, d in kept.items() if d >= oldest})
+
+
+def assert_caught_up_alike(a, b):
+    for c in (a, b):
+        c.register_completed_blocks()
+    kva, kvb = a.kv_block_allocator, b.kv_block_allocator
+    assert kva.kv_hash_to_block_id == kvb.kv_hash_to_block_id
+    assert (kva.block_parent_ids == kvb.block_parent_ids).all()
+    assert a.mamba_slot_allocator.hash_to_block_id == b.mamba_slot_allocator.hash_to_block_id
+    assert vars(a.stats) == vars(b.stats)
+
+
+def pruning_twins(blocks, bs, rows):
+    """Lagging contexts with pruning off (``a``) and on (``b``), and an eager one."""
+    a, b, eager = (make_ctx(blocks, bs=bs, mamba=1, slots=blocks + 2 * rows, rows=rows,
+                            max_blocks=32 // bs, registration_budget=budget)
+                   for budget in (1, 1, None))
+    a._registration.prune_dropped = False
+    b.drops_seen = []
+    b.kv_block_allocator.add_blocks_deregistered_observer(
+        lambda ids, hashes: b.drops_seen.append((b._registration._commits, hashes))
+        if b._registration.queued else None)
+    return a, b, eager
+
+
+def assert_eager_agrees(eager, b):
+    """What registering at once decides (docs/design.md §6.8): the same with a backlog."""
+    ke, kb = eager.kv_block_allocator, b.kv_block_allocator
+    assert ke.num_free_blocks == kb.num_free_blocks
+    assert ke.num_cached_blocks == kb.num_cached_blocks
+    assert ke.get_allocatable_count() == kb.get_allocatable_count()
+    se, sb = vars(eager.stats).copy(), vars(b.stats).copy()
+    se.pop("stored_states"), sb.pop("stored_states")
+    assert se == sb
+
+
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**16), bs=st.sampled_from([1, 2, 4]), rows=st.integers(2, 6))
+def test_pruned_drops_change_no_outcome_of_a_serving_loop(seed, bs, rows):
+    """A serving loop over a full pool (arrivals, finishes, shared prefixes, LRU eviction while
+    blocks wait in the backlog): pruning the drop log changes nothing."""
+    rng = np.random.default_rng(seed)
+    blocks = rows * (24 // bs) // 2 + 4
+    a, b, eager = pruning_twins(blocks, bs, rows)
+    ctxs = (a, b, eager)
+    stem = rng.integers(0, 3, 12).tolist()
+    left, next_id, drops = {}, 0, 0
+    for _ in range(60):
+        for rid in [r for r, k in left.items() if k == 0]:
+            for c in ctxs:
+                c.release_requests([rid])
+            del left[rid]
+        while len(left) < rows:
+            n = int(rng.integers(1, 12))
+            prompt = (stem[:n] if rng.random() < 0.5 else rng.integers(0, 3, n).tolist())
+            got = [outcome(lambda c=c, i=next_id, p=prompt: plan_outcome(c.add_request(i, p)))
+                   for c in ctxs]
+            assert got[0] == got[1] == got[2]
+            if isinstance(got[0], type):
+                break
+            left[next_id] = int(rng.integers(1, 12))
+            next_id += 1
+        ids = [r for r in left if a.num_computed_tokens(r) == len(tokens_of(a, r))]
+        toks = rng.integers(0, 3, len(ids))
+        if ids:
+            got = [outcome(lambda c=c, i=ids, t=toks: c.extend_requests(i, t).rows.tolist())
+                   for c in ctxs]
+            assert got[0] == got[1] == got[2]
+            if not isinstance(got[0], type):
+                for r in ids:
+                    left[r] -= 1
+        for c in ctxs:
+            c.commit_step()
+        drops += len(a._registration._dropped)
+        assert_pruning_agrees(a, b)
+        assert_eager_agrees(eager, b)
+        if rng.random() < 0.1:
+            assert_caught_up_alike(a, b)
+    assert_caught_up_alike(a, b)
+    for c in ctxs:
+        check_all(c)
+    event(f"drops kept while queued: {'some' if drops else 'none'}")
+
+
+# --- the drop log is pruned: the same context with pruning off is the oracle ---------------
+
+
+class PrunedVersusKeptDrops(EagerVersusLaggingRegistration):
+    """Two lagging contexts (budget 1) under eviction pressure: B forgets a deregistered hash
+    once no queued block completed at or before its deregistration, A keeps every one until
+    its backlog drains (the rule before pruning). Everything agrees exactly, block ids
+    included: the hash maps, the backlog analysis (pending parents, private blocks) and the
+    drops that still count."""
+
+    blocks_range, policies, drops = (6, 14), ["lru", "ref_zero"], True
+
+    @initialize(data=st.data())
+    def setup(self, data):
+        bs = data.draw(st.sampled_from([1, 2, 3]), label="bs")
+        blocks = data.draw(st.integers(*self.blocks_range), label="blocks")
+        policy = data.draw(st.sampled_from(self.policies), label="policy")
+        self.a, self.b = (make_ctx(blocks, bs=bs, mamba=1, slots=min(blocks, 40) + 8, rows=4,
+                                   max_blocks=24 // bs, policy=policy, registration_budget=1)
+                          for _ in range(2))
+        self.a._registration.prune_dropped = False
+        self.next_id = 0
+        self.isolation = {}
+
+    @rule()
+    def catch_up(self):
+        assert self.a.register_completed_blocks() == self.b.register_completed_blocks()
+        assert self.b._registration.queued == self.a._registration.queued == 0
+
+    @invariant()
+    def agree_and_consistent(self):
+        if not hasattr(self, "a"):
+            return
+        a, b = self.a, self.b
+        ra, rb = a._registration, b._registration
+        assert ra.queued == rb.queued
+        assert a.kv_block_allocator.kv_hash_to_block_id == b.kv_block_allocator.kv_hash_to_block_id
+        assert a.mamba_slot_allocator.hash_to_block_id == b.mamba_slot_allocator.hash_to_block_id
+        assert (ra.deferred == rb.deferred).all()
+        assert ra.private_blocks().tolist() == rb.private_blocks().tolist()
+        assert sorted(ra.pending_parents().tolist()) == sorted(rb.pending_parents().tolist())
+        assert vars(a.stats) == vars(b.stats)
+        # B keeps exactly the drops that a queued block completed at or before.
+        oldest = ra._queue[0][3] if ra._queue else None
+        assert rb._dropped == ({} if oldest is None else
+                               {h: d for h, d in ra._dropped.items() if d >= oldest})
+        assert a.kv_block_allocator.get_allocatable_count() \
+            == b.kv_block_allocator.get_allocatable_count()
+        for rid in a.request_ids:
+            assert a.num_computed_tokens(rid) == b.num_computed_tokens(rid)
+            assert tokens_of(a, rid) == tokens_of(b, rid)
+        check_all(a)
+        check_all(b)
+
+
+TestPrunedVersusKeptDrops = PrunedVersusKeptDrops.TestCase
+TestPrunedVersusKeptDrops.settings = settings(
+    TestPrunedVersusKeptDrops.settings, max_examples=100, stateful_step_count=40)

@@ -101,6 +101,8 @@ class BlockRegistration:
         self._queue: deque = deque()     # (rows, upto, counts, commit number)
         self.queued = self._commits = 0
         self._dropped: dict = {}        # hash -> last commit count at its deregistration
+        self._drop_log: deque = deque()     # (commit count, hashes) in deregistration order
+        self.prune_dropped = True       # False: keep every drop until the backlog drains
         kv_block_allocator.add_blocks_deregistered_observer(self._on_deregistered)
 
     def reset(self) -> None:
@@ -110,6 +112,7 @@ class BlockRegistration:
         self.queued = 0
         self._commits = 0
         self._dropped.clear()
+        self._drop_log.clear()
 
     def commit(self, rows: np.ndarray, before: np.ndarray, ends: np.ndarray) -> int:
         """After a step of ``rows`` (ascending; ``before``: their computed tokens before it,
@@ -225,7 +228,9 @@ class BlockRegistration:
         """Observer of the KV allocator: remember when the hashes left the map, while blocks
         that completed earlier may still duplicate them."""
         if self.queued:
-            self._dropped.update(dict.fromkeys(hashes, self._commits))
+            listed = list(hashes)
+            self._dropped.update(dict.fromkeys(listed, self._commits))
+            self._drop_log.append((self._commits, listed))
 
     def computing_any(self, hashes: list) -> bool:
         """Whether a block of ``hashes`` is not registered but a scheduled step is computing
@@ -272,7 +277,23 @@ class BlockRegistration:
             registered += self._register(rows, upto, counts is None, commit)
         if not self.queued:
             self._dropped.clear()
+            self._drop_log.clear()
+        elif self.prune_dropped:
+            self._prune_dropped(self._queue[0][3])
         return registered
+
+    def _prune_dropped(self, oldest: int) -> None:
+        """Forget the hashes last deregistered before commit ``oldest``, the oldest queued
+        entry's: a drop counts only for blocks that completed at or before it, and every block
+        still queued or queued later completes at ``oldest`` or after, so no outcome changes
+        (``tests/test_block_registration.py`` runs this against ``prune_dropped=False``).
+        Costs one step per forgotten deregistration."""
+        log, dropped = self._drop_log, self._dropped
+        while log and log[0][0] < oldest:
+            commit, hashes = log.popleft()
+            for h in hashes:
+                if dropped.get(h) == commit:     # not deregistered again since
+                    del dropped[h]
 
     def _advance(self, limit, last_commit) -> int:
         """One commit's share of the backlog queued by commit ``last_commit`` or earlier:
@@ -305,7 +326,7 @@ class BlockRegistration:
         """Hash and register blocks ``[registered, upto)`` of distinct ``rows`` (``single``: one
         each), completed at commit ``commit`` (None: the current one)."""
         requests, kv = self.requests, self.kv
-        if single and not self._dropped:     # a decode step's: one new block each
+        if single:     # a decode step's: one new block each
             cols, done = upto - 1, requests.hashed[rows]
             hashes = requests.hash_next(rows, cols) if (done == cols).all() else \
                 requests.hashes[rows, cols] if (done >= upto).all() else None
@@ -314,8 +335,10 @@ class BlockRegistration:
                 parents = np.where(cols > 0, requests.hashes[rows, cols - 1], 0)
                 ids = table[rows, cols].astype(np.int64)
                 listed = hashes.tolist()
+                # No hash taken, repeated or dropped (then none stays private).
                 if kv.kv_hash_to_block_id.keys().isdisjoint(listed) \
-                        and len(set(listed)) == len(listed):
+                        and len(set(listed)) == len(listed) \
+                        and self._dropped.keys().isdisjoint(listed):
                     requests.registered[rows] = upto
                     # Most parents are the row's previous block (column -1 is checked and
                     # fails, as parent hash 0 is no block's).
