@@ -129,7 +129,7 @@ def bench(args) -> int:
         from hcache.bench import calls
 
         return bench_main(device=args.device, out_dir=args.out, quick=args.quick,
-                          benches=(calls,))
+                          benches=(calls,), kind="calls")
     if args.host:
         from hcache.bench import host
 

@@ -124,3 +124,13 @@ def test_kernel_and_host_reports_of_one_day_do_not_overwrite_each_other(tmp_path
     for name in names:
         report = json.loads((tmp_path / name).read_text())
         assert name.endswith(f"_{report['kind']}{'_quick' if report['quick'] else ''}.json")
+
+
+def test_calls_report_is_named_by_what_it_holds(tmp_path):
+    """``bench --calls`` (issue 23) writes ``*_calls[_quick].json``, not over the kernel
+    report of the same day (issue 21 item 11)."""
+    assert main(["bench", "--calls", "--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*.json")
+    report = json.loads(path.read_text())
+    assert path.name.endswith("_calls_quick.json") and report["kind"] == "calls"
+    assert any(r["case"] == "context add_request" for r in report["rows"])
