@@ -24,6 +24,7 @@ import threading
 
 import numpy as np
 import pytest
+from test_jax_gpu_emulated import DTYPES, hybrid, rows  # the same scenarios' set-up
 
 import hcache
 from hcache.arrays import as_array
@@ -32,12 +33,13 @@ from hcache.device import cupy_available, data_pointer, resolve_device
 from hcache.dtypes import dlpack_view
 from hcache.interop.jax import as_cache_dtype, cache_dtype, storage_array
 
+from helpers import host
+
 pytestmark = pytest.mark.gpu
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
 
-DTYPES = ["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8"]
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 HOLD = r"""
 extern "C" __global__ void hold_until_open(const volatile int* flag) {
@@ -118,25 +120,6 @@ def held_jax(cp, values: np.ndarray, gate_stream, dtype, keep: list):
 
 def as_bytes(a):
     return np.ascontiguousarray(np.asarray(a)).view(np.uint8)
-
-
-def host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
-def hybrid(dtype):
-    kv = hcache.KVCacheConfig(2, 8, [hcache.KVLayerConfig(2, 16)], dtype)
-    cfg = hcache.HybridCacheConfig(["attention", "mamba"], kv,
-                                   hcache.MambaCacheConfig(1, 2, 2, 4, 8, 8, 4), 2)
-    return hcache.HybridCacheManager(cfg, device="cuda")
-
-
-def rows(dtype, shape, rng):
-    """Random rows of ``dtype`` (the array's own, bytes for int8/uint: every value exact)."""
-    dtype = np.dtype(dtype)
-    if dtype.kind in "iu":
-        return rng.integers(0, 256, shape, dtype=np.uint8).view(dtype).reshape(shape)
-    return rng.uniform(-4, 4, shape).astype(np.float32).astype(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
