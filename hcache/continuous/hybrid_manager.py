@@ -24,6 +24,7 @@ from __future__ import annotations
 from .._checks import INT32_MAX, as_int, check_index
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..config.caches import HybridCacheConfig, hybrid_config_from_hf
+from ..config.routes import LayerRoutes
 from ..config.sizing import continuous_hybrid_manager_nbytes, largest_fitting
 from ..memory import check_fits
 from ..rings import ring_start
@@ -32,7 +33,6 @@ from ..slots.hybrid import KVHeadDimGroupView
 from .batch_protocol import BatchProtocol
 from .hybrid_collection import ContinuousBatchingHybridCollection
 from .hybrid_store import HybridBlockStore
-from .routing import LayerRoutes
 
 __all__ = ["ContinuousBatchingHybridCacheManager", "ContinuousBatchingHybridCollection"]
 

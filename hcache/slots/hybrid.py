@@ -22,6 +22,7 @@ import numpy as np
 
 from .._checks import check_index
 from ..config.caches import HybridCacheConfig, LayerType
+from ..config.routes import LayerRoutes
 from ..memory import check_fits
 from ..runtime.device import launch_scope, resolve_device
 from .batch import BatchAPI
@@ -91,24 +92,12 @@ class HybridCacheManager(BatchAPI):
         self._mamba = (MambaCacheManager(config.mamba, stream, device=device)
                        if config.mamba is not None else None)
         # decoder layer -> attention_index / mamba_index (None: the layer has no such cache)
-        self._attention_index_of: list[int | None] = [None] * config.num_layers
-        self._mamba_index_of: list[int | None] = [None] * config.num_layers
-        owners = []   # attention_index -> the decoder layer that owns the cache
-        for layer, kind in enumerate(config.layer_types):
-            if kind.has_attention:
-                owner = config.kv_sharing.get(layer)
-                if owner is None:
-                    self._attention_index_of[layer] = len(owners)
-                    owners.append(layer)
-                else:
-                    self._attention_index_of[layer] = self._attention_index_of[owner]
-        mamba_layers = [layer for layer, kind in enumerate(config.layer_types) if kind.has_mamba]
-        for mamba_index, layer in enumerate(mamba_layers):
-            self._mamba_index_of[layer] = mamba_index
-        self._owner_layer = tuple(owners)
+        routes = LayerRoutes(config)
+        self._attention_index_of, self._mamba_index_of = routes.attention_of, routes.mamba_of
+        self._owner_layer = routes.owner_layers   # attention_index -> the owning layer
         self._group_views = tuple(
             KVHeadDimGroupView(g.device_layer_infos, g.num_layers, g.head_dim, g.max_kv_heads,
-                               tuple(owners[a] for a in g.layer_indices), g.components,
+                               tuple(self._owner_layer[a] for a in g.layer_indices), g.components,
                                g.ring_windows)
             for g in self._kv.groups)
         states = self._mamba.state_tensors if self._mamba is not None else ()

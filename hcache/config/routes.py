@@ -2,8 +2,9 @@
 
 A :class:`LayerRoutes` maps a decoder layer to its ``attention_index`` (the cache it reads: its
 own, or its owner's for a layer in ``kv_sharing``) and its ``mamba_index`` (its recurrent and
-conv state slots), as :class:`~hcache.slots.hybrid.HybridCacheManager` routes; ``NONE`` layers
-have neither. Errors name the caller's argument.
+conv state slots); ``NONE`` layers have neither. Both the contiguous
+:class:`~hcache.slots.hybrid.HybridCacheManager` and the continuous-batching hybrid manager route
+through it. Errors name the caller's argument.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ class LayerRoutes:
         ``owner_layers[attention_index]``: the decoder layer that owns (writes) that cache.
     mamba_layers : tuple of int
         ``mamba_layers[mamba_index]``: the decoder layer of that state.
+    attention_of, mamba_of : tuple of (int or None)
+        By decoder layer: its ``attention_index`` / ``mamba_index``, None where it has none.
     """
 
     def __init__(self, config):
         self._types = config.layer_types
-        self._attention: list[int | None] = [None] * len(self._types)
-        self._mamba: list[int | None] = [None] * len(self._types)
+        self._attention: list[int | None] = [None] * len(self._types)   # attention_of
+        self._mamba: list[int | None] = [None] * len(self._types)       # mamba_of
         owners, mamba = [], []
         for layer, kind in enumerate(self._types):
             if kind.has_attention:
@@ -41,6 +44,7 @@ class LayerRoutes:
                 self._mamba[layer] = len(mamba)
                 mamba.append(layer)
         self.owner_layers, self.mamba_layers = tuple(owners), tuple(mamba)
+        self.attention_of, self.mamba_of = tuple(self._attention), tuple(self._mamba)
 
     @property
     def num_layers(self) -> int:
