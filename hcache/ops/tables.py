@@ -24,6 +24,7 @@ from ..runtime.device import (
     array_module_of,
     data_pointer,
     launch_scope,
+    settle,
     to_host,
     upload,
 )
@@ -90,6 +91,14 @@ def _to_device(host: np.ndarray, xp):
     out = xp.empty(host.shape, dtype=host.dtype)
     upload(out, host)
     return out
+
+
+def _settle(xp, array) -> None:
+    """A construction's end: the table uploads and fills it queued on the current stream have
+    run (a host wait, once), so a launch on any stream reads them; a non-blocking stream is
+    not ordered after the construction's."""
+    if xp is not np:
+        settle(Device("cuda", array_device(array)))
 
 
 class KVGroup:
@@ -204,6 +213,7 @@ class KVGroup:
         self.scratch_host = None  # (stream key, table) that scratch_infos holds now
         self.scratch_captured = False  # a captured graph rewrites scratch_infos when replayed
         self.write_plan = None  # the last validated step of ops.kv_write (ops/write_plan.py)
+        _settle(self.xp, self.scratch_infos)
 
     @property
     def num_layers(self) -> int:
@@ -290,6 +300,7 @@ class SlotSet:
         host = self._table(self.pairs)
         self.slot_bytes = tuple(int(b) for b in host[:, 2])
         self.device_infos = _to_device(host, self.xp)
+        _settle(self.xp, self.device_infos)
 
     def _table(self, pairs) -> np.ndarray:
         """Validate ``pairs`` and return their host ``SlotTensorInfo`` table."""

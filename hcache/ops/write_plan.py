@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import _cuda
-from ..runtime.device import launch_scope
+from ..runtime.device import launch_scope, stream_handle
 from ._launch import BLOCK, upload_table
 
 __all__ = ["KVWritePlan"]
@@ -115,12 +115,15 @@ class KVWritePlan:
     def _table(self, rt, ks, vs, stream) -> None:
         """The pointer table of every layer's sources into the group's scratch: uploaded only
         when a pointer changed since this plan's last upload, another table was uploaded into
-        the scratch since, or a capture runs (:func:`upload_table` decides)."""
+        the scratch since, the launch stream is another (with ``stream=None``, the current
+        stream changed: that stream is not ordered after the last upload), or a capture runs
+        (:func:`upload_table` decides)."""
         group = self.group
         pointers = [(rt.pointer(a), 0 if b is None else rt.pointer(b)) for a, b in zip(ks, vs)]
         last = self.table
-        if last is not None and last[0] == pointers and group.scratch_host is last[1] \
-                and not group.scratch_captured and not rt.is_capturing():
+        if last is not None and last[0] == pointers and last[1] is not None \
+                and group.scratch_host is last[1] and not group.scratch_captured \
+                and not rt.is_capturing() and last[1][0] == stream_handle(stream):
             return
         upload_table(self, group, np.array(pointers, dtype=np.uint64))
         self.table = (pointers, group.scratch_host)
