@@ -375,6 +375,30 @@ class EmuRuntime:
         data = src.reshape(-1).view(np.uint8).copy()   # staged by the driver, now
         self.enqueue(lambda: np.copyto(out, data), "memcpy HtoD (pageable)")
 
+    def copy_d2d(self, dst, src, nbytes: int) -> None:
+        """``cudaMemcpyAsync`` device to device of ``nbytes`` on the current stream."""
+        out, data = (a._v.reshape(-1).view(np.uint8) for a in (dst, src))
+        if nbytes > min(out.nbytes, data.nbytes):
+            raise EmuError("cudaMemcpyAsync: a device-to-device copy past its buffers")
+        self.enqueue(lambda: np.copyto(out[:nbytes], data[:nbytes]), "memcpy DtoD")
+
+    def capture_replay(self, fn):
+        """As the CuPy runtime's: ``(replay, None)``, or ``(None, reason)`` when ``fn`` cannot
+        be captured."""
+        stream = self.stream(non_blocking=True)
+        with stream:
+            fn()
+            stream.synchronize()
+            try:
+                stream.begin_capture()
+                try:
+                    fn()
+                finally:
+                    graph = stream.end_capture()
+            except Exception as exc:  # noqa: BLE001 - as the CuPy runtime's
+                return None, f"{type(exc).__name__}: {exc}"
+        return (lambda: graph.launch(self.current())), None
+
     def synchronize_stream(self) -> None:
         self.refuse_in_capture("cudaStreamSynchronize")
         with self.lock:

@@ -2,7 +2,8 @@
 ``python3``, ``nvidia-smi`` and ``compute-sanitizer`` that log how they were called: one global
 deadline over every stage (issue 21 item 4), each stage under ``timeout``, memcheck with CuPy's
 pool off (an overrun inside a pooled block is invisible to it) and initcheck, the gpu tier with
-pytest-xdist, at most 8 files, each written as its stage runs."""
+pytest-xdist, the three benches (kernels, calls per launch, host), the sanitizers beside the
+whole suite, at most 8 files, each written as its stage runs."""
 
 from __future__ import annotations
 
@@ -65,17 +66,22 @@ def test_every_stage_runs_under_a_time_limit_into_at_most_eight_files(tmp_path):
     python = [c for c in calls if c.startswith("python3") and "import xdist" not in c]
     assert all("timeout=?" not in c for c in python + sanitizer)   # each under `timeout`
     assert any("-m pytest -m gpu" in c and "-n 8" in c for c in python)  # xdist
-    assert any("-m hcache bench --out" in c for c in python)
-    assert any("-m hcache bench --host" in c for c in python)
+    assert any("-m hcache bench --quick --out" in c for c in python)
+    assert any("-m hcache bench --calls --out" in c for c in python)
+    assert any("-m hcache bench --host --quick" in c for c in python)
+    suite = [c for c in python if "-m pytest" in c and "-m gpu" not in c]
+    assert len(suite) == 1 and "-n 12" in suite[0]                  # the whole suite
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8
-    assert {"env.txt", "gpu_tier.txt", "sanitizer.txt", "bench.txt", "suite.txt",
+    assert {"gpu_tier.txt", "sanitizer.txt", "bench.txt", "suite.txt",
             "summary.txt"} <= set(files)
     # each stage's own output is in its log as it ran
     assert "-m pytest -m gpu" in (out / "gpu_tier.txt").read_text()
+    assert "-m hcache info" in (out / "bench.txt").read_text()
     summary = (out / "summary.txt").read_text()
+    assert "output of nvidia-smi" in summary
     for stage in ("info", "gpu_tier", "memcheck", "initcheck", "racecheck", "bench",
-                  "bench_host", "suite"):
+                  "bench_calls", "bench_host", "suite"):
         assert f"{stage}=0 " in summary
 
 
@@ -87,7 +93,7 @@ def test_one_global_deadline_cuts_the_stages_that_do_not_fit(tmp_path):
     summary = (out / "summary.txt").read_text()
     assert "skipped(deadline)" in summary and "suite=skipped(deadline)" in summary
     assert "info=0" in summary
-    assert (out / "env.txt").read_text().strip()
+    assert "output of nvidia-smi" in summary
 
 
 def test_without_a_sanitizer_the_session_still_runs_and_says_so(tmp_path):

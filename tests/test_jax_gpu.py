@@ -6,12 +6,18 @@ come out to JAX without a copy through their storage type (:mod:`hcache.interop.
 through hcache is seen by a JAX array imported before it, in and outside ``jit``; a JAX
 computation on a cache imported on hcache's stream runs after hcache's launches on it.
 
-No host wait is shown by a *gate*: a one-thread kernel holds a stream until the host opens a
-pinned flag, so the JAX inputs (and hcache's launches behind them) are still pending when the
-call returns. A call that waited on the host for them would block until the gate's timer opens
-it, and the test then fails on ``gate.opened_by_timer`` instead of hanging. Oracles: the host
-bytes of the inputs placed by hand (cache layouts of docs/design.md), the same call with native
-CuPy arrays, and ``unsafe_buffer_pointer()`` against hcache's pointers for "no copy".
+No host wait is shown with work still running on the device: JAX inputs are outputs of a jitted
+step that waits (on JAX's stream) for a slow JAX computation (:class:`Pending`, a chain of large
+float32 matrix products, a few hundred ms), so they are pending when hcache takes them; hcache's
+call must return while that computation still runs. The other direction, a JAX step on a cache
+that hcache's queued launches write, holds hcache's stream with a *gate*: a one-thread kernel
+that spins until the host opens a pinned flag (a timer opens it after a few seconds, so a host
+wait ends instead of hanging and the test says so). What JAX itself does with DLPack is probed
+in the same process (:func:`jax_export_waits`, :func:`jax_import_waits`): where JAX's own export
+or import waits on the host, hcache cannot avoid that wait and the no-wait assertion is skipped
+with that reason; the bytes are checked either way. Oracles: the host bytes of the inputs placed
+by hand (cache layouts of docs/design.md), the same call with native CuPy arrays, and
+``unsafe_buffer_pointer()`` against hcache's pointers for "no copy".
 
 Sizes are a few KB, whatever other processes hold on the GPU. Marked ``gpu``; without a GPU, or
 with a JAX that has no GPU backend (no CUDA plugin), every test skips; the module imports
@@ -20,6 +26,7 @@ without either.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -73,7 +80,7 @@ class Gate:
     the host goes on. A timer opens it after ``limit`` seconds, so a host wait for held work
     ends (``opened_by_timer`` then says so) instead of hanging the test."""
 
-    def __init__(self, cp, stream, limit: float = 20.0):
+    def __init__(self, cp, stream, limit: float = 5.0):
         self._memory = cp.cuda.alloc_pinned_memory(4)
         self._flag = np.frombuffer(self._memory, np.int32, 1)
         self._flag[0] = 0
@@ -100,22 +107,98 @@ class Gate:
         self.open()
 
 
-def held_jax(cp, values: np.ndarray, gate_stream, dtype, keep: list):
-    """A JAX array of ``values`` (dtype ``dtype``) on JAX's GPU that is the output of a jitted
-    JAX step whose input is written by a copy still held behind the gate on ``gate_stream``
-    (JAX imports it on that stream, so the step waits for the copy on the device). The host
-    bytes of ``values`` are the oracle."""
-    values = np.ascontiguousarray(values)
-    src = cp.asarray(values.view(UINT[values.dtype.itemsize]))
-    cp.cuda.Device().synchronize()
-    with gate_stream:
-        pending = src.copy()                       # queued behind the gate
-        imported = jax.dlpack.from_dlpack(pending)  # JAX's stream waits for gate_stream
-    # XOR 0 makes a new buffer (a step returning its argument would forward it); the bitcast
-    # gives the dtype hcache takes (the cache's, or its storage type where CuPy has none)
-    step = jax.jit(lambda s: jax.lax.bitcast_convert_type(s ^ 0, jnp.dtype(dtype)))
-    keep.append((pending, imported))
-    return step(imported)
+HEAVY_N, HEAVY_CHAIN = 8192, 16   # float32 products at full precision: ~0.3 s on an H200
+
+
+@functools.cache
+def _heavy():
+    @jax.jit
+    def flag(eye):
+        m = eye
+        for _ in range(HEAVY_CHAIN):
+            m = jnp.matmul(m, eye, precision=jax.lax.Precision.HIGHEST)
+        return (m[0, 0] > 2.0).astype(jnp.uint32)   # 0 at run time: eye is the identity
+    eye = jnp.eye(HEAVY_N, dtype=jnp.float32)
+    flag(eye).block_until_ready()                    # compiled before any timing matters
+    return flag, eye
+
+
+@functools.cache
+def _mix(dtype):
+    """``s ^ g`` (``g``: 0, the slow step's output) seen as ``dtype``: a new buffer that JAX
+    computes only after the slow step."""
+    return jax.jit(lambda s, g: jax.lax.bitcast_convert_type(s ^ g.astype(s.dtype),
+                                                             jnp.dtype(dtype)))
+
+
+class Pending:
+    """JAX arrays still being computed: ``arrays[i]`` is ``inputs[i] = (values, dtype)`` as the
+    output of a jitted step that JAX runs after a slow computation dispatched last in the
+    constructor (every step compiled and every input uploaded before it); :attr:`running` says
+    whether that computation still runs (asked without a host wait)."""
+
+    def __init__(self, inputs):
+        flag, eye = _heavy()
+        zero = jnp.zeros((), jnp.uint32)
+        sources = []
+        for values, dtype in inputs:
+            values = np.ascontiguousarray(values)
+            src = jnp.asarray(values.view(UINT[values.dtype.itemsize]))
+            _mix(np.dtype(dtype))(src, zero).block_until_ready()   # compiled now
+            sources.append((src, np.dtype(dtype)))
+        self.flag = flag(eye)
+        self.arrays = [_mix(dtype)(src, self.flag) for src, dtype in sources]
+        self._sources = sources
+
+    @property
+    def running(self) -> bool:
+        return not self.flag.is_ready()
+
+    def wait(self):
+        self.flag.block_until_ready()
+
+
+@functools.cache
+def jax_export_waits() -> bool:
+    """Whether a plain ``cupy.from_dlpack`` of a pending JAX array (JAX's ``__dlpack__`` with
+    a consumer stream) waits on the host for it, in this JAX: hcache adopts JAX arrays so."""
+    import cupy
+
+    pending = Pending([(np.zeros(64, np.uint8), np.uint8)])
+    x, = pending.arrays
+    assert pending.running, "precondition: the slow JAX step still runs"
+    with cupy.cuda.Stream(non_blocking=True):
+        cupy.from_dlpack(x)
+    waited = not pending.running
+    pending.wait()
+    return waited
+
+
+@functools.cache
+def jax_import_waits() -> bool:
+    """Whether ``jax.dlpack.from_dlpack`` of a CuPy array whose producer stream is held waits
+    on the host, in this JAX (then no import of a cache with pending writes can avoid it)."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    src = cupy.zeros(64, np.uint8)
+    cupy.cuda.Device().synchronize()
+    with Gate(cupy, stream) as gate:
+        with stream:
+            pending = src + 1
+            jax.dlpack.from_dlpack(pending)
+        waited = gate.opened_by_timer
+    return waited
+
+
+def check_no_wait(returned_while_running: bool, what: str):
+    """Fail when hcache's call waited on the host and JAX's own export does not."""
+    if returned_while_running:
+        return
+    if jax_export_waits():
+        pytest.skip(f"this JAX ({jax.__version__}) waits on the host in its own DLPack export "
+                    f"of a pending array: {what} cannot avoid the wait (bytes checked)")
+    pytest.fail(f"{what} waited on the host for a pending JAX array")
 
 
 def as_bytes(a):
@@ -126,30 +209,28 @@ def as_bytes(a):
 def test_jax_inputs_go_into_a_hybrid_manager_without_a_copy_or_a_host_wait(cp, gpu, dtype):
     """K/V rows, states, the state slots and the length increments are JAX outputs still
     pending on the device; hcache views them in place (same pointer), returns before they are
-    computed, and after the gate opens the cache holds them where the layout says."""
+    computed, and once JAX has computed them the cache holds them where the layout says."""
     m = hybrid(dtype)
     cache, state = m.get_combined_kv_cache(0), m.get_recurrent_state(1)
     row_dtype = np.dtype(cache.dtype)   # the cache dtype, or its storage type on this CuPy
     rng = np.random.default_rng(0)
     k, v = rows(row_dtype, (2, 3, 2, 16), rng), rows(row_dtype, (2, 3, 2, 16), rng)
     rec = rows(state.dtype, (1,) + state.shape[1:], rng)
-    stream, gate_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    stream = cp.cuda.Stream(non_blocking=True)
     m.reset_for_new_sequences([0, 0], stream=stream)
-    keep = []
-    with Gate(cp, gate_stream) as gate:
-        kj = held_jax(cp, k, gate_stream, row_dtype, keep)
-        vj = held_jax(cp, v, gate_stream, row_dtype, keep)
-        recj = held_jax(cp, rec, gate_stream, state.dtype, keep)
-        slots = held_jax(cp, np.array([1], np.int32), gate_stream, np.int32, keep)
-        increments = held_jax(cp, np.array([3, 2], np.int32), gate_stream, np.int32, keep)
-        view = as_array("k", kj, resolve_device("cuda"), stream)
-        assert data_pointer(view) == kj.unsafe_buffer_pointer(), "k was copied"
-        m.write_kv(0, kj, vj, stream=stream)
-        m.write_states(1, recj, slots=slots, stream=stream)
-        m.commit_sequence_length(increments, stream=stream)
-        assert not gate.opened_by_timer, "hcache waited on the host for a pending JAX array"
+    pending = Pending([(k, row_dtype), (v, row_dtype), (rec, state.dtype),
+                       (np.array([1], np.int32), np.int32),
+                       (np.array([3, 2], np.int32), np.int32)])
+    kj, vj, recj, slots, increments = pending.arrays
+    assert pending.running, "precondition: the slow JAX step still runs"
+    view = as_array("k", kj, resolve_device("cuda"), stream)
+    assert data_pointer(view) == kj.unsafe_buffer_pointer(), "k was copied"
+    m.write_kv(0, kj, vj, stream=stream)
+    m.write_states(1, recj, slots=slots, stream=stream)
+    m.commit_sequence_length(increments, stream=stream)
+    returned_while_running = pending.running
+    pending.wait()
     stream.synchronize()
-    assert not gate.opened_by_timer, "hcache waited on the host for a pending JAX array"
     got = host(cache)
     assert np.array_equal(as_bytes(got[:, 0, :, :3].transpose(0, 2, 1, 3)), as_bytes(k))
     assert np.array_equal(as_bytes(got[:, 1, :, :3].transpose(0, 2, 1, 3)), as_bytes(v))
@@ -157,6 +238,7 @@ def test_jax_inputs_go_into_a_hybrid_manager_without_a_copy_or_a_host_wait(cp, g
     assert np.array_equal(as_bytes(host(state)[1:]), as_bytes(rec))
     assert not as_bytes(host(state)[0]).any()
     assert host(m.get_kv_cache_lengths()).tolist() == [3, 2]
+    check_no_wait(returned_while_running, "the hybrid manager's write_kv / write_states / commit")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -207,17 +289,24 @@ def test_a_jax_step_on_a_cache_imported_on_hcaches_stream_runs_after_its_launche
     cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
     first = jax.jit(lambda s: as_cache_dtype(s, dtype)[:, :, :, 0])   # [B, 2, H, D]
+    add0 = jax.jit(lambda x: x + 0)
+    first(storage_array(cache)).block_until_ready()        # compiled outside the gate's window
+    add0(storage_array(m.get_kv_cache_lengths())).block_until_ready()
     with Gate(cp, stream) as gate:
         m.write_kv(0, src, src, stream=stream)            # held behind the gate
         m.commit_sequence_length(1, stream=stream)
         with stream:
             storage = storage_array(cache)                # ordered after hcache's launches
             lengths = storage_array(m.get_kv_cache_lengths())
-        out, seen = first(storage), jax.jit(lambda x: x + 0)(lengths)
-        assert not gate.opened_by_timer, "the import or the dispatch waited on the host"
+        out, seen = first(storage), add0(lengths)
+        waited = gate.opened_by_timer
     want = np.stack([k[:, 0], k[:, 0]], axis=1)   # token 0 of K and V: [B, 2, H, D]
     assert as_bytes(want).any() and np.array_equal(as_bytes(out), as_bytes(want))
     assert np.asarray(seen).tolist() == [1, 1]
+    if waited and jax_import_waits():
+        pytest.skip(f"this JAX ({jax.__version__}) waits on the host when it imports an array "
+                    "with pending writes (bytes checked)")
+    assert not waited, "the import or the dispatch waited on the host"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -233,13 +322,12 @@ def test_continuous_batching_takes_jax_rows_and_its_tables_go_out_to_jax(cp, gpu
     stream = cp.cuda.Stream(non_blocking=True)
     ids = m.claim(2)[::-1]
     batch = m.fetch(ids, stream=stream)
-    gate_stream = cp.cuda.Stream(non_blocking=True)
-    keep = []
-    with Gate(cp, gate_stream) as gate:
-        kj = held_jax(cp, k, gate_stream, row_dtype, keep)
-        vj = held_jax(cp, v, gate_stream, row_dtype, keep)
-        batch.write_kv(0, kj, vj, stream=stream)
-        assert not gate.opened_by_timer, "hcache waited on the host for a pending JAX array"
+    pending = Pending([(k, row_dtype), (v, row_dtype)])
+    kj, vj = pending.arrays
+    assert pending.running, "precondition: the slow JAX step still runs"
+    batch.write_kv(0, kj, vj, stream=stream)
+    returned_while_running = pending.running
+    pending.wait()
     with stream:
         blocks = storage_array(m.blocks_buf)
         table = storage_array(batch.lookup_table)
@@ -251,6 +339,7 @@ def test_continuous_batching_takes_jax_rows_and_its_tables_go_out_to_jax(cp, gpu
     assert np.array_equal(as_bytes(np.asarray(gathered)[:, 0]), as_bytes(k))
     assert np.array_equal(as_bytes(np.asarray(gathered)[:, 1]), as_bytes(v))
     m.step([2, 1], batch)
+    check_no_wait(returned_while_running, "the continuous batch's write_kv")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -270,13 +359,15 @@ def test_a_paged_pool_takes_a_jax_block_table_and_lengths(cp, gpu, dtype):
     pools[0].write_kv(native(k), native(v), block_table=native(table), layer=0,
                       uniform_tokens=3, batch=1, cache_lengths=native(lengths))
     cp.cuda.Device().synchronize()
-    stream, gate_stream = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    keep = []
-    with Gate(cp, gate_stream) as gate:
-        held = [held_jax(cp, a, gate_stream, a.dtype, keep) for a in (k, v, table, lengths)]
-        pools[1].write_kv(held[0], held[1], block_table=held[2], layer=0, uniform_tokens=3,
-                          batch=1, cache_lengths=held[3], stream=stream)
-        assert not gate.opened_by_timer, "hcache waited on the host for a pending JAX array"
+    stream = cp.cuda.Stream(non_blocking=True)
+    pending = Pending([(a, a.dtype) for a in (k, v, table, lengths)])
+    held = pending.arrays
+    assert pending.running, "precondition: the slow JAX step still runs"
+    pools[1].write_kv(held[0], held[1], block_table=held[2], layer=0, uniform_tokens=3,
+                      batch=1, cache_lengths=held[3], stream=stream)
+    returned_while_running = pending.running
+    pending.wait()
     stream.synchronize()
     want, got = as_bytes(host(pools[0].layers[0])), as_bytes(host(pools[1].layers[0]))
     assert want.any() and np.array_equal(want, got)
+    check_no_wait(returned_while_running, "the paged pool's write_kv")

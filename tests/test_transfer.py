@@ -103,7 +103,7 @@ def test_merge_ranges_joins_only_when_both_sides_continue():
 @pytest.mark.parametrize("window", [None, 8])
 def test_slot_units_are_the_numpy_slices_of_the_slot(window):
     config = config_of(window=window)
-    mgr = HybridCacheManager(config)
+    mgr = HybridCacheManager(config, device="cpu")   # host views
     desc = describe_manager(mgr)
     slot, length = 2, 11
     units = slot_units(desc, slot, length)

@@ -89,18 +89,19 @@ class BenchContext:
         sync()
         return statistics.median(times)
 
-    def kernel_us(self, fn) -> float | None:
-        """Median device µs of the launches of ``fn()`` alone, on a GPU (None on the CPU):
-        replays of a CUDA graph captured from one call, timed by events around
-        :data:`REPLAYS` back-to-back replays; where capture fails, events around as many
-        back-to-back calls (then host gaps count once the host is slower than the device)."""
+    def kernel_us(self, fn) -> tuple[float | None, str | None]:
+        """``(µs, how)``: the median device µs of the launches of ``fn()`` alone, on a GPU
+        (``(None, None)`` on the CPU). ``how == "graph"``: replays of a CUDA graph captured from
+        one call, timed by events around :data:`REPLAYS` back-to-back replays. Where capture
+        fails, events around as many back-to-back calls (then host gaps count once the host is
+        slower than the device), and ``how`` says ``"calls"`` and why."""
         if self.xp is np:
-            return None
-        replay = _cuda.runtime().capture_replay(fn)
+            return None, None
+        replay, reason = _cuda.runtime().capture_replay(fn)
         if replay is None:
-            return self._events_us(fn, REPLAYS)
+            return self._events_us(fn, REPLAYS), f"calls (capture failed: {reason})"
         replay()
-        return self._events_us(replay, REPLAYS)
+        return self._events_us(replay, REPLAYS), "graph"
 
     def memcpy_us(self, nbytes: int) -> float:
         """Median µs of one ``cudaMemcpyAsync`` device-to-device copy moving ``nbytes`` (read +
@@ -140,13 +141,14 @@ class BenchContext:
         ``nbytes`` counts the bytes that must move, read + written; ``launches`` the kernel
         launches of one ``fn()`` on a GPU. Row fields: ``us`` (events around one call, host
         gaps included), ``kernel_us`` (device time of the launches alone, None on the CPU),
-        ``host_us`` (wall time of the call, no sync), ``memcpy_us`` (a device-to-device
+        ``kernel_timing`` (``"graph"``, or ``"calls"`` and why capture failed), ``host_us``
+        (wall time of the call, no sync), ``memcpy_us`` (a device-to-device
         ``cudaMemcpyAsync`` of the same bytes, same run; a NumPy copy on the CPU),
         ``kernel_vs_memcpy`` (``memcpy_us / kernel_us``: 1 is copy speed), ``vs_copy`` and
         ``speedup_vs_naive`` (against ``us``).
         """
         us = self.timer(fn)
-        kernel_us = self.kernel_us(fn)
+        kernel_us, kernel_timing = self.kernel_us(fn)
         host_us = self.host_us(fn)
         memcpy_us = self.memcpy_us(nbytes)
         copy_us = self.copy_us(nbytes)
@@ -156,6 +158,7 @@ class BenchContext:
                 "vs_copy": significant(copy_us / us) if us else None,
                 "speedup_vs_naive": significant(naive_us / us) if naive_us and us else None,
                 "kernel_us": round(kernel_us, 3) if kernel_us is not None else None,
+                "kernel_timing": kernel_timing,
                 "host_us": round(host_us, 3),
                 "memcpy_us": round(memcpy_us, 3),
                 "kernel_vs_memcpy": (significant(memcpy_us / kernel_us) if kernel_us

@@ -19,15 +19,22 @@ def print_table(rows: list[dict]) -> None:
         print(f"{'family':<11} {'model':<16} {'case':<24} {'us':>10} {'kernel':>9} "
               f"{'host':>8} {'memcpy':>8} {'xmemcpy':>7} {'GB/s':>9} {'xcopy':>7} "
               f"{'xnaive':>7} launches")
+    failed = []
     for r in kernel_rows:
         kernel = r.get("kernel_us")
         ratio = r.get("kernel_vs_memcpy")
+        timing = r.get("kernel_timing")
+        mark = "" if timing in (None, "graph") else "*"   # not a graph replay: host gaps count
+        if mark:
+            failed.append(f"{r['family']} {r['model']} {r['case']}: {timing}")
         print(f"{r['family']:<11} {r['model']:<16} {r['case']:<24} {r['us']:>10.1f} "
-              f"{'-' if kernel is None else f'{kernel:.1f}':>9} "
+              f"{'-' if kernel is None else f'{kernel:.1f}{mark}':>9} "
               f"{r.get('host_us') or 0:>8.1f} {r.get('memcpy_us') or 0:>8.1f} "
               f"{'-' if ratio is None else f'{ratio:.3g}':>7} "
               f"{r['GBps'] or 0:>9.1f} {r['vs_copy'] or 0:>7.3g} "
               f"{r['speedup_vs_naive'] or 0:>7.3g} {r['launches']}")
+    for line in failed:
+        print(f"* kernel timed over back-to-back calls, {line}")
     if host_rows:
         print(f"{'case':<30} {'median us':>10} {'mean us':>9} {'worst us':>9} {'goal us':>8}  "
               "other")

@@ -207,9 +207,10 @@ class CupyRuntime:
                        self.cp.cuda.get_current_stream().ptr)
 
     def capture_replay(self, fn):
-        """A callable that launches, on the current stream, a CUDA graph captured (on a new
-        non-blocking stream) from one ``fn()``, run once uncaptured first for its lazy set-up;
-        ``None`` when ``fn`` cannot be captured. For timing launches without host time."""
+        """``(replay, None)``: ``replay()`` launches, on the current stream, a CUDA graph
+        captured (on a new non-blocking stream) from one ``fn()``, run once uncaptured first for
+        its lazy set-up; ``(None, reason)`` when ``fn`` cannot be captured (``reason``: the
+        error). For timing launches without host time."""
         stream = self.cp.cuda.Stream(non_blocking=True)
         with stream:
             fn()
@@ -220,9 +221,9 @@ class CupyRuntime:
                     fn()
                 finally:
                     graph = stream.end_capture()
-            except Exception:  # noqa: BLE001 - not capturable: the caller times the calls
-                return None
-        return lambda: graph.launch(self.cp.cuda.get_current_stream())
+            except Exception as exc:  # noqa: BLE001 - not capturable: the caller times calls
+                return None, f"{type(exc).__name__}: {exc}"
+        return (lambda: graph.launch(self.cp.cuda.get_current_stream())), None
 
     def to_host(self, a) -> np.ndarray:
         """``cudaMemcpyAsync`` device to host on the current stream, then
