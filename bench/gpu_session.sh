@@ -12,7 +12,11 @@
 #                  block is seen) then initcheck, over the kernel tests; racecheck over the
 #                  kernels that use shared memory (lengths, compaction plan)
 #   suite.txt      the whole test suite with 12 workers (issue 29), beside the sanitizers
+#   (probe)        into bench.txt: Nsight Compute's device time of each decode write launch
+#                  (bench/probe_decode.py), free of host gaps
 # The benches run alone (their timings); the sanitizers (one process) and the suite overlap.
+# ONLY="stage ..." runs those stages alone (a follow-up call); PROFILE_HOST=1 runs the host
+# bench under cProfile into host.prof.
 # At most 8 files, all in $OUT, each written as its stage runs: a killed session keeps its logs.
 set -uo pipefail
 OUT=${OUT:-/tmp/hcache-gpu}
@@ -33,8 +37,12 @@ budget() {  # a stage's own budget, cut to what is left before the deadline (>= 
     [ "$want" -lt 1 ] && want=1
     echo "$want"
 }
+ONLY=${ONLY:-}
 stage() {  # name, budget, log, command...: runs unless the deadline has passed
     local name=$1 want=$2 log=$3; shift 3
+    if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then
+        return 0
+    fi
     if [ "$(left)" -le 0 ]; then
         echo "$name=skipped(deadline)" >> "$SUMMARY"; echo "skipped: deadline" >> "$log"
         return 0
@@ -61,7 +69,18 @@ stage gpu_tier 90 "$OUT/gpu_tier.txt" \
     python3 -m pytest -m gpu -q -p no:cacheprovider -rfE "${XDIST[@]}"
 stage bench 110 "$OUT/bench.txt" python3 -m hcache bench --quick --out "$OUT"
 stage bench_calls 50 "$OUT/bench.txt" python3 -m hcache bench --calls --out "$OUT"
-stage bench_host 50 "$OUT/bench.txt" python3 -m hcache bench --host --quick --out "$OUT"
+NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -n 1)
+if [ -n "$NCU" ]; then
+    stage probe 60 "$OUT/bench.txt" "$NCU" --kernel-name regex:hc_kv_write \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --csv \
+        python3 bench/probe_decode.py
+else
+    stage probe 30 "$OUT/bench.txt" python3 bench/probe_decode.py
+fi
+HOST=(python3 -m hcache bench --host --quick --out "$OUT")
+[ "${PROFILE_HOST:-0}" = 1 ] && HOST=(python3 -m cProfile -o "$OUT/host.prof" -m hcache bench \
+                                     --host --quick --out "$OUT")
+stage bench_host 50 "$OUT/bench.txt" "${HOST[@]}"
 
 sanitize() {
     for tool in memcheck initcheck; do
@@ -75,7 +94,9 @@ sanitize() {
         python3 -m pytest -m gpu -q -p no:cacheprovider -x tests/test_op_lengths.py \
         tests/test_op_compact.py
 }
-if [ -n "$SANITIZER" ]; then
+if [ -n "$ONLY" ] && [[ " $ONLY " != *" memcheck "* ]]; then
+    SAN_PID=
+elif [ -n "$SANITIZER" ]; then
     sanitize &
     SAN_PID=$!
 else

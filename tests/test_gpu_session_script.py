@@ -33,7 +33,7 @@ def _stub(folder: Path, name: str) -> None:
     path.chmod(0o755)
 
 
-def _run(tmp_path, sanitizer_on_path=True, deadline=420, stub_sleep=0.0):
+def _run(tmp_path, sanitizer_on_path=True, deadline=420, stub_sleep=0.0, only=""):
     bin_dir, out = tmp_path / "bin", tmp_path / "out"
     bin_dir.mkdir()
     for name in ("python3", "nvidia-smi"):
@@ -47,7 +47,8 @@ def _run(tmp_path, sanitizer_on_path=True, deadline=420, stub_sleep=0.0):
     (bin_dir / "timeout").chmod(0o755)
     calls = tmp_path / "calls.txt"
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "OUT": str(out), "CALLS": str(calls),
-           "HOME": str(tmp_path), "DEADLINE_S": str(deadline), "STUB_SLEEP": str(stub_sleep)}
+           "HOME": str(tmp_path), "DEADLINE_S": str(deadline), "STUB_SLEEP": str(stub_sleep),
+           "ONLY": only}
     t0 = time.monotonic()
     subprocess.run(["bash", str(SCRIPT)], env=env, cwd=SCRIPT.parents[1], check=True,
                    capture_output=True, timeout=60)
@@ -69,6 +70,7 @@ def test_every_stage_runs_under_a_time_limit_into_at_most_eight_files(tmp_path):
     assert any("-m hcache bench --quick --out" in c for c in python)
     assert any("-m hcache bench --calls --out" in c for c in python)
     assert any("-m hcache bench --host --quick" in c for c in python)
+    assert any("bench/probe_decode.py" in c for c in python)        # ncu's decode probe
     suite = [c for c in python if "-m pytest" in c and "-m gpu" not in c]
     assert len(suite) == 1 and "-n 12" in suite[0]                  # the whole suite
     files = sorted(p.name for p in out.iterdir())
@@ -110,3 +112,15 @@ def test_without_a_sanitizer_the_session_still_runs_and_says_so(tmp_path):
         assert "compute-sanitizer not found" not in log
     else:
         assert log.strip() == "compute-sanitizer not found"
+
+
+def test_only_runs_the_stages_it_names(tmp_path):
+    """A follow-up call (``ONLY``) runs the stages it names, in the session's order, and no
+    sanitizer unless named."""
+    calls, out, _ = _run(tmp_path, only="gpu_tier bench_host")
+    assert not any(c.startswith("compute-sanitizer") for c in calls)
+    python = [c for c in calls if c.startswith("python3") and "import xdist" not in c]
+    assert len(python) == 2
+    assert "-m pytest -m gpu" in python[0] and "-m hcache bench --host" in python[1]
+    summary = (out / "summary.txt").read_text()
+    assert "gpu_tier=0 " in summary and "bench_host=0 " in summary and "suite=" not in summary
