@@ -37,3 +37,17 @@ def test_calls_bench_on_cuda_takes_as_many_rounds_as_a_gpu_run(emu_rt):
     rows = calls.measure(device, rounds=200, only=["context"])
     assert [r["case"] for r in rows] == ["context decode step b256", "context add_request"]
     assert all(r["us"] > 0 for r in rows)
+
+
+def test_quick_serving_rows_on_cuda_are_short_whatever_the_timer_repeats(emu_rt):
+    """``bench --host --quick`` on ``cuda`` (the GPU timer repeats 20 times): one short run at
+    pool x1 per block size. The GPU run of 2026-11-27 guessed "quick" from the repeats and ran
+    the full serving bench (10,704 steps) into its time limit."""
+    from hcache.bench import host_serving
+
+    device = resolve_device("cuda")
+    ctx = BenchContext(device, Timer(device.xp, 20, 5), 1, quick=True)
+    rows = host_serving.run(ctx)
+    decode = [r for r in rows if r["case"].startswith("serving decode")]
+    assert [r["block"] for r in decode] == [16, 256]
+    assert all(r["pool_scale"] == 1 and r["rounds"] == 1 and r["steps"] == 20 for r in decode)

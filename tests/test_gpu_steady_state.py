@@ -97,3 +97,44 @@ def test_decode_step_replays_from_a_cuda_graph():
     stream.synchronize()
     np.testing.assert_array_equal(host(m.get_kv_cache_lengths()),
                                   start + 5 * np.array([1, 2, 0, 1]))
+
+
+def test_a_decode_step_with_host_uploads_replays_from_a_cuda_graph():
+    """``write_kv(None, ...)`` (uploads a pointer table) and ``commit_sequence_length`` of host
+    ints (uploads the increments) captured together and replayed: each replay writes the rows
+    the K/V buffers hold then, at the next position. The GPU run of 2026-11-27 found CuPy's
+    ``copy_from_host_async`` refusing every host copy during capture (twin on the emulated
+    device: test_emulated_cuda_path.py, defect 3)."""
+    import cupy
+
+    batch, steps = 4, 5
+    m = _hybrid()
+    m.reset_for_new_sequences([0] * batch)
+    kvm = m.kv_cache_manager
+    caches = [kvm.get_combined_kv_cache(i) for i in range(kvm.num_layers)]
+    ks = [cupy.zeros((batch, 1, c.shape[2], c.shape[4]), c.dtype) for c in caches]
+    vs = [cupy.zeros_like(k) for k in ks]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()
+    m.write_kv(None, ks, vs, stream=stream)                   # warm-up: position 0 holds zeros
+    m.commit_sequence_length(np.ones(batch, np.int64), stream=stream)
+    with stream:
+        stream.begin_capture()
+        m.write_kv(None, ks, vs, stream=stream)
+        m.commit_sequence_length(np.ones(batch, np.int64), stream=stream)
+        graph = stream.end_capture()
+        for step in range(steps):
+            for layer, (k, v) in enumerate(zip(ks, vs)):
+                k.fill(step + 1 + layer)
+                v.fill(-(step + 1 + layer))
+            graph.launch(stream)
+        stream.synchronize()
+    assert host(m.get_kv_cache_lengths()).tolist() == [steps + 1] * batch
+    for layer, cache in enumerate(caches):
+        got = host(cache)[:batch]
+        want = (np.arange(1, steps + 1) + layer).astype(got.dtype)
+        np.testing.assert_array_equal(got[:, 0, :, 1:steps + 1],
+                                      np.broadcast_to(want[None, None, :, None],
+                                                      got[:, 0, :, 1:steps + 1].shape))
+        np.testing.assert_array_equal(got[:, 1, :, 1:steps + 1], -got[:, 0, :, 1:steps + 1])
+        assert not got[:, :, :, 0].any() and not got[:, :, :, steps + 1:].any()

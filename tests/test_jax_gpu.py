@@ -107,7 +107,7 @@ class Gate:
         self.open()
 
 
-HEAVY_N, HEAVY_CHAIN = 8192, 16   # float32 products at full precision: ~0.3 s on an H200
+HEAVY_N, HEAVY_CHAIN = 8192, 32   # float32 products at full precision: ~0.6 s on an H200
 
 
 @functools.cache
@@ -135,9 +135,11 @@ class Pending:
     """JAX arrays still being computed: ``arrays[i]`` is ``inputs[i] = (values, dtype)`` as the
     output of a jitted step that JAX runs after a slow computation dispatched last in the
     constructor (every step compiled and every input uploaded before it); :attr:`running` says
-    whether that computation still runs (asked without a host wait)."""
+    whether that computation still runs (asked without a host wait). ``slow=False``: the same
+    arrays with nothing to wait for (a rehearsal that compiles whatever the call compiles on its
+    first use, so the timed run measures the call alone)."""
 
-    def __init__(self, inputs):
+    def __init__(self, inputs, slow: bool = True):
         flag, eye = _heavy()
         zero = jnp.zeros((), jnp.uint32)
         sources = []
@@ -146,7 +148,7 @@ class Pending:
             src = jnp.asarray(values.view(UINT[values.dtype.itemsize]))
             _mix(np.dtype(dtype))(src, zero).block_until_ready()   # compiled now
             sources.append((src, np.dtype(dtype)))
-        self.flag = flag(eye)
+        self.flag = flag(eye) if slow else zero
         self.arrays = [_mix(dtype)(src, self.flag) for src, dtype in sources]
         self._sources = sources
 
@@ -218,16 +220,22 @@ def test_jax_inputs_go_into_a_hybrid_manager_without_a_copy_or_a_host_wait(cp, g
     rec = rows(state.dtype, (1,) + state.shape[1:], rng)
     stream = cp.cuda.Stream(non_blocking=True)
     m.reset_for_new_sequences([0, 0], stream=stream)
-    pending = Pending([(k, row_dtype), (v, row_dtype), (rec, state.dtype),
-                       (np.array([1], np.int32), np.int32),
-                       (np.array([3, 2], np.int32), np.int32)])
-    kj, vj, recj, slots, increments = pending.arrays
+    specs = [(k, row_dtype), (v, row_dtype), (rec, state.dtype),
+             (np.array([1], np.int32), np.int32), (np.array([3, 2], np.int32), np.int32)]
+
+    def call(kj, vj, recj, slots, increments):
+        m.write_kv(0, kj, vj, stream=stream)
+        m.write_states(1, recj, slots=slots, stream=stream)
+        m.commit_sequence_length(increments, stream=stream)
+
+    call(*Pending(specs, slow=False).arrays)       # rehearsal: the same bytes, then reset
+    m.reset_for_new_sequences([0, 0], stream=stream)
+    pending = Pending(specs)
+    kj = pending.arrays[0]
     assert pending.running, "precondition: the slow JAX step still runs"
     view = as_array("k", kj, resolve_device("cuda"), stream)
     assert data_pointer(view) == kj.unsafe_buffer_pointer(), "k was copied"
-    m.write_kv(0, kj, vj, stream=stream)
-    m.write_states(1, recj, slots=slots, stream=stream)
-    m.commit_sequence_length(increments, stream=stream)
+    call(*pending.arrays)
     returned_while_running = pending.running
     pending.wait()
     stream.synchronize()
@@ -322,6 +330,8 @@ def test_continuous_batching_takes_jax_rows_and_its_tables_go_out_to_jax(cp, gpu
     stream = cp.cuda.Stream(non_blocking=True)
     ids = m.claim(2)[::-1]
     batch = m.fetch(ids, stream=stream)
+    batch.write_kv(0, *Pending([(k, row_dtype), (v, row_dtype)], slow=False).arrays,
+                   stream=stream)                 # rehearsal: the same bytes at the same rows
     pending = Pending([(k, row_dtype), (v, row_dtype)])
     kj, vj = pending.arrays
     assert pending.running, "precondition: the slow JAX step still runs"
@@ -360,11 +370,16 @@ def test_a_paged_pool_takes_a_jax_block_table_and_lengths(cp, gpu, dtype):
                       uniform_tokens=3, batch=1, cache_lengths=native(lengths))
     cp.cuda.Device().synchronize()
     stream = cp.cuda.Stream(non_blocking=True)
-    pending = Pending([(a, a.dtype) for a in (k, v, table, lengths)])
-    held = pending.arrays
+    specs = [(a, a.dtype) for a in (k, v, table, lengths)]
+
+    def call(k_, v_, table_, lengths_):
+        pools[1].write_kv(k_, v_, block_table=table_, layer=0, uniform_tokens=3, batch=1,
+                          cache_lengths=lengths_, stream=stream)
+
+    call(*Pending(specs, slow=False).arrays)       # rehearsal: the same bytes
+    pending = Pending(specs)
     assert pending.running, "precondition: the slow JAX step still runs"
-    pools[1].write_kv(held[0], held[1], block_table=held[2], layer=0, uniform_tokens=3,
-                      batch=1, cache_lengths=held[3], stream=stream)
+    call(*pending.arrays)
     returned_while_running = pending.running
     pending.wait()
     stream.synchronize()

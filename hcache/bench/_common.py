@@ -63,6 +63,7 @@ class BenchContext:
     device: Device
     timer: Timer
     scale: int
+    quick: bool = False   # ``--quick``: fewer repetitions (and shorter workloads where they run)
 
     @property
     def xp(self):

@@ -37,13 +37,18 @@ WARM_STEPS = 300
 TIMED_STEPS = 200
 DECODE_GOALS = (150.0, 250.0)     # median, mean (µs)
 ADD_GOAL = 200.0
+ROUNDS = 5          # fresh runs of the full bench; a step's time is its median over them
 
 
 def run(ctx) -> list[dict]:
-    """The serving rows; ``--quick`` (fewer timer repeats): one run of fewer steps, pool x1."""
-    quick = ctx.timer.repeat < 5
-    rounds, scales = (1, (1,)) if quick else (ctx.timer.repeat, (1, 4))
-    steps = (40, 20) if quick else (WARM_STEPS, TIMED_STEPS)
+    """The serving rows; ``--quick``: one run of fewer steps, pool x1. Otherwise
+    :data:`ROUNDS` fresh runs (at most; the timer's repeats where fewer), pool x1 and x4: a
+    run is hundreds of steps, so a GPU timer's 200 repeats would take most of an hour (the
+    GPU run of 2026-11-27 ran its quick bench at full length: quick was guessed from the
+    repeats)."""
+    rounds, scales = ((1, (1,)) if ctx.quick else
+                      (min(ctx.timer.repeat, ROUNDS), (1, 4)))
+    steps = (40, 20) if ctx.quick else (WARM_STEPS, TIMED_STEPS)
     rows = []
     for block in (16, 256):
         for scale in scales:

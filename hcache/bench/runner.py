@@ -48,7 +48,7 @@ def main(device=None, out_dir=None, quick: bool = False, benches=BENCHES,
         repeat, warmup, scale = (20 if quick else 200), 5, 1
     else:
         repeat, warmup, scale = (2 if quick else 5), 1, CPU_SCALE
-    ctx = BenchContext(dev, Timer(dev.xp, repeat, warmup), scale)
+    ctx = BenchContext(dev, Timer(dev.xp, repeat, warmup), scale, quick)
     rows: list[dict] = []
     with dev.scope():
         for bench in benches:

@@ -15,7 +15,6 @@ docstring says *synchronizes*.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from functools import cache
 
 import numpy as np
@@ -193,8 +192,13 @@ class CupyRuntime:
 
     def copy_h2d(self, dst, src: np.ndarray) -> None:
         """``cudaMemcpyAsync(dst, src, HostToDevice, current stream)``; ``dst`` and ``src``
-        contiguous, of equal size. From pinned ``src`` the copy reads it when it executes."""
-        dst.data.copy_from_host_async(src.ctypes.data_as(ctypes.c_void_p), src.nbytes)
+        contiguous, of equal size. From pinned ``src`` the copy reads it when it executes, and
+        it may be captured into a graph (CuPy's ``copy_from_host_async`` refuses any host copy
+        during capture, pinned or not: the GPU run of 2026-11-27 found every captured upload
+        refused, so the runtime call is made directly)."""
+        rt = self.cp.cuda.runtime
+        rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice,
+                       self.cp.cuda.get_current_stream().ptr)
 
     def synchronize_stream(self) -> None:
         """``cudaStreamSynchronize(current stream)``."""
