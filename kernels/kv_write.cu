@@ -61,6 +61,7 @@ struct HcWriteArgs {
     int uniform_tokens;
     int batch;
     int num_tokens;
+    int parts;  // warps per token: a token's row groups are dealt out to this many warps
     const int* cache_lengths;
     const int* positions;
     const int* row_to_slot;
@@ -136,7 +137,9 @@ __device__ __forceinline__ HcRowWalk hc_row_walk(int rows, int chunks) {
 // Items a lane moves at once: its loads are all issued before its first store.
 #define HC_IN_FLIGHT 4
 
-// The warps of the launch: warp g of layer blockIdx.y takes tokens g, g + warps, ...
+// The warps of the launch: warp g of layer blockIdx.y takes items g, g + warps, ...; item j is
+// part j % parts of token j / parts (parts > 1 when tokens are few: a decode step's 64 tokens
+// would otherwise give a layer 64 warps, each walking its token's rows in several rounds).
 __device__ __forceinline__ int hc_warp_id() {
     return (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
 }
@@ -152,14 +155,18 @@ __device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, 
     const int row_step = 32 >> w.shift;
     char* const cache = reinterpret_cast<char*>(info.data);
     const int lane = (int)(threadIdx.x & 31u);
-    for (int t = hc_warp_id(); t < a.num_tokens; t += hc_warp_count()) {
+    const int row_jump = row_step * a.parts;  // the rows a warp skips: the other parts'
+    const hc_i64 items = (hc_i64)a.num_tokens * a.parts;
+    for (hc_i64 j = hc_warp_id(); j < items; j += hc_warp_count()) {
+        const int t = (int)(j / a.parts);
+        const int part = (int)(j - (hc_i64)t * a.parts);
         hc_i64 dst = 0;
         const int what = hc_token_target(a, info, t, slot_stride, tok_stride, &dst);
         if (what != 0) {
-            if (what == 2 && lane == 0 && blockIdx.y == 0) hc_report(status);
+            if (what == 2 && lane == 0 && part == 0 && blockIdx.y == 0) hc_report(status);
             continue;
         }
-        int r = w.sub, i = 0;
+        int r = w.sub + part * row_step, i = 0;
         while (r < w.rows) {
             V buf[HC_IN_FLIGHT];
             char* out[HC_IN_FLIGHT];
@@ -177,7 +184,7 @@ __device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, 
                 }
                 if (++i == w.per_lane) {
                     i = 0;
-                    r += row_step;
+                    r += row_jump;
                 }
             }
 #pragma unroll
@@ -192,12 +199,14 @@ __device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, 
 // components: 2 (K and V) or 1 (latent: k only), the same for every layer of the group.
 // paged: 1 when block_table addresses a paged pool (whatever its pointer), 0 for contiguous
 // caches (block_table is then not read).
-// Launch: grid (x, num_launched_layers), block (a multiple of 32); one warp per token (x covers
-// num_tokens warps, or fewer: warps stride over the tokens).
+// Launch: grid (x, num_launched_layers), block (a multiple of 32); warps_per_token warps per
+// token (x covers num_tokens * warps_per_token warps, or fewer: warps stride over the items).
+// Any warps_per_token >= 1 writes the same bytes; it only spreads a token's rows.
 extern "C" __global__ void __launch_bounds__(256, 5) hc_kv_write(const KVLayerInfo* __restrict__ layers, int layer_offset,
                                        const KVSrcInfo* __restrict__ srcs, hc_u64 k_ptr,
                                        hc_u64 v_ptr, const int* __restrict__ seq_offsets,
                                        int uniform_tokens, int batch, int num_tokens,
+                                       int warps_per_token,
                                        const int* __restrict__ cache_lengths,
                                        const int* __restrict__ positions,
                                        const int* __restrict__ row_to_slot,
@@ -215,7 +224,8 @@ extern "C" __global__ void __launch_bounds__(256, 5) hc_kv_write(const KVLayerIn
         kv_stride = info.num_kv_heads * head_stride;
         slot_stride = components * kv_stride;
     }
-    const HcWriteArgs a = {seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths,
+    const HcWriteArgs a = {seq_offsets, uniform_tokens, batch, num_tokens,
+                           warps_per_token > 0 ? warps_per_token : 1, cache_lengths,
                            positions, row_to_slot, block_table, max_blocks_per_seq, num_slots,
                            components, row_bytes, paged};
     const int w = hc_vec_width(k | v | info.data | (hc_u64)row_bytes | (hc_u64)slot_stride |
@@ -369,14 +379,18 @@ __device__ void hc_kv_write_fp8_body(const HcWriteArgs& a, const KVLayerInfo& in
     const int row_step = 32 >> w.shift;
     char* const cache = reinterpret_cast<char*>(info.data);
     const int lane = (int)(threadIdx.x & 31u);
-    for (int t = hc_warp_id(); t < a.num_tokens; t += hc_warp_count()) {
+    const int row_jump = row_step * a.parts;
+    const hc_i64 items = (hc_i64)a.num_tokens * a.parts;
+    for (hc_i64 j = hc_warp_id(); j < items; j += hc_warp_count()) {
+        const int t = (int)(j / a.parts);
+        const int part = (int)(j - (hc_i64)t * a.parts);
         hc_i64 dst = 0;
         const int what = hc_token_target(a, info, t, slot_stride, tok_stride, &dst);
         if (what != 0) {
-            if (what == 2 && lane == 0 && blockIdx.y == 0) hc_report(status);
+            if (what == 2 && lane == 0 && part == 0 && blockIdx.y == 0) hc_report(status);
             continue;
         }
-        int r = w.sub, i = 0;
+        int r = w.sub + part * row_step, i = 0;
         while (r < w.rows) {
             unsigned in[HC_FP8_IN_FLIGHT][NW];
             char* out[HC_FP8_IN_FLIGHT];
@@ -403,7 +417,7 @@ __device__ void hc_kv_write_fp8_body(const HcWriteArgs& a, const KVLayerInfo& in
                 }
                 if (++i == w.per_lane) {
                     i = 0;
-                    r += row_step;
+                    r += row_jump;
                 }
             }
 #pragma unroll
@@ -442,7 +456,7 @@ __device__ void hc_kv_write_fp8_width(int e, const HcWriteArgs& a, const KVLayer
 extern "C" __global__ void __launch_bounds__(256, 4) hc_kv_write_fp8(
     const KVLayerInfo* __restrict__ layers, int layer_offset, const KVSrcInfo* __restrict__ srcs,
     hc_u64 k_ptr, hc_u64 v_ptr, const int* __restrict__ seq_offsets, int uniform_tokens,
-    int batch, int num_tokens, const int* __restrict__ cache_lengths,
+    int batch, int num_tokens, int warps_per_token, const int* __restrict__ cache_lengths,
     const int* __restrict__ positions, const int* __restrict__ row_to_slot,
     const int* __restrict__ block_table, int max_blocks_per_seq, int paged, int num_slots,
     int components, int head_dim,
@@ -460,7 +474,8 @@ extern "C" __global__ void __launch_bounds__(256, 4) hc_kv_write_fp8(
         kv_stride = info.num_kv_heads * head_stride;
         slot_stride = components * kv_stride;
     }
-    const HcWriteArgs a = {seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths,
+    const HcWriteArgs a = {seq_offsets, uniform_tokens, batch, num_tokens,
+                           warps_per_token > 0 ? warps_per_token : 1, cache_lengths,
                            positions, row_to_slot, block_table, max_blocks_per_seq, num_slots,
                            components, head_dim, paged};
     const HcScaleArgs sc = {scale_rows, k_scales, v_scales, k_layer_stride, k_head_stride,

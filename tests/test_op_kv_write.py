@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from hcache import ops
 from hcache.dtypes import DTYPE_NAMES, resolve_dtype
+from hcache.ops._launch import warps_per_token
 from hcache.ops.tables import KVGroup
 
 from helpers import host
@@ -489,17 +490,73 @@ def test_kv_write_with_fewer_warps_than_tokens_matches_reference(kind, c, warps)
     k_arena.check_canaries()
 
 
-class _NullEmptyTable:
-    """A backend that passes a null block-table pointer when the table has no columns, as a
-    GPU does for an empty array (the 13th and 14th arguments: table, max_blocks_per_seq)."""
+class _Parts:
+    """A backend that gives each token ``parts`` warps (the 10th argument, warps_per_token)
+    and ``warps`` warps in all (grid x = 1), whatever the wrapper chose: more parts than a
+    token has row groups leaves some warps idle, fewer warps than items makes them stride."""
 
-    def __init__(self, inner):
-        self.inner = inner
+    def __init__(self, inner, parts, warps):
+        self.inner, self.parts, self.warps = inner, parts, warps
+        self.launched = 0
 
     def launch(self, family, name, grid, block, args):
         args = list(args)
-        if int(args[13]) == 0:
-            args[12] = np.uint64(0)
+        assert name in ("hc_kv_write", "hc_kv_write_fp8") and int(args[9]) >= 1
+        args[9] = np.int32(self.parts)
+        self.launched += 1
+        self.inner.launch(family, name, (1, *grid[1:]), (32 * self.warps, 1, 1), tuple(args))
+
+
+@pytest.mark.emu
+@pytest.mark.parametrize("kind", ["emu", "emu-reverse"])
+@settings(max_examples=40)
+@given(c=write_cases(modes=("ragged", "positions", "paged", "nhd", "decode"),
+                     components=(1, 2)),
+       parts=st.integers(1, 9), warps=st.integers(1, 40))
+def test_kv_write_with_several_warps_per_token_matches_reference(kind, c, parts, warps):
+    """A token's rows dealt out to 1-9 warps (the decode launches give a token up to one warp
+    per row group), in launches of 1-40 warps: the caches and status equal the reference's
+    (a skipped token is counted once, not once per warp)."""
+    xp, backend = kernel_env(kind)
+    ref_arena, k_arena = twins(c["seed"], xp)
+    rg, rkeep, rk, rv, rkw, rstatus = _write_state(ref_arena, c)
+    kg, kkeep, kk, kv, kkw, kstatus = _write_state(k_arena, c)
+    ops.kv_write(rg, rk, rv, status=rstatus, **rkw)
+    spread = _Parts(backend, parts, warps)
+    ops.kv_write(kg, kk, kv, status=kstatus, backend=spread, **kkw)
+    assert spread.launched >= 1 or c["tokens"] == 0
+    for r, k in zip(rkeep, kkeep):
+        assert_same_bytes(r, k)
+    assert int(rstatus[0]) == int(kstatus[0])
+    k_arena.check_canaries()
+
+
+def test_warps_per_token_spread_decode_rows_and_leave_prefill_alone():
+    """Hand values: 64 decode tokens of 8 heads x 128 float16 (K and V: 16 rows of 256 bytes,
+    2 rows per warp pass) get 8 warps each; of 16 heads x 256 (32 rows of 512 bytes, one per
+    pass), 32; a 8192-token prefill, 1; a latent row (1 row), 1."""
+    assert warps_per_token(64, 16, 256) == 8
+    assert warps_per_token(64, 32, 512) == 32
+    assert warps_per_token(8192, 16, 256) == 1
+    assert warps_per_token(64, 1, 1152) == 1
+    assert warps_per_token(0, 4, 32) == 1
+
+
+class _NullEmptyTable:
+    """A backend that passes a null block-table pointer when the table has no columns, as a
+    GPU does for an empty array (the 14th and 15th arguments: table, max_blocks_per_seq);
+    ``nulled`` counts the launches it changed (a test asserts it, so a change of the
+    argument list cannot make this a no-op)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.nulled = 0
+
+    def launch(self, family, name, grid, block, args):
+        args = list(args)
+        if int(args[14]) == 0 and int(args[13]) != 0:
+            args[13] = np.uint64(0)
+            self.nulled += 1
         self.inner.launch(family, name, grid, block, tuple(args))
 
 
@@ -512,9 +569,10 @@ def test_kv_write_paged_flag_not_the_table_pointer_says_paged():
     layer = np.zeros((3, 2, 1, 4, 8), np.uint8)
     k = np.ones((3, 1, 8), np.uint8)
     status = np.zeros(1, np.int32)
+    null_table = _NullEmptyTable(backend)
     ops.kv_write(KVGroup([layer]), k, k, layers=0, uniform_tokens=1,
-                 block_table=np.zeros((3, 0), np.int32), status=status,
-                 backend=_NullEmptyTable(backend))
+                 block_table=np.zeros((3, 0), np.int32), status=status, backend=null_table)
+    assert null_table.nulled == 1
     assert int(status[0]) == 3
     assert not layer.any()
 

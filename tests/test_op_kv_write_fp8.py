@@ -254,6 +254,36 @@ def test_kv_write_fp8_matches_reference_and_model(kind, c):
     k_arena.check_canaries()
 
 
+@pytest.mark.emu
+@settings(max_examples=40)
+@given(c=fp8_cases(components=(1, 2)), parts=st.integers(1, 9), warps=st.integers(1, 40))
+def test_kv_write_fp8_with_several_warps_per_token_matches_reference(c, parts, warps):
+    """The quantizing write with a token's rows dealt out to 1-9 warps in launches of 1-40
+    warps (test_op_kv_write's _Parts): bytes and status equal the reference's."""
+    from test_op_kv_write import _Parts
+
+    xp, backend = kernel_env("emu")
+    ref_arena, k_arena = twins(c["seed"], xp)
+    rg, rkeep, rk, rv, rkw, rstatus = _write_state(ref_arena, c, labels=c["labels"],
+                                                   rows_of=_rows_of(c))
+    kg, kkeep, kk, kv, kkw, kstatus = _write_state(k_arena, c, labels=c["labels"],
+                                                   rows_of=_rows_of(c))
+    k_scale, v_scale = _scales(c, np)
+    dk_scale, dv_scale = _scales(c, xp)
+    li = c["layer"]
+    layers = li if c["single"] else None
+    args_r = (rk[li], rv[li]) if c["single"] else (rk, rv)
+    args_k = (kk[li], kv[li]) if c["single"] else (kk, kv)
+    ops.kv_write_fp8(rg, *args_r, layers=layers, k_scale=k_scale, v_scale=v_scale,
+                     status=rstatus, **rkw)
+    ops.kv_write_fp8(kg, *args_k, layers=layers, k_scale=dk_scale, v_scale=dv_scale,
+                     status=kstatus, backend=_Parts(backend, parts, warps), **kkw)
+    for r, k in zip(rkeep, kkeep):
+        np.testing.assert_array_equal(as_bytes(r), as_bytes(k))
+    assert int(rstatus[0]) == int(as_bytes(kstatus).view(np.int32)[0])
+    k_arena.check_canaries()
+
+
 @pytest.mark.parametrize("kind", BACKENDS)
 @settings(max_examples=40)
 @given(c=fp8_cases(components=(1,)))

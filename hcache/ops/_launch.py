@@ -19,6 +19,7 @@ from .tables import PLAN_HEADER, compaction_plan_size, plan_max_batch
 
 BLOCK = 256          # threads per block for every kernel
 WARP = 32            # the kernels that give a warp to a row or token (kv_write)
+WARPS_IN_FLIGHT = 2048   # per launched layer of a KV write: 16 per SM of an H100 / H200
 MAX_GRID_X = 8192    # grid-stride loops cover the rest
 MAX_GRID_Z = 64
 
@@ -156,6 +157,16 @@ def ceil_div(a: int, b: int) -> int:
 def grid_x(work_items: int) -> int:
     """Blocks along x for ``work_items`` thread-sized items (grid-stride beyond the cap)."""
     return max(1, min(MAX_GRID_X, ceil_div(work_items, BLOCK)))
+
+
+def warps_per_token(num_tokens: int, rows: int, row_bytes: int) -> int:
+    """Warps sharing one token's ``rows`` rows of ``row_bytes`` in the KV writes: one for many
+    tokens (prefill), up to one per group of rows a warp covers in one pass when tokens are few
+    (decode), so that about :data:`WARPS_IN_FLIGHT` warps move a layer's bytes."""
+    chunks = max(1, row_bytes // 16)                 # 16-byte vectors per row (when aligned)
+    lanes_per_row = 1 << min(5, (chunks - 1).bit_length())
+    passes = ceil_div(rows, WARP // lanes_per_row)   # row groups one warp walks
+    return max(1, min(passes, ceil_div(WARPS_IN_FLIGHT, max(num_tokens, 1))))
 
 
 def grid_z(span_bytes: int) -> int:

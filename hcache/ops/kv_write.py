@@ -25,6 +25,7 @@ from ._launch import (
     launcher,
     ptr,
     upload_table,
+    warps_per_token,
 )
 from .write_plan import KVWritePlan
 
@@ -208,17 +209,19 @@ def _plan(group, run, step, num_tokens, layers, grid, head, body):
 def _launch_rows(run, kernel, group, layers, ks, vs, launched, row_bytes, rows, extra, status):
     """Launch ``kernel`` of ``kv_write.cu`` over the rows of ``launched`` layers: the argument
     list both write kernels share (layer table, sources, row mapping, strides), with ``extra``
-    (the quantizing kernel's codes and scales) between the row width and the strides. One
-    warp per token (its rows: one per component and head, ``row_bytes`` each); ``paged`` says
+    (the quantizing kernel's codes and scales) between the row width and the strides. A token's
+    rows (one per component and head, ``row_bytes`` each) are shared by
+    :func:`~hcache.ops._launch.warps_per_token` warps; ``paged`` says
     explicitly that ``block_table`` is given (an empty table may have a null pointer)."""
     seq_offsets, uniform_tokens, batch, num_tokens, cache_lengths, positions, row_to_slot, \
         block_table = rows
     srcs, k_ptr, v_ptr, offset = _sources(run, group, layers, ks, vs)
     max_blocks = int(block_table.shape[1]) if block_table is not None else 0
-    grid = (grid_x(num_tokens * WARP), len(launched), 1)
+    parts = warps_per_token(num_tokens, group.components * group.max_kv_heads, row_bytes)
+    grid = (grid_x(num_tokens * parts * WARP), len(launched), 1)
     slot_s, kv_s, head_s, tok_s = group.byte_strides
     head = (ptr(group.device_layer_infos),)
-    body = (ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens),
+    body = (ptr(seq_offsets), i32(uniform_tokens), i32(batch), i32(num_tokens), i32(parts),
             ptr(cache_lengths), ptr(positions), ptr(row_to_slot), ptr(block_table),
             i32(max_blocks), i32(block_table is not None), i32(group.num_slots),
             i32(group.components), i32(row_bytes),
