@@ -194,6 +194,33 @@ def _rows_of(c):
     return make
 
 
+def _run_twins(c, xp, backend):
+    """Write case ``c`` with the NumPy reference and with ``backend`` on twin caches (the same
+    caches, rows and arguments, :func:`test_op_kv_write._write_state`); assert equal bytes,
+    status and canaries. Returns the reference's ``(group, k rows, v rows, layers before)``."""
+    ref_arena, k_arena = twins(c["seed"], xp)
+    rg, rkeep, rk, rv, rkw, rstatus = _write_state(ref_arena, c, labels=c["labels"],
+                                                   rows_of=_rows_of(c))
+    kg, kkeep, kk, kv, kkw, kstatus = _write_state(k_arena, c, labels=c["labels"],
+                                                   rows_of=_rows_of(c))
+    before = [a.copy() for a in rg.layers]
+    k_scale, v_scale = _scales(c, np)
+    dk_scale, dv_scale = _scales(c, xp)
+    li = c["layer"]
+    layers = li if c["single"] else None
+    args_r = (rk[li], rv[li]) if c["single"] else (rk, rv)
+    args_k = (kk[li], kv[li]) if c["single"] else (kk, kv)
+    ops.kv_write_fp8(rg, *args_r, layers=layers, k_scale=k_scale, v_scale=v_scale,
+                     status=rstatus, **rkw)
+    ops.kv_write_fp8(kg, *args_k, layers=layers, k_scale=dk_scale, v_scale=dv_scale,
+                     status=kstatus, backend=backend, **kkw)
+    for r, k in zip(rkeep, kkeep):
+        np.testing.assert_array_equal(as_bytes(r), as_bytes(k))
+    assert int(rstatus[0]) == int(as_bytes(kstatus).view(np.int32)[0])
+    k_arena.check_canaries()
+    return rg, rk, rv, before, int(rstatus[0])
+
+
 def _scales(c, xp):
     rows, heads = len(c["heads"]) + 2, max(c["heads"]) + 1
     rng = np.random.default_rng(c["seed"] % 1000)
@@ -221,37 +248,19 @@ def test_kv_write_fp8_matches_reference_and_model(kind, c):
     misaligned inputs and caches: the kernel's bytes and status equal the reference's, which
     equal the token-by-token model fed with ml_dtypes-quantized rows."""
     xp, backend = kernel_env(kind)
-    ref_arena, k_arena = twins(c["seed"], xp)
-    rg, rkeep, rk, rv, rkw, rstatus = _write_state(ref_arena, c, labels=c["labels"],
-                                                   rows_of=_rows_of(c))
-    kg, kkeep, kk, kv, kkw, kstatus = _write_state(k_arena, c, labels=c["labels"],
-                                                   rows_of=_rows_of(c))
+    rg, rk, rv, before, status = _run_twins(c, xp, backend)
     k_scale, v_scale = _scales(c, np)
-    dk_scale, dv_scale = _scales(c, xp)
-    li = c["layer"]
-    picked = [li] if c["single"] else list(range(len(c["heads"])))
+    picked = [c["layer"]] if c["single"] else list(range(len(c["heads"])))
     qk = [oracle(rk[j], _layer_scale(k_scale, c["labels"][j], c["heads"][j]), c["dtype"])
           for j in picked]
     qv = [None if rv[j] is None else
           oracle(rv[j], _layer_scale(v_scale, c["labels"][j], c["heads"][j]), c["dtype"])
           for j in picked]
-    before = [rg.layers[j].copy() for j in picked]
-    expected, reported = _naive_write(c, before, qk, qv, rg.layout)
-    layers = li if c["single"] else None
-    args_r = (rk[li], rv[li]) if c["single"] else (rk, rv)
-    args_k = (kk[li], kv[li]) if c["single"] else (kk, kv)
-    ops.kv_write_fp8(rg, *args_r, layers=layers, k_scale=k_scale, v_scale=v_scale,
-                     status=rstatus, **rkw)
-    ops.kv_write_fp8(kg, *args_k, layers=layers, k_scale=dk_scale, v_scale=dv_scale,
-                     status=kstatus, backend=backend, **kkw)
-    for r, k in zip(rkeep, kkeep):
-        np.testing.assert_array_equal(as_bytes(r), as_bytes(k))
-    assert int(rstatus[0]) == int(as_bytes(kstatus).view(np.int32)[0])
+    expected, reported = _naive_write(c, [before[j] for j in picked], qk, qv, rg.layout)
     if c["tokens"]:
         for e, j in zip(expected, picked):
             np.testing.assert_array_equal(as_bytes(e), as_bytes(rg.layers[j]))
-        assert int(rstatus[0]) == reported
-    k_arena.check_canaries()
+        assert status == reported
 
 
 @pytest.mark.emu
@@ -263,25 +272,7 @@ def test_kv_write_fp8_with_several_warps_per_token_matches_reference(c, parts, w
     from test_op_kv_write import _Parts
 
     xp, backend = kernel_env("emu")
-    ref_arena, k_arena = twins(c["seed"], xp)
-    rg, rkeep, rk, rv, rkw, rstatus = _write_state(ref_arena, c, labels=c["labels"],
-                                                   rows_of=_rows_of(c))
-    kg, kkeep, kk, kv, kkw, kstatus = _write_state(k_arena, c, labels=c["labels"],
-                                                   rows_of=_rows_of(c))
-    k_scale, v_scale = _scales(c, np)
-    dk_scale, dv_scale = _scales(c, xp)
-    li = c["layer"]
-    layers = li if c["single"] else None
-    args_r = (rk[li], rv[li]) if c["single"] else (rk, rv)
-    args_k = (kk[li], kv[li]) if c["single"] else (kk, kv)
-    ops.kv_write_fp8(rg, *args_r, layers=layers, k_scale=k_scale, v_scale=v_scale,
-                     status=rstatus, **rkw)
-    ops.kv_write_fp8(kg, *args_k, layers=layers, k_scale=dk_scale, v_scale=dv_scale,
-                     status=kstatus, backend=_Parts(backend, parts, warps), **kkw)
-    for r, k in zip(rkeep, kkeep):
-        np.testing.assert_array_equal(as_bytes(r), as_bytes(k))
-    assert int(rstatus[0]) == int(as_bytes(kstatus).view(np.int32)[0])
-    k_arena.check_canaries()
+    _run_twins(c, xp, _Parts(backend, parts, warps))
 
 
 @pytest.mark.parametrize("kind", BACKENDS)
