@@ -123,7 +123,7 @@ class ContextDraftStates:
 
     # --- the launches of a commit (arguments checked by the caller) ---------------------------
 
-    def scatter_accepted(self, accepted: np.ndarray, live_slots: np.ndarray, written: int,
+    def _scatter_accepted(self, accepted: np.ndarray, live_slots: np.ndarray, written: int,
                          bonus: int, stream) -> None:
         """``live[slot_i] = draft[slot_i, accepted[i] + bonus - 1]`` for every layer and state
         kind, rows with nothing kept left alone: one ``draft_accept`` launch (host counts
@@ -138,7 +138,7 @@ class ContextDraftStates:
             ops.draft_accept(self._to_live, self._max_draft, acc, n, written,
                              row_to_slot=slots, bonus=bonus, stream=stream)
 
-    def copy_to_scratch(self, live_slots: np.ndarray, positions: np.ndarray,
+    def _copy_to_scratch(self, live_slots: np.ndarray, positions: np.ndarray,
                         scratch_indices: np.ndarray, stream) -> None:
         """``scratch[scratch_indices[i]] = draft[live_slots[i], positions[i]]`` for every layer
         and state kind: one ``slot_copy`` launch (none when there is nothing to copy)."""

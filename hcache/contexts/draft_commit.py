@@ -132,7 +132,7 @@ def commit_draft(self, request_ids, accepted, *, draft_states=None, bonus_token=
         slots = requests.request_to_mamba_state_idx[rows]
         if self.mamba_slot_allocator is not None:
             _plan_kept_snapshots(self, draft_states, rows, starts, ends, kept, stream)
-        draft_states.scatter_accepted(counts, slots, int(written.max()), bonus, stream)
+        draft_states._scatter_accepted(counts, slots, int(written.max()), bonus, stream)
     out = self.commit_step(stream=stream)
     out.update(rejected_tokens=rejected, released_blocks=released)
     return out
@@ -207,4 +207,4 @@ def _plan_kept_snapshots(ctx, draft_states, rows, starts, ends, kept, stream) ->
     t_rows, offsets, scratch = (np.array(c, np.int64) for c in zip(*targets))
     slots = ctx._requests.request_to_mamba_state_idx[t_rows]
     # The state after ``offset`` tokens of the step is the one after written token offset - 1.
-    draft_states.copy_to_scratch(slots, offsets - 1, scratch, stream)
+    draft_states._copy_to_scratch(slots, offsets - 1, scratch, stream)
