@@ -23,6 +23,8 @@ The counts are host ints: the context's book-keeping (lengths, blocks, hashes) i
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 
 from .._checks import host_ints
@@ -32,6 +34,8 @@ from .context_drafts import ContextDraftStates
 from .token_batches import ragged_columns
 
 __all__ = ["commit_draft"]
+
+_PROMPT_TOKENS = attrgetter("prompt_tokens")
 
 
 def commit_draft(self, request_ids, accepted, *, draft_states=None, bonus_token=False,
@@ -80,7 +84,8 @@ def commit_draft(self, request_ids, accepted, *, draft_states=None, bonus_token=
     rows = requests.rows(request_ids)
     ids = list(request_ids)
     pending = requests.pending_end[rows]
-    prompt = np.array([requests._stats[r].prompt_tokens for r in rows.tolist()], np.int64)
+    prompt = np.fromiter(map(_PROMPT_TOKENS, map(requests._stats.__getitem__, rows.tolist())),
+                         np.int64, len(rows))
     bad = np.flatnonzero((pending < 0) | (requests.lengths[rows] == prompt))
     if bad.size:
         i = int(bad[0])
@@ -131,7 +136,7 @@ def commit_draft(self, request_ids, accepted, *, draft_states=None, bonus_token=
     if self.num_mamba_layers and len(rows):
         slots = requests.request_to_mamba_state_idx[rows]
         if self.mamba_slot_allocator is not None:
-            _plan_kept_snapshots(self, draft_states, rows, starts, ends, kept, stream)
+            _plan_kept_snapshots(self, draft_states, rows, starts, ends, kept, cut, stream)
         draft_states._scatter_accepted(counts, slots, int(written.max()), bonus, stream)
     out = self.commit_step(stream=stream)
     out.update(rejected_tokens=rejected, released_blocks=released)
@@ -192,15 +197,17 @@ def _rewind_hashes(requests, rows: np.ndarray, upto: np.ndarray) -> None:
             requests._pending_keys += 1
 
 
-def _plan_kept_snapshots(ctx, draft_states, rows, starts, ends, kept, stream) -> None:
-    """Plan the Mamba snapshots of the kept ranges ``[starts, ends)`` (as an extension by the
-    kept tokens would) and copy their states from the draft buffers into the scratch."""
+def _plan_kept_snapshots(ctx, draft_states, rows, starts, ends, kept, cut, stream) -> None:
+    """Plan the Mamba snapshots of the kept ranges ``[starts, ends)`` as an extension by the
+    kept tokens would (rows with everything kept, not ``cut``, have that plan already) and
+    copy every planned state from the draft buffers into the scratch."""
     mamba = ctx.mamba_slot_allocator
-    mamba._clear_intermediate_state(rows)   # the plan of the whole written range
-    some = kept > 0
-    if not some.any():
-        return
-    ctx._scheduler._plan_snapshots(rows[some], starts[some], ends[some], kept[some], None)
+    if cut.any():
+        mamba._clear_intermediate_state(rows[cut])   # the plan of the whole written range
+        again = cut & (kept > 0)
+        if again.any():
+            ctx._scheduler._plan_snapshots(rows[again], starts[again], ends[again],
+                                           kept[again], None)
     targets = mamba.intermediate_targets()
     if not targets:
         return
