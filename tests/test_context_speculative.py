@@ -145,6 +145,23 @@ def test_the_live_state_is_the_state_after_the_last_kept_token():
     assert tw.tokens["a"] == [5, 6, 1, 2, 3]
 
 
+@pytest.mark.emulated
+def test_commit_draft_makes_no_host_sync_and_no_allocation_on_the_device(emu_rt):
+    """The two launches (snapshot copy, live-state scatter) and commit_step stage their
+    host tables through the pinned ring: no sync, no device allocation."""
+    tw = Twins("hybrid-f16", "cuda")
+    admit(tw, "a", [1, 2, 3])
+    admit(tw, "b", [4, 5, 6, 7, 8, 9])
+    plan = tw.draft.extend_requests(["a", "b"], [[1, 2, 3, 4, 5], [6, 7, 8]])
+    tw.forward(tw.draft, list(plan), drafting=True)
+    emu_rt.synchronize()
+    syncs, allocations = emu_rt.counters["syncs"], emu_rt.counters["allocations"]
+    out = tw.draft.commit_draft(["a", "b"], [3, 2], draft_states=tw.states)
+    assert emu_rt.counters["syncs"] == syncs
+    assert emu_rt.counters["allocations"] == allocations
+    assert out["rejected_tokens"] == 3 and tw.draft.num_computed_tokens("a") == 6
+
+
 # --- errors: named, and nothing changes -----------------------------------------------------
 
 def _pending(tw):
