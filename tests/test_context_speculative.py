@@ -154,6 +154,9 @@ def test_commit_draft_makes_no_host_sync_and_no_allocation_on_the_device(emu_rt)
     admit(tw, "b", [4, 5, 6, 7, 8, 9])
     plan = tw.draft.extend_requests(["a", "b"], [[1, 2, 3, 4, 5], [6, 7, 8]])
     tw.forward(tw.draft, list(plan), drafting=True)
+    with pytest.raises(TypeError, match="accepted: expected host integers, got device memory"):
+        tw.draft.commit_draft(["a", "b"], tw.draft.xp.asarray(np.array([3, 2], np.int32)),
+                              draft_states=tw.states)
     emu_rt.synchronize()
     syncs, allocations = emu_rt.counters["syncs"], emu_rt.counters["allocations"]
     out = tw.draft.commit_draft(["a", "b"], [3, 2], draft_states=tw.states)
