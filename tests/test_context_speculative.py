@@ -22,6 +22,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import hcache
 
+import helpers
+
 NAMES = list(configs())
 VOCAB = 12      # a small vocabulary: prompts and drafts share blocks often
 
@@ -94,11 +96,12 @@ def test_random_accept_patterns_equal_a_twin_that_wrote_only_the_kept_tokens(nam
     run_workload(tw, np.random.default_rng(NAMES.index(name)), 70)
 
 
-@pytest.mark.emulated
+@pytest.mark.parametrize("device", [d for d in helpers.DEVICES if d != "cpu"])
 @pytest.mark.parametrize("name", ["hybrid-f16", "window-blocks-bf16", "conv-only-fp8",
                                   "attention-only-u8"])
-def test_random_accept_patterns_on_the_emulated_device(name):
-    tw = Twins(name, "cuda")
+def test_random_accept_patterns_on_the_device(name, device):
+    """The CUDA path: the emulated device (runs the real kernels), a GPU in the gpu tier."""
+    tw = Twins(name, device)
     run_workload(tw, np.random.default_rng(100 + NAMES.index(name)), 30)
 
 
