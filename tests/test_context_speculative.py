@@ -168,6 +168,73 @@ def test_commit_draft_makes_no_host_sync_and_no_allocation_on_the_device(emu_rt)
     assert out["rejected_tokens"] == 3 and tw.draft.num_computed_tokens("a") == 6
 
 
+@pytest.mark.parametrize("policy", ["lru", "ref_zero"])
+def test_under_pool_pressure_only_accepted_blocks_are_ever_registered(policy):
+    """A small pool (the verify steps' blocks evict cached ones, extensions are refused):
+    every hash ever in the KV and Mamba maps is the hash of a block of accepted tokens of
+    some request, and the context stays consistent."""
+    from context_draft_twins import BS, configs
+
+    from hcache.contexts import DynamicInferenceContext, compute_block_hashes
+    from hcache.errors import CacheCapacityError
+
+    kw = dict(configs()["hybrid-f16"], num_blocks=14, mamba_cache_slots=6,
+              eviction_policy=policy)
+    tw = Twins("hybrid-f16")
+    tw.draft = DynamicInferenceContext(**kw, device="cpu")
+    tw.states = hcache.ContextDraftStates(tw.draft, tw.k)
+    ctx, rng = tw.draft, np.random.default_rng(11)
+    accepted_hashes: set = set()
+    evicted = refused = 0
+    dropped: list = []
+    ctx.kv_block_allocator.add_blocks_deregistered_observer(lambda ids, _: dropped.append(ids))
+    for step in range(150):
+        if len(tw.tokens) < 3 and rng.random() < 0.3:
+            prompt = rng.integers(0, 4, int(rng.integers(2, 12))).tolist()
+            try:
+                plan = ctx.add_request(f"r{step}", prompt)
+            except CacheCapacityError:
+                refused += 1
+                continue
+            tw.forward(ctx, [plan])
+            ctx.commit_step()
+            tw.tokens[f"r{step}"] = prompt
+        elif tw.tokens and rng.random() < 0.1:
+            rid = list(tw.tokens)[0]
+            ctx.release_requests([rid])
+            del tw.tokens[rid]
+        elif tw.tokens:
+            ids = [r for r in tw.tokens if tw.room(r) > 0]
+            written = {r: rng.integers(0, 4, int(rng.integers(1, min(tw.k, tw.room(r)) + 1)))
+                       .tolist() for r in ids}
+            before = len(dropped)
+            try:
+                plan = ctx.extend_requests(ids, [written[r] for r in ids])
+            except CacheCapacityError:
+                refused += 1
+                ctx.release_requests([ids[0]])
+                del tw.tokens[ids[0]]
+                continue
+            evicted += len(dropped) > before     # the verify step's blocks evicted some
+            tw.forward(ctx, list(plan), drafting=True)
+            if rng.random() < 0.5:     # hashes the written blocks early
+                ctx.shares_pending_blocks(rng.integers(0, 4, 8))
+            accepted = [int(rng.integers(0, len(written[r]) + 1)) for r in ids]
+            ctx.commit_draft(ids, accepted, draft_states=tw.states)
+            for r, a in zip(ids, accepted):
+                tw.tokens[r] += written[r][:a]
+        for toks in tw.tokens.values():
+            accepted_hashes |= set(compute_block_hashes(toks, BS))
+        ctx.register_completed_blocks()
+        assert set(ctx.kv_block_allocator.kv_hash_to_block_id) <= accepted_hashes
+        assert set(ctx.mamba_slot_allocator.hash_to_block_id) <= accepted_hashes
+        ctx.check_invariants()
+        held = np.concatenate([ctx.block_ids(r) for r in tw.tokens] + [np.zeros(0, np.int32)])
+        refs = np.bincount(held, minlength=ctx.kv_block_allocator.block_ref_counts.shape[0])
+        assert ctx.kv_block_allocator.block_ref_counts.tolist() == refs.tolist()  # no leak
+    assert refused and (evicted or policy == "ref_zero")    # the pool was under pressure
+
+
 # --- errors: named, and nothing changes -----------------------------------------------------
 
 def _pending(tw):
