@@ -16,11 +16,13 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from context_draft_twins import Twins, configs
+from context_draft_twins import BS, Twins, configs
 from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import hcache
+from hcache.contexts import DynamicInferenceContext, compute_block_hashes
+from hcache.errors import CacheCapacityError
 
 import helpers
 
@@ -173,11 +175,6 @@ def test_under_pool_pressure_only_accepted_blocks_are_ever_registered(policy):
     """A small pool (the verify steps' blocks evict cached ones, extensions are refused):
     every hash ever in the KV and Mamba maps is the hash of a block of accepted tokens of
     some request, and the context stays consistent."""
-    from context_draft_twins import BS, configs
-
-    from hcache.contexts import DynamicInferenceContext, compute_block_hashes
-    from hcache.errors import CacheCapacityError
-
     kw = dict(configs()["hybrid-f16"], num_blocks=14, mamba_cache_slots=6,
               eviction_policy=policy)
     tw = Twins("hybrid-f16")
