@@ -15,6 +15,7 @@ from .config import (
     MambaCacheConfig,
 )
 from .contexts import (
+    ContextDraftStates,
     DynamicInferenceContext,
     KVBlockAllocator,
     MambaSlotAllocator,
@@ -81,4 +82,4 @@ __all__ = ["__version__", "CacheCapacityError", "KernelCompileError", "KernelLau
            "ContinuousBatchingKVCacheCollection", "ContinuousBatchingHybridCacheManager",
            "ContinuousBatchingHybridCollection",
            "compute_block_hashes", "KVBlockAllocator", "PagedKVPool", "MambaSlotAllocator",
-           "DynamicInferenceContext"]
+           "DynamicInferenceContext", "ContextDraftStates"]

@@ -628,6 +628,37 @@ case(CTX, "write_kv", make_ctx(),
      k_scale=OnlyNone(), v_scale=OnlyNone(), stream=Stream())
 case(CTX, "commit_step", make_ctx(), lambda _: {"stream": None}, stream=Stream())
 
+
+def make_ctx_draft():
+    """A context with a verify step scheduled (two tokens each for "a" and "c") whose
+    ``_drafts`` are its ContextDraftStates of 3 tokens, filled with random bytes: the context
+    is the root, so the drafts are in the snapshot."""
+    ctx, _ = make_ctx(pending=False)()
+    ctx.add_request("c", [1, 2, 7])
+    ctx.commit_step()
+    ctx._drafts = hcache.ContextDraftStates(ctx, 3)
+    rng = np.random.default_rng(3)
+    for a in (ctx._drafts.conv_states, ctx._drafts.ssm_states):
+        a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, np.uint8)
+    ctx.extend_requests(["a", "c"], [[6, 7], [8, 9]])
+    return ctx, ctx
+
+
+case(CTX, "commit_draft", make_ctx_draft,
+     lambda c: {"request_ids": ["a", "c"], "accepted": [1, 2], "draft_states": c._drafts,
+                "bonus_token": False, "stream": None},
+     request_ids=Keys(), accepted=Ints(0, 2), draft_states=Instance(), bonus_token=Bool(),
+     stream=Stream())
+CASES[("ContextDraftStates", "__init__")] = Case(
+    lambda: (None, None),
+    lambda _: {"context": make_ctx(pending=False)()[0], "max_draft_tokens": 2, "stream": None},
+    {"context": Instance(), "max_draft_tokens": Int(1, (2**31 - 1) // 3), "stream": Stream()})
+
+
+def make_context_draft_states():
+    ctx, _ = make_ctx_draft()
+    return ctx, ctx._drafts
+
 MSA = "MambaSlotAllocator"
 
 

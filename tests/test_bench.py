@@ -95,7 +95,9 @@ def test_host_bench_on_cpu_reports_every_case(tmp_path, capsys):
     rows = json.loads(path.read_text())["rows"]
     cases = [r["case"] for r in rows]
     assert {"hybrid commit(1) 52 layers", "continuous fetch+step", "context add_request",
-            "cpu kv_write decode b64"} <= set(cases)
+            "cpu kv_write decode b64", "context verify b256 k4"} <= set(cases)
+    (verify,) = [r for r in rows if r["case"] == "context verify b256 k4"]
+    assert verify["extend_commit_us"] > 0 and verify["vs_extend_commit"] > 0
     assert sum(c.startswith("context decode") for c in cases) == 5
     assert {"serving decode block16 pool x1", "serving decode block256 pool x1"} <= set(cases)
     for r in rows:

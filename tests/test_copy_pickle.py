@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from error_contract_cases import (
     make_cb,
+    make_context_draft_states,
     make_ctx,
     make_draft_states,
     make_hcb,
@@ -34,6 +35,7 @@ from hcache import KVBlockAllocator
 OWNERS = {"KVCacheManager": make_kv, "MambaCacheManager": make_mamba,
           "HybridCacheManager": make_hybrid, "LinearKVCache": make_linear,
           "DraftStates": make_draft_states,
+          "ContextDraftStates": make_context_draft_states,
           "PagedKVPool": make_pool, "MambaSlotAllocator": make_msa,
           "DynamicInferenceContext": make_ctx(),
           "ContinuousBatchingKVCacheManager": make_cb(),

@@ -18,6 +18,10 @@ this back. Cases (batch 256 unless named otherwise):
   ``commit_step``, block size 16, over two block periods after 1.5 untimed: the median step,
   the mean, and the worst step (where every request completes a block, or the steps after it
   that register those blocks); its scaling with the sequence length and the batch size;
+* ``context verify``: speculative decoding on the same context, ``extend_requests`` of 4
+  tokens per request + ``commit_draft`` (1..4 kept, spread over the batch: rejected blocks
+  released, snapshots and the live-state scatter from ``ContextDraftStates``), against the
+  same extensions committed whole by ``commit_step``;
 * ``context add_request``: admitting one new request (prompt of 64 tokens) next to 255 others;
 * ``mamba register``: ``MambaSlotAllocator.register_block_hashes_batch`` of 4 blocks, against
   the same call shaped as Megatron-LM's (the allocator forwards to its registry, which builds a
@@ -45,7 +49,7 @@ import numpy as np
 
 from hcache.bench import host_serving
 from hcache.config import HybridCacheConfig, KVLayerConfig
-from hcache.contexts import DynamicInferenceContext
+from hcache.contexts import ContextDraftStates, DynamicInferenceContext
 from hcache.continuous.hybrid_manager import ContinuousBatchingHybridCacheManager
 from hcache.continuous.manager import ContinuousBatchingKVCacheManager, KVCacheStaticParams
 from hcache.ops import kv_write
@@ -67,6 +71,7 @@ def run(ctx) -> list[dict]:
         rows.append(_context_decode(ctx, rounds, BATCH, prompt))
     for batch in (16, 64):
         rows.append(_context_decode(ctx, rounds, batch, 64))
+    rows.append(_context_verify(ctx, rounds))
     rows += [_add_request(ctx, rounds), _mamba_register(ctx, rounds), _cpu_kv_write(rounds)]
     return rows
 
@@ -172,12 +177,12 @@ def _hybrid_continuous_steps(ctx, rounds: int) -> list[dict]:
                  model="nemotron-h 52L", batch=BATCH)]
 
 
-def _context(ctx, batch: int, prompt: int):
+def _context(ctx, batch: int, prompt: int, room: int = 8):
     kv = [KVLayerConfig(1, 8)]
-    blocks = batch * (prompt // BLOCK + 4) + 16
+    blocks = batch * (prompt // BLOCK + room - 4) + 16
     context = DynamicInferenceContext(
         kv_layer_configs=kv, num_blocks=blocks, block_size_tokens=BLOCK,
-        max_requests=batch, max_blocks_per_request=prompt // BLOCK + 8, num_mamba_layers=4,
+        max_requests=batch, max_blocks_per_request=prompt // BLOCK + room, num_mamba_layers=4,
         ssm_states_shape=(2, 4, 4), conv_states_shape=(16, 4), mamba_cache_slots=5 * batch,
         device=ctx.device)
     # On cpu the caches come from calloc: a page is committed when first written. A serving
@@ -187,10 +192,10 @@ def _context(ctx, batch: int, prompt: int):
     return context
 
 
-def _admitted(ctx, batch: int, prompt: int, admit: int | None = None):
+def _admitted(ctx, batch: int, prompt: int, admit: int | None = None, room: int = 8):
     """A context for ``batch`` requests with ``admit`` (default all) of them admitted with
     random ``prompt``-token prompts and their prefill committed."""
-    context = _context(ctx, batch, prompt)
+    context = _context(ctx, batch, prompt, room)
     rng = np.random.default_rng(prompt)
     ids = list(range(batch if admit is None else admit))
     for rid in ids:
@@ -222,6 +227,41 @@ def _context_decode(ctx, rounds: int, batch: int, prompt: int) -> dict:
     goal = 100.0 if batch == BATCH and prompt == 64 else None
     return _row(f"context decode b{batch} len{prompt}", times, goal, batch=batch,
                 prompt=prompt, worst_goal_us=300.0 if goal else None)
+
+
+def _context_verify(ctx, rounds: int, batch: int = BATCH, written: int = 4) -> dict:
+    """Speculative decoding on the context: ``extend_requests`` of ``written`` tokens per
+    request (the bonus token and the drafts) + ``commit_draft`` of accepted counts that cycle
+    through 0..written-1 over the batch (kept 1..written); baseline (``extend_commit_us``,
+    ``vs_extend_commit``): the same extensions committed whole by ``commit_step``."""
+    steps = 2 * BLOCK
+    tokens = np.tile(np.arange(written, dtype=np.int64) + 7, (batch, 1))
+
+    def verify(state, i):
+        context, ids, drafts = state
+        context.extend_requests(ids, tokens)
+        context.commit_draft(ids, (np.arange(batch) + i) % written, draft_states=drafts,
+                             bonus_token=True)
+
+    def extend(state, i):
+        context, ids, _ = state
+        context.extend_requests(ids, tokens)
+        context.commit_step()
+
+    def warmed_up(step):
+        def setup():
+            context, ids = _admitted(ctx, batch, 64, room=20)
+            state = (context, ids, ContextDraftStates(context, written))
+            for i in range(BLOCK // 2):
+                step(state, i)
+            return state
+        return setup
+
+    times = _step_times(rounds, steps, warmed_up(verify), verify)
+    base = statistics.median(_step_times(rounds, steps, warmed_up(extend), extend))
+    return _row(f"context verify b{batch} k{written}", times, None, batch=batch,
+                extend_commit_us=round(base, 2),
+                vs_extend_commit=round(statistics.median(times) / base, 2))
 
 
 def _add_request(ctx, rounds: int) -> dict:

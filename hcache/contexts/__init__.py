@@ -19,12 +19,14 @@ One concept per module; each owner composes its collaborators:
   ``prefix_match``, functions of explicit inputs), a
   ``live_states.LiveMambaStates`` and a ``step_kv_writer.StepKVWriter``; it answers with the
   plans of ``step_plans`` (:class:`StepPlan`, :class:`BatchStepPlan`) and checks its arguments
-  with ``token_batches``.
+  with ``token_batches``; a verify step of speculative decoding is committed by
+  ``draft_commit`` from the Mamba states of ``context_drafts`` (:class:`ContextDraftStates`).
 """
 
 from __future__ import annotations
 
 from .block_hashing import compute_block_hashes
+from .context_drafts import ContextDraftStates
 from .dynamic_context import BatchStepPlan, DynamicInferenceContext, PrefixCacheStats, StepPlan
 from .kv_block_allocator import KVBlockAllocator
 from .mamba_slot_allocator import (
@@ -36,4 +38,5 @@ from .paged_kv_pool import PagedKVPool
 
 __all__ = ["compute_block_hashes", "KVBlockAllocator", "PagedKVPool", "MambaSlotAllocator",
            "MambaSlotCapacityError", "MAX_INTERMEDIATE_OFFSETS_PER_REQUEST",
-           "DynamicInferenceContext", "StepPlan", "BatchStepPlan", "PrefixCacheStats"]
+           "DynamicInferenceContext", "StepPlan", "BatchStepPlan", "PrefixCacheStats",
+           "ContextDraftStates"]

@@ -37,6 +37,7 @@ from .block_registration import BlockRegistration
 from .context_configs import ContextConstructors
 from .context_invariants import broken_context_invariants
 from .context_views import ContextViews
+from .draft_commit import commit_draft
 from .kv_block_allocator import KVBlockAllocator
 from .live_states import LiveMambaStates
 from .mamba_slot_allocator import MambaSlotAllocator
@@ -101,6 +102,7 @@ class DynamicInferenceContext(ContextConstructors, ContextViews):
         Totals over every request ever added.
     """
     __copy__, __deepcopy__, __reduce_ex__ = refuse_copy, refuse_deepcopy, refuse_pickle
+    commit_draft = commit_draft   # speculative decoding (draft_commit.py, design §6.9)
 
     def __init__(self, *, kv_layer_configs, num_blocks, block_size_tokens, max_requests,
                  max_blocks_per_request, num_mamba_layers=0, conv_states_shape=(1,),
