@@ -18,7 +18,7 @@ fuzzer leaves alone is a ``Fixed`` kind with its reason in the case. The ``ci`` 
 examples per method (about 15 s on one core, no GPU needed), which leave some (case, argument)
 pairs unperturbed, so a deterministic sweep
 (``test_sweep_every_bad_value_is_refused_and_changes_nothing``) tries every value of each
-kind's ``bad_values`` on every pair (every pair of every case: several hundred pairs, over ten thousand calls), and
+kind's ``bad_values`` on every pair (several hundred pairs, over ten thousand calls), and
 ``test_the_sweep_covers_every_fuzzable_pair`` checks that none is left out. Foreign arrays are
 accepted without a copy, so every array kind also draws its refused arrays behind
 ``__dlpack__`` only and ``__array__`` only, and
