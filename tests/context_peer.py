@@ -100,8 +100,10 @@ def serve(conn) -> None:
             if cmd == "build":                  # layout, name, context keywords
                 if engine is not None:
                     engine.close()
-                model, _ = model_of(args[0])
-                ctx = context(args[0], **args[2])
+                big = args[0] == "big"
+                model = None if big else model_of(args[0])[0]
+                ctx = context_for(peer.cache_config("big", 1, 8), **args[2]) if big \
+                    else context(args[0], **args[2])
                 engine = ContextTransferEngine(ctx, args[1], timeout_s=10.0)
                 value = engine.metadata
             elif cmd == "connect":
@@ -110,6 +112,14 @@ def serve(conn) -> None:
                 rid, prompt = args
                 token, row = prefill(model, ctx, rid, prompt)
                 value = (engine.export(rid), token, row.tobytes(), request_bytes(ctx, rid))
+            elif cmd == "fill_export":          # request id, length: layer a holds a + 1
+                rid, n = args
+                ctx.add_request(rid, list(range(n)))
+                ctx.commit_step()
+                blocks = ctx.block_ids(rid)
+                for a, layer in enumerate(ctx.kv_pool.layers):
+                    layer[blocks] = a + 1
+                value = engine.export(rid)
             elif cmd == "export_state":         # request id, seconds to wait for "done"
                 rid, wait = args
                 value = engine.export_state(rid)
