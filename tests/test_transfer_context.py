@@ -301,6 +301,11 @@ def test_a_handoff_decodes_the_tokens_of_one_context(engines):
     assert (first, row.tobytes()) == (want_first, want_row.tobytes())
     assert tokens == want_tokens
     assert [x.tobytes() for x in logits] == [x.tobytes() for x in want_logits]
+    assert a.release_export(r) == "done"
+    salted = b.pull(a.export(r), "salted", salt="tenant")   # hashed as add_request(salt=)
+    assert salted.num_matched_blocks == 0
+    assert set(compute_block_hashes(PROMPT, 8, salt="tenant")) <= set(
+        dst.kv_block_allocator.kv_hash_to_block_id)
     dst.check_invariants()
     src.check_invariants()
 
@@ -351,10 +356,14 @@ def test_abort_cancel_and_leases_leave_the_receiver_as_it_was(engines):
     with pytest.raises(TransferAborted, match="released the request"):
         b.pull(handle)
     assert counts(dst) == before and r not in dst._requests
+    fill(dst, 4)
     pending = b.begin_pull(a.export(r), "mine")
     assert dst.num_active_requests == 1
+    blocks, slot = dst.block_ids("mine"), dst.mamba_slot("mine")
     pending.cancel()
     assert pending.state == "FAILED" and counts(dst) == before
+    assert not any(layer[blocks].any() for layer in dst.kv_pool.layers)   # nothing partial
+    assert not dst.mamba_conv_states[:, slot].any() and not dst.mamba_ssm_states[:, slot].any()
     with pytest.raises(TransferCancelled):
         pending.poll()
     a.release_export(r)
