@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from ..contexts.request_handoff import abandon, admit_parked, complete, offer, zero_filled
+from ..runtime.device import settle
 from .engine import _DONE, TransferEngine, _check_timeout
 from .errors import TransferTimeout
 from .layout import address_of
@@ -136,7 +137,9 @@ class ContextTransferEngine(TransferEngine):
         """Offer an active request of the context (its tokens, blocks and live Mamba states)
         to peers. The caller neither steps nor releases it until :meth:`export_state` says
         ``"done"`` or ``"expired"`` (or it calls :meth:`release_export` first, which aborts
-        pulls in flight). Returns the handle (a plain dict) to send.
+        pulls in flight). On a GPU this waits for the current stream (the request's K/V and
+        states written there are final before a peer reads them). Returns the handle (a plain
+        dict) to send.
 
         Raises
         ------
@@ -151,6 +154,7 @@ class ContextTransferEngine(TransferEngine):
         if request_id in self._exports:
             raise ValueError(f"request_id: expected a request not exported yet, got "
                              f"{request_id!r}")
+        settle(self.context.device)   # its K/V and states, written on this stream, are final
         self._exports[request_id] = {"deadline": time.monotonic() + self.timeout_s,
                                      "done": set()}
         return {"agent": self.name, "request_id": request_id, "slot": slot,
@@ -218,6 +222,7 @@ class ContextTransferEngine(TransferEngine):
                                   f"ago (the exporter may reuse its blocks); nothing started")
         ctx = self.context
         step = admit_parked(ctx, request_id, tokens, salt=salt, extra_keys=extra_keys)
+        settle(ctx.device)    # the admission's Mamba restore or zeroing lands before the READs
         first = step.num_matched_blocks
         try:
             plan = plan_context_pull(self.layout, step.block_ids, first, step.mamba_slot,

@@ -187,30 +187,33 @@ def plan_context_pull(local: dict, local_blocks, first_block: int, live_slot: in
         lo, ro, nb = [], [], []
         for a, (mine, theirs) in enumerate(zip(local["kv"], layout["kv"], strict=True)):
             row, remote_heads = mine["head_dim"] * mine["itemsize"], theirs["heads"]
-            for c in range(mine["components"]):
-                for li, h in enumerate(mine["heads"]):
-                    if ("kv", a, c, h) not in todo or h not in remote_heads:
-                        continue
-                    todo.discard(("kv", a, c, h))
-                    if pieces is None:
-                        continue
-                    starts, ends, lblk, loff, rblk, roff = pieces
-                    ri = remote_heads.index(h)
-                    lo.append(mine["addr"] + lblk * mine["block_stride"] + (
-                        (c * len(mine["heads"]) + li) * local["block_size"] + loff) * row)
-                    ro.append(theirs["addr"] + rblk * theirs["block_stride"] + (
-                        (c * len(remote_heads) + ri) * layout["block_size"] + roff) * row)
-                    nb.append((ends - starts) * row)
+            where = {h: i for i, h in enumerate(remote_heads)}
+            # (local plane, remote plane) of each (component, head) taken from this source
+            planes = [(c * len(mine["heads"]) + li, c * len(remote_heads) + where[h])
+                      for c in range(mine["components"]) for li, h in enumerate(mine["heads"])
+                      if h in where and ("kv", a, c, h) in todo]
+            todo.difference_update(("kv", a, c, h) for c in range(mine["components"])
+                                   for h in mine["heads"] if h in where)
+            if pieces is None or not planes:
+                continue
+            starts, ends, lblk, loff, rblk, roff = pieces
+            lp, rp = (np.array(p, np.int64)[:, None] for p in zip(*planes, strict=True))
+            lo.append((mine["addr"] + lblk * mine["block_stride"]
+                       + (lp * local["block_size"] + loff) * row).ravel())
+            ro.append((theirs["addr"] + rblk * theirs["block_stride"]
+                       + (rp * layout["block_size"] + roff) * row).ravel())
+            nb.append(np.broadcast_to((ends - starts) * row, (len(planes), len(starts))).ravel())
         theirs_m = mamba_units(layout["mamba"], slot)
-        for key in [k for k in mine_m if k in todo and k in theirs_m]:
-            (la, ln), (ra, rn) = mine_m[key], theirs_m[key]
-            if ln != rn:
-                raise ValueError(f"layout: expected {ln} bytes for {key}, got {rn} on the "
-                                 f"peer (state shapes differ)")
-            todo.discard(key)
-            lo.append(np.array([la]))
-            ro.append(np.array([ra]))
-            nb.append(np.array([ln]))
+        keys = [k for k in mine_m if k in todo and k in theirs_m]
+        for key in keys:
+            if mine_m[key][1] != theirs_m[key][1]:
+                raise ValueError(f"layout: expected {mine_m[key][1]} bytes for {key}, got "
+                                 f"{theirs_m[key][1]} on the peer (state shapes differ)")
+        if keys:
+            todo.difference_update(keys)
+            lo.append(np.array([mine_m[k][0] for k in keys], np.int64))
+            ro.append(np.array([theirs_m[k][0] for k in keys], np.int64))
+            nb.append(np.array([mine_m[k][1] for k in keys], np.int64))
         if lo:
             rows = merge_ranges(np.concatenate(lo), np.concatenate(ro), np.concatenate(nb),
                                 merge=merge)
