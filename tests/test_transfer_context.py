@@ -288,7 +288,9 @@ def test_a_handoff_decodes_the_tokens_of_one_context(engines):
     model, _ = cp.model_of(layout)
     r = rid()
     first, row = cp.prefill(model, src, r, PROMPT)
+    source = [x.copy() for x in src.kv_pool.layers]
     pending = b.pull(a.export(r))
+    assert all((x == y).all() for x, y in zip(src.kv_pool.layers, source, strict=True))
     assert pending.state == "DONE" and pending.num_matched_blocks == 0
     assert pending.num_pulled_blocks == 2 and dst.num_computed_tokens(r) == len(PROMPT)
     assert [x.tobytes() for x in rows(dst, r)] == [x.tobytes() for x in rows(src, r)]
