@@ -198,7 +198,7 @@ def test_layout_refusals_name_what_differs():
         describe_context(cp.context("windowed", num_local_blocks=8))
     with pytest.raises(TypeError, match="ctx: expected DynamicInferenceContext, got "
                                         "HybridCacheManager"):
-        describe_context(HybridCacheManager(config_of()))
+        describe_context(HybridCacheManager(config_of(), device="cpu"))
 
 
 def test_a_parked_request_is_kept_out_of_steps():
@@ -428,7 +428,7 @@ def test_refusals_change_nothing(engines):
         with pytest.raises(CacheCapacityError, match="rows are in use"):
             c.pull(handle)
         assert full.num_active_requests == 1
-    manager = HybridCacheManager(config_of())
+    manager = HybridCacheManager(config_of(), device="cpu")
     with TransferEngine(manager, f"{a.name}-mgr") as m:
         b.connect(m.metadata)
         with pytest.raises(ValueError, match="paged layout on the peer"):
