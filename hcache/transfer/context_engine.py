@@ -198,7 +198,10 @@ class ContextTransferEngine(TransferEngine):
         TransferTimeout
             A handle's lease ended; nothing changes.
         TransferError
-            NIXL refused to start (a peer gone): the request is released again.
+            NIXL refused to start (a peer gone): the request is released again. (Later
+            failures release it too; one whose READs NIXL could not cancel keeps it parked,
+            its blocks held, and says so: ``hcache.contexts.request_handoff.abandon`` releases
+            it once the peer is gone.)
         """
         handles = self._check_handles(handles)
         for i, h in enumerate(handles):
