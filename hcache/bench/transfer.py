@@ -5,8 +5,9 @@ exported by one engine and pulled by another in the same process (two NIXL agent
 on the cpu device over loopback, ``UCX_TLS=tcp,cma`` unless set). Wall-clock medians of the
 whole ``pull`` (descriptor planning, NIXL transfer, completion polling); the baseline is a
 same-run device copy of the same bytes; the naive baseline is the same pull with one
-descriptor per unit (KV head row run, Mamba head, conv segment) instead of merged ones. No
-rows when NIXL is not installed.
+descriptor per unit (KV head row run, Mamba head, conv segment) instead of merged ones. A
+second row pulls the same request between two contexts (``DynamicInferenceContext``: paged
+blocks, admission and release included). No rows when NIXL is not installed.
 """
 
 from __future__ import annotations
@@ -72,7 +73,46 @@ def run(ctx: BenchContext) -> list[dict]:
                      # same-run copy of the same bytes, as the kernel rows have
                      "kernel_us": None, "host_us": round(us, 3), "memcpy_us": round(copy_us, 3),
                      "kernel_vs_memcpy": None})
+    rows.append(_context_row(ctx, config, tokens))
     return rows
+
+
+def _context_row(ctx: BenchContext, config, tokens: int) -> dict:
+    """The same request between two ``DynamicInferenceContext``\\ s (blocks of 64 tokens):
+    a whole ``ContextTransferEngine.pull``, admission, transfer and completion, then the
+    release that returns its blocks (the receiver's prefix caching is off, so every pull
+    moves every block)."""
+    from hcache.contexts import DynamicInferenceContext
+    from hcache.transfer import ContextTransferEngine
+
+    src, dst = (DynamicInferenceContext.from_config(config, block_size_tokens=64, device=ctx.device,
+                                                    enable_prefix_caching=caching)
+                for caching in (True, False))
+    src.add_request("bench", list(range(tokens)))
+    src.commit_step()
+    with ContextTransferEngine(src, "bench-ctx-src") as a, \
+            ContextTransferEngine(dst, "bench-ctx-dst") as b:
+        b.connect(a.metadata)
+        a.connect(b.metadata)
+        handle = a.export("bench")
+
+        def pull(merge=True):
+            pending = b.pull(handle, "r", merge=merge)
+            dst.release_requests(["r"])
+            return pending
+
+        pending = pull()
+        nbytes = 2 * pending.nbytes
+        us, naive_us = _wall_us(ctx, pull), _wall_us(ctx, lambda: pull(False))
+    copy_us = ctx.copy_us(nbytes)
+    return {"model": "nemotron-h-like", "case": f"context pull {tokens} tok "
+            f"{pending.num_pulled_blocks} blocks {pending.num_descriptors} descs",
+            "us": round(us, 3), "bytes": int(nbytes),
+            "GBps": round(nbytes / us / 1e3, 2) if us else None,
+            "vs_copy": significant(copy_us / us) if us else None,
+            "speedup_vs_naive": significant(naive_us / us) if us else None, "launches": 1,
+            "kernel_us": None, "host_us": round(us, 3), "memcpy_us": round(copy_us, 3),
+            "kernel_vs_memcpy": None}
 
 
 def _wall_us(ctx: BenchContext, fn) -> float:

@@ -37,6 +37,8 @@ def broken_context_invariants(requests, kv_block_allocator, window_blocks=None,
     list of str
     """
     problems = requests.broken_invariants()
+    if (requests.parked & (requests.pending_end < 0)).any():
+        problems.append("a row parked for a transfer has no scheduled step")
     held = np.zeros(kv_block_allocator.num_blocks, np.int64)
     for rid in requests.ids:
         np.add.at(held, requests.blocks(requests.row(rid)), 1)

@@ -348,11 +348,16 @@ class DynamicInferenceContext(ContextConstructors, ContextViews):
     def release_requests(self, request_ids) -> None:
         """Release requests: drop their block references (registered blocks stay cached under
         LRU), free their rows and live Mamba slots, and forget any scheduled step. Raises
-        ``ValueError`` (nothing changes) when an id is not active or repeats."""
+        ``ValueError`` (nothing changes) when an id is not active, repeats or is being filled
+        by a transfer (``hcache.transfer.ContextTransferEngine``: cancel its pull)."""
         requests = self._requests
         rows = requests.rows(request_ids).tolist()
         if not rows:
             return
+        parked = [row for row in rows if requests.parked[row]]   # a transfer's destination
+        if parked:
+            raise ValueError(f"request_ids: expected no request a transfer fills (cancel its "
+                             f"pull), got {requests.id_of(parked[0])!r}")
         # Their blocks stay cached, registered first; a release that deregisters catches up all
         # (a block duplicating one it drops stays private, as registered at once: §6.8).
         self._registration.flush(rows if self.kv_block_allocator.caches_released_blocks else None)

@@ -67,6 +67,8 @@ class RequestTable:
         Each row's encoded extra keys by block column (see :func:`.block_hashing.block_keys`).
     pending_key_cols : int64 [max_requests]
         The column of each row's keyed block not hashed yet; -1 = none.
+    parked : bool [max_requests]
+        Rows whose scheduled prompt a transfer fills (``hcache.contexts.request_handoff``).
     """
 
     def __init__(self, max_requests: int, max_blocks_per_request: int, block_size: int, *,
@@ -86,6 +88,7 @@ class RequestTable:
         self.keys: list = [{} for _ in range(R)]
         self.pending_key_cols = np.full(R, -1, dtype=np.int64)
         self._pending_keys = 0                  # rows with a pending key column
+        self.parked = np.zeros(R, dtype=bool)   # filled by a transfer: no step completes it
         self._row_of: dict = {}                 # request id -> row, in admission order
         self._id_of: list = [None] * R
         self._stats: list = [None] * R          # admission counters
@@ -103,6 +106,7 @@ class RequestTable:
         self.keys[:] = [{} for _ in range(self.max_requests)]
         self.pending_key_cols.fill(-1)
         self._pending_keys = 0
+        self.parked.fill(False)
         self.request_to_kv_block_ids.fill(-1)
         self.request_to_mamba_state_idx.fill(-1)
         self.pending_end.fill(-1)
@@ -310,9 +314,9 @@ class RequestTable:
                 for i, row, col in zip(hits.tolist(), taken.tolist(), cols[hits].tolist())}
 
     def complete_steps(self):
-        """Mark every scheduled step computed; returns its ``rows`` (ascending) and their
-        computed tokens before and after, int64 arrays."""
-        rows = np.flatnonzero(self.pending_end >= 0)
+        """Mark every scheduled step but a parked row's computed; returns its ``rows``
+        (ascending) and their computed tokens before and after, int64 arrays."""
+        rows = np.flatnonzero((self.pending_end >= 0) & ~self.parked)
         ends, before = self.pending_end[rows], self.computed[rows].copy()
         self.computed[rows] = ends
         self.pending_end[rows] = -1
@@ -336,6 +340,7 @@ class RequestTable:
         self.request_to_kv_block_ids[rows] = -1
         self.request_to_mamba_state_idx[rows] = -1
         self.pending_end[rows] = -1
+        self.parked[rows] = False
         for a in (self.lengths, self.num_blocks, self.computed, self.kv_cached,
                   self.registered, self.hashed):
             a[rows] = 0

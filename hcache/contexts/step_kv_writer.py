@@ -64,8 +64,9 @@ class StepKVWriter:
         TypeError
             As :meth:`PagedKVPool.write_kv`.
         """
-        if (requests.pending_end[rows] < 0).any():
-            raise ValueError("request_ids: expected requests with a scheduled step")
+        if (requests.pending_end[rows] < 0).any() or requests.parked[rows].any():
+            raise ValueError("request_ids: expected requests with a scheduled step (not one a "
+                             "transfer fills)")
         stream_handle(stream)
         starts = requests.computed[rows]
         lengths = requests.pending_end[rows] - starts

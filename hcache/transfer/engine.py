@@ -84,11 +84,13 @@ class TransferEngine:
         As :func:`~hcache.transfer.layout.describe_manager`; a bad ``timeout_s``.
     """
 
+    _describe = staticmethod(describe_manager)    # the layout a subclass registers
+
     def __init__(self, manager, name=None, *, tp=None, rank=0, timeout_s=10.0,
                  backends=("UCX",)):
         if _check_timeout(timeout_s) is None:
             raise ValueError("timeout_s: expected a number > 0, got None")
-        layout = describe_manager(manager, tp, rank)
+        layout = self._describe(manager, tp, rank)
         api = load_nixl()
         self.manager, self.layout, self.timeout_s = manager, layout, float(timeout_s)
         self.name = name if name is not None else f"hcache-{next(_names)}"

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from .tensor_parallel import TensorParallelLayout
 
-__all__ = ["describe_manager", "slot_units", "address_of", "check_compatible"]
+__all__ = ["describe_manager", "slot_units", "mamba_units", "address_of", "check_compatible",
+           "check_mamba_compatible"]
 
 
 def address_of(array) -> int:
@@ -98,7 +99,14 @@ def slot_units(desc: dict, slot: int, length: int) -> dict:
             for local, head in enumerate(heads):
                 plane = (c * len(heads) + local) * layer["cache_len"]
                 units[("kv", a, c, head)] = (base + plane * row, n * row)
-    mamba = desc["mamba"]
+    units.update(mamba_units(desc["mamba"], slot))
+    return units
+
+
+def mamba_units(mamba: dict | None, slot: int) -> dict:
+    """The Mamba part of :func:`slot_units`: ``{("rec", layer, head) | ("conv", layer,
+    segment, id): (address, nbytes)}`` of ``slot`` in a description's ``"mamba"`` entry."""
+    units = {}
     if mamba is not None:
         rec = mamba["recurrent"]
         if rec is not None:
@@ -144,7 +152,12 @@ def check_compatible(local: dict, remote: dict, length: int) -> None:
         if length > side["max_len"]:
             raise ValueError(f"length: expected <= {side['max_len']} (max_sequence_length), "
                              f"got {length}")
-    mine, theirs = local["mamba"], remote["mamba"]
+    check_mamba_compatible(local["mamba"], remote["mamba"])
+
+
+def check_mamba_compatible(mine: dict | None, theirs: dict | None) -> None:
+    """Refuse (``ValueError``) two ``"mamba"`` entries of different layer counts, state kinds
+    or dtypes (shapes are checked unit by unit)."""
     if (mine is None) != (theirs is None) or (mine and mine["layers"] != theirs["layers"]):
         raise ValueError(f"layout: expected {mine['layers'] if mine else 0} Mamba layers, got "
                          f"{theirs['layers'] if theirs else 0} on the peer")

@@ -57,10 +57,13 @@ class PendingTransfer:
         return released
 
     def _fail(self, error):
-        if not self._release():
+        released = self._release()
+        if not released:
             error = type(error)(f"{error}; NIXL could not cancel a transfer within "
                                 f"{SETTLE_S} s: its data may still land in the slot")
-        if self._clear:
+        if callable(self._clear):       # the destination's own clean-up (a context's request)
+            self._clear(released)
+        elif self._clear:
             self.engine.zero_slot(self.slot, self.length)
         self.state, self.error = "FAILED", error
         raise error
