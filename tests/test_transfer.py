@@ -315,6 +315,26 @@ def test_abort_by_the_exporter_fails_the_pull_and_zeroes_the_slot(pair):
 
 
 @needs_nixl
+def test_an_id_exported_again_after_an_abort_is_pulled(pair):
+    """An abort belongs to the export it ended: the same request id exported again (a new
+    request under a reused id) is pulled whole. Aborts used to be kept by id, so every later
+    pull of that id failed as aborted."""
+    src, dst, a, b = pair
+    fill(src, 10)
+    fill(dst, 11)
+    r = rid()
+    a.export(r, 1, 9)
+    assert a.release_export(r) == "pending"           # aborted: peers are told
+    for _ in range(300):
+        if b._was_aborted("t-prefill", r):
+            break
+        time.sleep(0.01)
+    assert b._was_aborted("t-prefill", r)
+    b.pull(a.export(r, 1, 9), 0)                      # the new export of the same id
+    assert slot_bytes(dst, 0, 9) == slot_bytes(src, 1, 9)
+
+
+@needs_nixl
 def test_cancel_during_the_transfer_zeroes_the_slot(pair):
     src, dst, a, b = pair
     fill(src, 8)

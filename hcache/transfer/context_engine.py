@@ -155,11 +155,10 @@ class ContextTransferEngine(TransferEngine):
             raise ValueError(f"request_id: expected a request not exported yet, got "
                              f"{request_id!r}")
         settle(self.context.device)   # its K/V and states, written on this stream, are final
-        self._exports[request_id] = {"deadline": time.monotonic() + self.timeout_s,
-                                     "done": set()}
         return {"agent": self.name, "request_id": request_id, "slot": slot,
                 "length": len(tokens), "lease_until": time.time() + self.timeout_s,
-                "layout": self.layout, "blocks": blocks.tolist(), "tokens": tokens.tolist()}
+                "layout": self.layout, "blocks": blocks.tolist(), "tokens": tokens.tolist(),
+                "export": self._new_export(request_id)}
 
     # --- receiving side ---------------------------------------------------------------------
 

@@ -103,7 +103,9 @@ class TransferEngine:
             [(addr, n, self._dev_id, "") for addr, n in self._buffers()], self._mem)
         self._peers = {}       # peer name -> (memory type of its buffers, device id)
         self._exports = {}     # request id -> {"deadline", "done": set, "aborted": bool}
-        self._aborted = {}     # (peer, request id) -> when the abort arrived
+        self._aborted = {}     # (peer, request id) -> the serials of its aborted exports
+        self._export_serial = 0   # each export's number: a new export of a released id is
+                                  # not aborted by the abort of the old one
         self._done = {}        # request id -> peers that finished a transfer of it
 
     def _buffers(self):
@@ -181,10 +183,16 @@ class TransferEngine:
         if request_id in self._exports:
             raise ValueError(f"request_id: expected a request not exported yet, got "
                              f"{request_id!r}")
-        self._exports[request_id] = {"deadline": time.monotonic() + self.timeout_s,
-                                     "done": set()}
         return {"agent": self.name, "request_id": request_id, "slot": slot, "length": length,
-                "lease_until": time.time() + self.timeout_s, "layout": self.layout}
+                "lease_until": time.time() + self.timeout_s, "layout": self.layout,
+                "export": self._new_export(request_id)}
+
+    def _new_export(self, request_id: str) -> int:
+        """Book an export of ``request_id`` (its lease starts now); returns its serial."""
+        self._export_serial += 1
+        self._exports[request_id] = {"deadline": time.monotonic() + self.timeout_s,
+                                     "done": set(), "export": self._export_serial}
+        return self._export_serial
 
     def export_state(self, request_id: str) -> str:
         """``"pending"``, ``"done"`` (a peer finished a transfer of it) or ``"expired"`` (its
@@ -200,11 +208,11 @@ class TransferEngine:
         every peer is told (``hcache:abort``), so a pull of it in flight fails rather than
         return caches the slot may no longer hold. Returns the state it had."""
         state = self.export_state(request_id)
-        del self._exports[request_id]
+        serial = self._exports.pop(request_id)["export"]
         if state == "pending":
             for peer in self._peers:
                 try:
-                    self._agent.send_notif(peer, (_ABORT + request_id).encode())
+                    self._agent.send_notif(peer, f"{_ABORT}{request_id}#{serial}".encode())
                 except Exception:   # noqa: BLE001 - a dead peer pulls nothing
                     pass
         return state
@@ -236,11 +244,15 @@ class TransferEngine:
                     if rid in self._exports:
                         self._exports[rid]["done"].add(peer)
                 elif text.startswith(_ABORT):
-                    self._aborted[(peer, text[len(_ABORT):])] = time.monotonic()
+                    rid, _, serial = text[len(_ABORT):].rpartition("#")
+                    self._aborted.setdefault((peer, rid), set()).add(
+                        int(serial) if serial.isdigit() else None)
 
-    def _was_aborted(self, peer, request_id) -> bool:
+    def _was_aborted(self, peer, request_id, export=None) -> bool:
+        """Whether ``peer`` aborted its export ``export`` of ``request_id`` (None: any)."""
         self._drain()
-        return (peer, request_id) in self._aborted
+        serials = self._aborted.get((peer, request_id))
+        return bool(serials) and (export is None or export in serials)
 
     # --- receiving side ---------------------------------------------------------------------
 
@@ -325,6 +337,7 @@ class TransferEngine:
         request_id = handles[0]["request_id"]
         devices = {h["agent"]: str(h["layout"]["device"]) for h in handles}
         pending = PendingTransfer(self, request_id, plan, slot, length, timeout_s, op, clear)
+        pending.exports = {h["agent"]: h.get("export") for h in handles}
         try:
             for peer, rows in plan:
                 device = devices[peer]        # "cpu" or "cuda:N": DRAM or VRAM there

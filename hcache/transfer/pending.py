@@ -26,6 +26,7 @@ class PendingTransfer:
         self._plan, self._handles, self._clear = plan, [], clear
         self._deadline = time.monotonic() + timeout_s
         self.state, self.error = "PROC", None
+        self.exports = {}   # peer -> the serial of its export read here (engine._start)
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +95,8 @@ class PendingTransfer:
                                          f"{peer!r} failed: {status} (peer gone?)"))
             done &= status == "DONE"
         for peer, _ in self._plan:
-            if self.op == "READ" and self.engine._was_aborted(peer, self.request_id):
+            if self.op == "READ" and self.engine._was_aborted(peer, self.request_id,
+                                                              self.exports.get(peer)):
                 self._fail(TransferAborted(f"transfer of {self.request_id!r}: peer {peer!r} "
                                            f"released the request during the transfer"))
         if done:
