@@ -44,6 +44,8 @@ def broken_context_invariants(requests, kv_block_allocator, window_blocks=None,
         np.add.at(held, requests.blocks(requests.row(rid)), 1)
     if (held > kv_block_allocator.block_ref_counts).any():
         problems.append("a request holds a block without a reference")
+    if (held < kv_block_allocator.block_ref_counts).any():
+        problems.append("a block keeps a reference no request holds (a leak)")
     if window_blocks is not None:
         problems += window_blocks.broken_invariants(requests)
     if registration is not None:
