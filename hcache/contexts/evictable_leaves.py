@@ -88,31 +88,45 @@ class EvictableLeaves:
         """
         heap, member = self._heap, self.member
         pop, push = heapq.heappop, heapq.heappush
+        stamp, parent_of, children, refs, is_member = (
+            timestamps.item, parent_ids.item, child_counts.item, ref_counts.item, member.item)
         out: list[int] = []
         taken: list[tuple[int, int]] = []
         promoted: list[int] = []
         aside: list[tuple[int, int]] = []
         remaining: dict[int, int] = {}      # children left of the parents touched
-        while len(out) < n and heap:
-            entry = pop(heap)
-            t, b = entry
-            if not member[b] or int(timestamps[b]) != t:
-                continue        # stale
+        entry = None        # a promoted parent the next pop would return, taken at once
+        while len(out) < n:
+            if entry is None:
+                if not heap:
+                    break
+                entry = pop(heap)
+                if not is_member(entry[1]) or stamp(entry[1]) != entry[0]:
+                    entry = None
+                    continue        # stale
+            b = entry[1]
             member[b] = False
             if b in keep:
                 aside.append(entry)
+                entry = None
                 continue
             out.append(b)
             taken.append(entry)
-            p = int(parent_ids[b])
+            entry = None
+            p = parent_of(b)
             if p >= 0:
                 left = remaining.get(p)
-                left = (int(child_counts[p]) if left is None else left) - 1
+                left = (children(p) if left is None else left) - 1
                 remaining[p] = left
-                if left == 0 and ref_counts[p] == 0:
+                if left == 0 and refs(p) == 0:
                     member[p] = True
                     promoted.append(p)
-                    push(heap, (int(timestamps[p]), p))
+                    entry = (stamp(p), p)
+                    if heap and not entry < heap[0]:
+                        push(heap, entry)
+                        entry = None
+        if entry is not None:
+            push(heap, entry)
         for entry in aside:
             member[entry[1]] = True
             push(heap, entry)
