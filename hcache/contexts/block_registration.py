@@ -210,12 +210,12 @@ class BlockRegistration:
         hold a duplicate, the :attr:`marked` ones too while a drop is remembered. Every backlog
         row is hashed then, as when every row was analysed (what is hashed decides when
         :meth:`_advance` registers rather than hashes)."""
-        marked = None
-        if self._dropped:
-            marked = self.marked
-            for rows, upto, _, _ in self._queue:
-                self.requests.hash_through(rows, upto)
-        entangled = entangled_rows(self.requests, self.kv, False, ENTANGLED_ROWS, marked)
+        marked, requests = None, self.requests
+        if self._dropped:      # the queue holds every computed complete block of these rows
+            marked, ends = self.marked, requests.computed // requests.block_size
+            rows = np.flatnonzero(requests.registered < ends)
+            requests.hash_through(rows, ends[rows])
+        entangled = entangled_rows(requests, self.kv, False, ENTANGLED_ROWS, marked)
         if not entangled.any():     # no backlog block could duplicate one: all will register
             empty = np.zeros(0, np.int64)
             return empty, empty, empty, empty, np.zeros(0, bool)
