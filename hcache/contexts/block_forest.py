@@ -12,7 +12,8 @@ is the block that held its parent hash when it was registered. Invariants (check
 - eviction removes leaves only (oldest timestamp first, ties by block id), so a cached block's
   ancestors stay cached and a prefix match scanned along a hash chain never meets a hole;
 - a cached block with an in-use descendant is not evictable (peeling cannot reach it);
-- unlinking a block orphans its registered children, so no link dangles.
+- unlinking a block orphans its registered children, so no link dangles; ``dangling`` marks
+  the registered roots whose chain continues a predecessor (``num_dangling`` counts them).
 
 Ref counts and timestamps belong to :class:`~hcache.contexts.KVBlockAllocator`, which passes
 them in where the forest needs them.

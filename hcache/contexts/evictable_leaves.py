@@ -90,8 +90,7 @@ class EvictableLeaves:
         pop, push = heapq.heappop, heapq.heappush
         stamp, parent_of, children, refs, is_member = (
             timestamps.item, parent_ids.item, child_counts.item, ref_counts.item, member.item)
-        out: list[int] = []
-        taken: list[tuple[int, int]] = []
+        out: list[int] = []     # (their heap entries are (timestamps[b], b))
         promoted: list[int] = []
         aside: list[tuple[int, int]] = []
         remaining: dict[int, int] = {}      # children left of the parents touched
@@ -111,14 +110,14 @@ class EvictableLeaves:
                 entry = None
                 continue
             out.append(b)
-            taken.append(entry)
             entry = None
             p = parent_of(b)
             if p >= 0:
                 left = remaining.get(p)
                 left = (children(p) if left is None else left) - 1
-                remaining[p] = left
-                if left == 0 and refs(p) == 0:
+                if left:
+                    remaining[p] = left
+                elif refs(p) == 0:
                     member[p] = True
                     promoted.append(p)
                     entry = (stamp(p), p)
@@ -131,9 +130,9 @@ class EvictableLeaves:
             member[entry[1]] = True
             push(heap, entry)
         if len(out) < n or not commit:
-            for entry in taken:
-                member[entry[1]] = True
-                push(heap, entry)
+            for b in out:
+                member[b] = True
+                push(heap, (stamp(b), b))
             member[promoted] = False
         if len(heap) > self._limit:
             self._rebuild(timestamps)
