@@ -94,7 +94,9 @@ class EvictableLeaves:
         promoted: list[int] = []
         aside: list[tuple[int, int]] = []
         remaining: dict[int, int] = {}      # children left of the parents touched
-        entry = None        # a promoted parent the next pop would return, taken at once
+        # A promoted parent that the next pop would return is taken at once: it never enters
+        # the heap, and is a member only if it ends the peel untaken (or is set aside).
+        entry = None
         while len(out) < n:
             if entry is None:
                 if not heap:
@@ -103,8 +105,8 @@ class EvictableLeaves:
                 if not is_member(entry[1]) or stamp(entry[1]) != entry[0]:
                     entry = None
                     continue        # stale
+                member[entry[1]] = False
             b = entry[1]
-            member[b] = False
             if b in keep:
                 aside.append(entry)
                 entry = None
@@ -118,13 +120,14 @@ class EvictableLeaves:
                 if left:
                     remaining[p] = left
                 elif refs(p) == 0:
-                    member[p] = True
                     promoted.append(p)
                     entry = (stamp(p), p)
                     if heap and not entry < heap[0]:
+                        member[p] = True
                         push(heap, entry)
                         entry = None
         if entry is not None:
+            member[entry[1]] = True
             push(heap, entry)
         for entry in aside:
             member[entry[1]] = True
