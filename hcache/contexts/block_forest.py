@@ -172,13 +172,13 @@ class BlockForest:
                                       repeat(n)), np.int64, len(unresolved))
             back = earlier < unresolved
             parents[unresolved[back]] = block_ids[earlier[back]]
+            unresolved = unresolved[~back]
+        if len(unresolved):     # parent hashes no block holds: dangling roots
+            self.dangling[block_ids[unresolved]] = True
+            self.num_dangling += len(unresolved)
         self.hash_to_block.update(zip(hs_list, block_ids.tolist()))
         self.hashes[block_ids] = hashes
         has_parent = parents >= 0
-        loose = ~has_parent & (parent_hashes > 0)
-        if loose.any():
-            self.dangling[block_ids[loose]] = True
-            self.num_dangling += int(np.count_nonzero(loose))
         self.parent_ids[block_ids] = parents
         self.parent_hashes[block_ids] = np.where(has_parent, parent_hashes, 0)
         linked = np.sort(parents[has_parent])
@@ -205,8 +205,8 @@ class BlockForest:
             self.parent_hashes[orphans] = 0
             self.dangling[orphans] = True       # linked until now: not dangling before
             self.num_dangling += int(np.count_nonzero(orphans))
-        gone = self.dangling[block_ids]
-        if gone.any():
+        if self.num_dangling:
+            gone = self.dangling[block_ids]
             self.dangling[block_ids] = False
             self.num_dangling -= int(np.count_nonzero(gone))
         self.parent_ids[block_ids] = -1
