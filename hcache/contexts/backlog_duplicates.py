@@ -13,20 +13,73 @@ import numpy as np
 
 from .token_batches import ragged_columns
 
-__all__ = ["entangled_rows", "backlog_blocks"]
+__all__ = ["PendingParents", "entangled_rows", "backlog_blocks", "mark_rows_of"]
 
 
-def entangled_rows(requests, kv_block_allocator, dropped: bool, limit: int) -> np.ndarray:
+class PendingParents:
+    """What :attr:`KVBlockAllocator.pending_parents` calls: ``registration.pending_parents()``;
+    its :meth:`deregistering` is the allocator's ``deregistering``. A copy of the allocator
+    (``copy.deepcopy``, pickle) keeps a snapshot of them, detached from the context."""
+
+    def __init__(self, registration=None, snapshot=None):
+        self._registration, self._snapshot = registration, snapshot
+
+    def __call__(self) -> np.ndarray:
+        if self._registration is None:
+            return self._snapshot
+        return self._registration.pending_parents()
+
+    def deregistering(self, block_ids: np.ndarray) -> None:
+        if self._registration is not None:
+            self._registration.deregistering(block_ids)
+
+    def __reduce__(self):
+        return (PendingParents, (None, self()))
+
+
+def mark_rows_of(block_ids: np.ndarray, requests, forest, marked: np.ndarray,
+                 scratch: np.ndarray) -> None:
+    """Before registered ``block_ids`` (int64, links intact in ``forest``) are deregistered,
+    mark in ``marked`` (``bool [max_requests]``) every backlog row a block of which their
+    hashes could make private (a duplicate of a block dropped after it completed).
+
+    Without a dangling root, a registered block duplicating a backlog block of a row descends
+    from that row's last registered block ``L`` (its chain of parents holds the row's hashes
+    down to ``L``'s), so ``L`` keeps a child while any such block is registered (the row is
+    entangled) and loses one at the drop that ends it: the rows whose ``L`` is a parent of a
+    block of ``block_ids`` are marked. With a dangling root in the forest, every backlog row.
+    ``scratch`` (``bool [num_blocks]``, all False) is used and left all False.
+    """
+    done = requests.registered
+    rows = np.flatnonzero(done < requests.computed // requests.block_size)
+    if forest.num_dangling:
+        marked[rows] = True
+        return
+    parents = forest.parent_ids[block_ids]
+    parents = parents[parents >= 0]
+    k = done[rows]
+    rows, k = rows[k > 0], k[k > 0]
+    if len(parents) and len(rows):
+        scratch[parents] = True
+        marked[rows[scratch[requests.request_to_kv_block_ids[rows, k - 1]]]] = True
+        scratch[parents] = False
+
+
+def entangled_rows(requests, kv_block_allocator, dropped: bool, limit: int,
+                   marked=None) -> np.ndarray:
     """``bool [max_requests]``: the backlog rows whose blocks could duplicate another block.
 
     A backlog block duplicates one only if its row's last registered block is not its own
     registered block (private, or none yet), is shared, or has a registered child (from a row
     with the same prefix), or if another such row has the same prefix through its own last
-    registered block, or if a hash was deregistered meanwhile (``dropped``: then every backlog
-    row, as when more than ``limit`` rows qualify).
+    registered block, or if a hash was deregistered meanwhile: ``dropped`` (then every backlog
+    row, as when more than ``limit`` rows qualify), or the rows of ``marked`` (``bool
+    [max_requests]``, :func:`mark_rows_of`; cleared here for rows without a backlog).
     """
     kv, done = kv_block_allocator, requests.registered
     out = done < requests.computed // requests.block_size
+    if marked is not None:
+        marked &= out
     if dropped or not out.any():
         return out
     rows = np.flatnonzero(out)
@@ -35,11 +88,15 @@ def entangled_rows(requests, kv_block_allocator, dropped: bool, limit: int) -> n
     blocks, hashes = requests.request_to_kv_block_ids[rows, last], requests.hashes[rows, last]
     odd = (k == 0) | (kv.block_hashes[blocks] != hashes) \
         | (kv.block_ref_counts[blocks] > 1) | (kv.block_child_counts[blocks] > 0)
+    if marked is not None:
+        odd |= marked[rows]
     if np.count_nonzero(odd) > limit:
         return out
-    for s in np.flatnonzero(odd & (k > 0)).tolist():     # rows with a common prefix
-        c = np.minimum(k, k[s]) - 1
-        odd |= (k > 0) & (requests.hashes[rows, c] == requests.hashes[rows[s], c])
+    ends = np.flatnonzero(odd & (k > 0))    # rows sharing a prefix with one: [odd, row]
+    if len(ends):
+        c = np.minimum(k, k[ends, None]) - 1
+        same = requests.hashes[rows, c] == requests.hashes[rows[ends, None], c]
+        odd |= (k > 0) & same.any(axis=0)
     out[rows[~odd]] = False
     return out
 

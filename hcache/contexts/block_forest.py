@@ -12,7 +12,8 @@ is the block that held its parent hash when it was registered. Invariants (check
 - eviction removes leaves only (oldest timestamp first, ties by block id), so a cached block's
   ancestors stay cached and a prefix match scanned along a hash chain never meets a hole;
 - a cached block with an in-use descendant is not evictable (peeling cannot reach it);
-- unlinking a block orphans its registered children, so no link dangles.
+- unlinking a block orphans its registered children, so no link dangles; ``dangling`` marks
+  the registered roots whose chain continues a predecessor (``num_dangling`` counts them).
 
 Ref counts and timestamps belong to :class:`~hcache.contexts.KVBlockAllocator`, which passes
 them in where the forest needs them.
@@ -42,6 +43,9 @@ class BlockForest:
         Hash of that parent; 0 = no parent.
     child_counts : int32 [num_blocks]
         Number of registered blocks whose parent is this block.
+    dangling : bool [num_blocks], num_dangling : int
+        Registered roots whose chain has a predecessor (a parent hash no block held when they
+        linked, or an unlinked parent): a chain can be registered below its own head.
     """
 
     def __init__(self, num_blocks: int):
@@ -51,6 +55,7 @@ class BlockForest:
         self.parent_ids = np.empty(num_blocks, dtype=np.int32)
         self.parent_hashes = np.empty(num_blocks, dtype=np.int64)
         self.child_counts = np.empty(num_blocks, dtype=np.int32)
+        self.dangling = np.empty(num_blocks, dtype=bool)
         self.reset()
 
     def reset(self) -> None:
@@ -60,6 +65,8 @@ class BlockForest:
         self.parent_ids.fill(-1)
         self.parent_hashes.fill(0)
         self.child_counts.fill(0)
+        self.dangling.fill(False)
+        self.num_dangling = 0
 
     @property
     def registered(self) -> np.ndarray:
@@ -165,6 +172,10 @@ class BlockForest:
                                       repeat(n)), np.int64, len(unresolved))
             back = earlier < unresolved
             parents[unresolved[back]] = block_ids[earlier[back]]
+            unresolved = unresolved[~back]
+        if len(unresolved):     # parent hashes no block holds: dangling roots
+            self.dangling[block_ids[unresolved]] = True
+            self.num_dangling += len(unresolved)
         self.hash_to_block.update(zip(hs_list, block_ids.tolist()))
         self.hashes[block_ids] = hashes
         has_parent = parents >= 0
@@ -192,6 +203,12 @@ class BlockForest:
             orphans = np.isin(self.parent_ids, block_ids)
             self.parent_ids[orphans] = -1
             self.parent_hashes[orphans] = 0
+            self.dangling[orphans] = True       # linked until now: not dangling before
+            self.num_dangling += int(np.count_nonzero(orphans))
+        if self.num_dangling:
+            gone = self.dangling[block_ids]
+            self.dangling[block_ids] = False
+            self.num_dangling -= int(np.count_nonzero(gone))
         self.parent_ids[block_ids] = -1
         self.parent_hashes[block_ids] = 0
         self.child_counts[block_ids] = 0
@@ -253,6 +270,9 @@ class BlockForest:
         if (phash[linked] != hashes[pid[linked]]).any() \
                 or (phash[registered & (pid < 0)] != 0).any():
             errors.append("block_parent_hashes disagree with block_parent_ids")
+        if (self.dangling & ~(registered & (pid < 0))).any() \
+                or self.num_dangling != int(np.count_nonzero(self.dangling)):
+            errors.append("dangling roots must be registered roots, counted")
         counts = np.bincount(pid[linked], minlength=n)
         if (counts != self.child_counts).any():
             errors.append("block_child_counts disagree with the parent links")

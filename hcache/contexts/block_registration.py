@@ -31,7 +31,7 @@ from itertools import repeat
 
 import numpy as np
 
-from .backlog_duplicates import backlog_blocks, entangled_rows
+from .backlog_duplicates import PendingParents, backlog_blocks, entangled_rows, mark_rows_of
 from .prefix_match import blocks_to_register, pending_blocks_overlap
 from .token_batches import ragged_columns
 
@@ -44,23 +44,6 @@ DRAIN_FRACTION = 8
 DRAIN_AGE = 2
 # Beyond this many rows that could hold duplicates, all of the backlog is hashed to find them.
 ENTANGLED_ROWS = 16
-
-
-class PendingParents:
-    """What :attr:`KVBlockAllocator.pending_parents` calls: ``registration.pending_parents()``.
-    A copy of the allocator (``copy.deepcopy``, pickle) keeps a snapshot of them, detached from
-    the context."""
-
-    def __init__(self, registration=None, snapshot=None):
-        self._registration, self._snapshot = registration, snapshot
-
-    def __call__(self) -> np.ndarray:
-        if self._registration is None:
-            return self._snapshot
-        return self._registration.pending_parents()
-
-    def __reduce__(self):
-        return (PendingParents, (None, self()))
 
 
 class BlockRegistration:
@@ -86,6 +69,9 @@ class BlockRegistration:
         The blocks in the backlog.
     queued : int
         How many there are.
+    marked : bool [max_requests]
+        Rows whose backlog may hold a duplicate of a hash dropped since: their last registered
+        block lost a child, or any backlog row when a dangling root existed (docs/design.md §6.8).
     """
 
     def __init__(self, requests, kv_block_allocator, window_blocks, mamba_slot_allocator,
@@ -97,7 +83,10 @@ class BlockRegistration:
         if mamba_slot_allocator is not None:    # its states of these blocks await a hash
             mamba_slot_allocator.deferred_blocks = self.deferred
             mamba_slot_allocator.private_deferred = self.private_blocks
-        kv_block_allocator.pending_parents = PendingParents(self)
+        kv_block_allocator.pending_parents = watch = PendingParents(self)
+        kv_block_allocator.deregistering = watch.deregistering
+        self.marked = np.zeros(requests.max_requests, bool)
+        self._scratch = np.zeros(kv_block_allocator.num_blocks, bool)
         self._queue: deque = deque()     # (rows, upto, counts, commit number)
         self.queued = self._commits = 0
         self._dropped: dict = {}        # hash -> last commit count at its deregistration
@@ -113,6 +102,7 @@ class BlockRegistration:
         self._commits = 0
         self._dropped.clear()
         self._drop_log.clear()
+        self.marked.fill(False)
 
     def commit(self, rows: np.ndarray, before: np.ndarray, ends: np.ndarray) -> int:
         """After a step of ``rows`` (ascending; ``before``: their computed tokens before it,
@@ -216,13 +206,27 @@ class BlockRegistration:
         return blocks[private]
 
     def _backlog(self):
-        """:func:`~.backlog_duplicates.backlog_blocks` of this backlog."""
-        entangled = entangled_rows(self.requests, self.kv, bool(self._dropped), ENTANGLED_ROWS)
+        """:func:`~.backlog_duplicates.backlog_blocks` of this backlog: its rows that could
+        hold a duplicate, the :attr:`marked` ones too while a drop is remembered. Every backlog
+        row is hashed then, as when every row was analysed (what is hashed decides when
+        :meth:`_advance` registers rather than hashes)."""
+        marked, requests = None, self.requests
+        if self._dropped:      # the queue holds every computed complete block of these rows
+            marked, ends = self.marked, requests.computed // requests.block_size
+            rows = np.flatnonzero(requests.registered < ends)
+            requests.hash_through(rows, ends[rows])
+        entangled = entangled_rows(requests, self.kv, False, ENTANGLED_ROWS, marked)
         if not entangled.any():     # no backlog block could duplicate one: all will register
             empty = np.zeros(0, np.int64)
             return empty, empty, empty, empty, np.zeros(0, bool)
         return backlog_blocks(self._queue, self.requests, self.kv.kv_hash_to_block_id,
                               self._dropped, entangled)
+
+    def deregistering(self, block_ids: np.ndarray) -> None:
+        """Before the KV allocator deregisters ``block_ids``: :func:`~.backlog_duplicates.
+        mark_rows_of` them, while a backlog could hold a block their hashes make private."""
+        if self.queued:
+            mark_rows_of(block_ids, self.requests, self.kv._forest, self.marked, self._scratch)
 
     def _on_deregistered(self, block_ids, hashes) -> None:
         """Observer of the KV allocator: remember when the hashes left the map, while blocks
@@ -278,6 +282,7 @@ class BlockRegistration:
         if not self.queued:
             self._dropped.clear()
             self._drop_log.clear()
+            self.marked.fill(False)
         elif self.prune_dropped:
             self._prune_dropped(self._queue[0][3])
         return registered

@@ -88,38 +88,54 @@ class EvictableLeaves:
         """
         heap, member = self._heap, self.member
         pop, push = heapq.heappop, heapq.heappush
-        out: list[int] = []
-        taken: list[tuple[int, int]] = []
+        stamp, parent_of, children, refs, is_member = (
+            timestamps.item, parent_ids.item, child_counts.item, ref_counts.item, member.item)
+        out: list[int] = []     # (their heap entries are (timestamps[b], b))
         promoted: list[int] = []
         aside: list[tuple[int, int]] = []
         remaining: dict[int, int] = {}      # children left of the parents touched
-        while len(out) < n and heap:
-            entry = pop(heap)
-            t, b = entry
-            if not member[b] or int(timestamps[b]) != t:
-                continue        # stale
-            member[b] = False
+        # A promoted parent that the next pop would return is taken at once: it never enters
+        # the heap, and is a member only if it ends the peel untaken (or is set aside).
+        entry = None
+        while len(out) < n:
+            if entry is None:
+                if not heap:
+                    break
+                entry = pop(heap)
+                if not is_member(entry[1]) or stamp(entry[1]) != entry[0]:
+                    entry = None
+                    continue        # stale
+                member[entry[1]] = False
+            b = entry[1]
             if b in keep:
                 aside.append(entry)
+                entry = None
                 continue
             out.append(b)
-            taken.append(entry)
-            p = int(parent_ids[b])
+            entry = None
+            p = parent_of(b)
             if p >= 0:
                 left = remaining.get(p)
-                left = (int(child_counts[p]) if left is None else left) - 1
-                remaining[p] = left
-                if left == 0 and ref_counts[p] == 0:
-                    member[p] = True
+                left = (children(p) if left is None else left) - 1
+                if left:
+                    remaining[p] = left
+                elif refs(p) == 0:
                     promoted.append(p)
-                    push(heap, (int(timestamps[p]), p))
+                    entry = (stamp(p), p)
+                    if heap and not entry < heap[0]:
+                        member[p] = True
+                        push(heap, entry)
+                        entry = None
+        if entry is not None:
+            member[entry[1]] = True
+            push(heap, entry)
         for entry in aside:
             member[entry[1]] = True
             push(heap, entry)
         if len(out) < n or not commit:
-            for entry in taken:
-                member[entry[1]] = True
-                push(heap, entry)
+            for b in out:
+                member[b] = True
+                push(heap, (stamp(b), b))
             member[promoted] = False
         if len(heap) > self._limit:
             self._rebuild(timestamps)

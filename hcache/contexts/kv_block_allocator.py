@@ -64,9 +64,11 @@ class KVBlockAllocator:
         Number of registered blocks whose parent is this block.
     kv_hash_to_block_id : dict[int, int]
         Registered hash -> block id (the inverse of ``block_hashes`` on registered blocks).
-    pending_parents : callable or None
-        Set by an owner that defers registration (docs/design.md §6.8): returns the registered
-        parents (int64) of its unregistered used blocks, kept from eviction as parents are.
+    pending_parents, deregistering : callable or None
+        Set by an owner that defers registration (docs/design.md §6.8): ``pending_parents()``
+        returns the registered parents (int64) of its unregistered used blocks, kept from
+        eviction as parents are; ``deregistering(ids)`` is shown the registered blocks (int64)
+        about to be deregistered, their links intact.
 
     Notes
     -----
@@ -95,7 +97,7 @@ class KVBlockAllocator:
         self._forest = BlockForest(n)
         self._leaves = EvictableLeaves(n)
         self._observers: list = []
-        self.pending_parents = None
+        self.pending_parents = self.deregistering = None
         self.reset()
 
     # --- derived values -----------------------------------------------------------------
@@ -157,8 +159,8 @@ class KVBlockAllocator:
         """Whether :meth:`allocate_memory_blocks` ``(n)`` would succeed after pinning
         ``potential_matched_count`` prefix-matched evictable blocks (which then cannot supply
         fresh blocks; a block with an in-use descendant is not evictable, not counted)."""
-        n = as_int("n", n)
-        potential_matched_count = as_int("potential_matched_count", potential_matched_count)
+        n, potential_matched_count = (as_int("n", n), as_int("potential_matched_count",
+                                                            potential_matched_count))
         if self._free.top >= n:
             return True
         if potential_matched_count == 0:
@@ -321,18 +323,11 @@ class KVBlockAllocator:
 
     def evict_lru_blocks(self, n: int) -> bool:
         """Deregister and free ``n`` cached blocks, peeling leaves oldest first (ties by id).
-
-        Returns
-        -------
-        bool
-            True when ``n`` blocks were evicted; False (nothing changed) when fewer than ``n``
-            are evictable.
-        """
+        Returns True when ``n`` blocks were evicted; False (nothing changed) when fewer than
+        ``n`` are evictable."""
         n = as_int("n", n)
-        if n == 0:
-            return True
-        if not self.caches_released_blocks:
-            return False
+        if n == 0 or not self.caches_released_blocks:
+            return n == 0
         victims = self._peel(n)
         if victims is None:
             return False
@@ -371,6 +366,8 @@ class KVBlockAllocator:
     def _deregister(self, ids: np.ndarray):
         """Unregister and free unique registered ``ids`` and return the observer arguments
         ``(ids_list, hashes_set)``; the caller notifies once its call has committed."""
+        if self.deregistering is not None:
+            self.deregistering(ids)
         hashes, parents = self._forest.unlink(ids)
         self.block_ref_counts[ids] = 0
         self.block_timestamps[ids] = 0

@@ -104,8 +104,9 @@ class MambaHashMap:
 
     def drop_hashes(self, hashes) -> None:
         """Remove the entries under ``hashes`` (hashes not in the map are skipped)."""
+        pop = self.hash_to_block_id.pop
         for h in hashes or ():
-            self.hash_to_block_id.pop(int(h), None)
+            pop(h, None)
 
     def cached(self, block_ids: np.ndarray, hashes: np.ndarray) -> np.ndarray:
         """``bool [n]``: whether each block is in the map under the paired hash."""

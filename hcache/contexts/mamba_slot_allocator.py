@@ -104,7 +104,7 @@ class MambaSlotAllocator:
         self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owned, self.num_blocks)
         self._copies = MambaStateCopies(context, self._pool, self.device, inter.conv_out,
                                         inter.ssm_out, conv_dt, ssm_dt)
-        kv.add_blocks_deregistered_observer(self.on_kv_blocks_deregistered)
+        kv.add_blocks_deregistered_observer(self._on_kv_deregistered)
         settle(self.device)   # the new slots are ready for any stream
 
     # --- queries --------------------------------------------------------------------------------
@@ -137,10 +137,8 @@ class MambaSlotAllocator:
     def _kv(self):
         return self.context.kv_block_allocator
 
-    @property
-    def num_used_slots(self) -> int:
-        """Slots owned by a block."""
-        return self.max_slots - self.free_count
+    num_used_slots = property(lambda self: self.max_slots - self.free_count,
+                              doc="Slots owned by a block.")
 
     @property
     def num_cached_states(self) -> int:
@@ -224,6 +222,11 @@ class MambaSlotAllocator:
         self._invalidate_blocks_batch(ids)
         self._hashes.drop_hashes(hashes.tolist())
 
+    def _on_kv_deregistered(self, block_ids: list, hashes: set) -> None:
+        """The subscribed observer: :meth:`on_kv_blocks_deregistered` of unregistered ids."""
+        self._pool.release(np.sort(np.array(block_ids, dtype=np.int64)))
+        self._hashes.drop_hashes(hashes)
+
     def register_block_hashes_batch(self, block_ids, hashes) -> None:
         """Make the states of ``block_ids`` reachable under their KV ``hashes`` (entries with
         ``hash <= 0`` are skipped; see :meth:`MambaHashMap.register`). Lists of registrable
@@ -249,8 +252,7 @@ class MambaSlotAllocator:
                            stream=None) -> None:
         """Write one Mamba layer's states into the slot of ``block_id`` (mainly for tests):
         per-slot shapes and storage dtypes (another module's array is converted). Raises
-        ``IndexError`` (block or layer out of range), ``ValueError`` (no slot, bad shape/dtype).
-        """
+        ``IndexError`` (block or layer out of range), ``ValueError`` (no slot, bad shape/dtype)."""
         self._copies.write_layer(block_id, self.get_slot(block_id), layer_idx, ssm_state,
                                  conv_state, stream=stream)
 
@@ -264,8 +266,8 @@ class MambaSlotAllocator:
         """Copy every layer's cached state of ``block_id`` into the request's live slot; False
         (nothing copied) when the block owns no slot. Raises ``IndexError`` (row or block out
         of range) or ``ValueError`` (the request has no live slot)."""
-        row = check_index("request_idx", request_idx, self.max_requests)
-        bid = check_index("block_id", block_id, self.num_blocks)
+        row, bid = (check_index("request_idx", request_idx, self.max_requests),
+                    check_index("block_id", block_id, self.num_blocks))
         return bool(self._copies.restore_to_live([row], [bid], stream=stream,
                                                  rows_name="request_idx")[0])
 
@@ -281,8 +283,7 @@ class MambaSlotAllocator:
         """Choose the block boundaries inside this chunk of request row ``current_id`` whose
         states the model must emit; see :meth:`IntermediateStates.plan` (the block table, block
         size and chunk size are the context's). Raises ``IndexError`` for a bad row."""
-        row = check_index("current_id", current_id, self.max_requests)
-        ctx = self.context
+        row, ctx = check_index("current_id", current_id, self.max_requests), self.context
         self._intermediate.plan(
             row, req, skip_tokens, prefill_chunk_length, num_matched_blocks, matched_block_ids,
             overall_required_blocks, block_table=ctx.request_to_kv_block_ids,
@@ -375,8 +376,7 @@ class MambaSlotAllocator:
         return reachable
 
     def _copy_intermediate_to_cache(self, src_offsets, slots, *, stream=None) -> None:
-        """``cache[:, slots[i]] = intermediate_out[:, src_offsets[i]]``, all layers, one launch."""
-        self._copies.scratch_to_cache(src_offsets, slots, stream=stream)
+        self._copies.scratch_to_cache(src_offsets, slots, stream=stream)   # all layers, 1 launch
 
     def _clear_intermediate_state(self, rows=None) -> None:
         """Forget the pending offsets and EOS entries of ``rows`` (default: every row)."""
