@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from hcache.bench import calls
+from hcache.bench import _common, calls
 from hcache.bench._common import BenchContext, Timer
 from hcache.bench.runner import KERNEL_BENCHES
 from hcache.runtime.device import resolve_device
@@ -16,9 +16,11 @@ pytestmark = pytest.mark.emulated
 
 
 @pytest.mark.parametrize("bench", KERNEL_BENCHES, ids=lambda b: b.FAMILY)
-def test_every_kernel_row_is_timed_from_a_captured_graph(emu_rt, bench):
+def test_every_kernel_row_is_timed_from_a_captured_graph(emu_rt, bench, monkeypatch):
     """Each row of the family on ``cuda`` (shapes scaled down) has a graph-replay kernel time
-    and a copy baseline; a call that could not be captured would say so in ``kernel_timing``."""
+    and a copy baseline; a call that could not be captured would say so in ``kernel_timing``
+    (one replay per timing: the emulator runs every replayed kernel)."""
+    monkeypatch.setattr(_common, "REPLAYS", 1)
     device = resolve_device("cuda")
     ctx = BenchContext(device, Timer(device.xp, 1, 0), 16)
     with device.scope():
