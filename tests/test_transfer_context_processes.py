@@ -11,15 +11,11 @@ themselves.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import signal
-
 import context_peer as cp
 import numpy as np
 import pytest
 from test_transfer_context import counts, handoff_hashes, rows
-from test_transfer_processes import STEP_S
+from test_transfer_processes import Peer
 
 from hcache.demo.model import reference_logits
 from hcache.transfer import ContextTransferEngine, TransferError, nixl_available
@@ -32,44 +28,9 @@ PROMPT = SYSTEM + [2, 33, 7, 58, 19]
 DECODE_STEPS = 5
 
 
-class Peer:
-    """A spawned process running :func:`context_peer.serve`."""
-
-    def __init__(self):
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=cp.serve, args=(child,), daemon=True)
-        self.process.start()
-        child.close()
-
-    def call(self, *cmd, timeout=STEP_S):
-        self.conn.send(cmd)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"peer: no answer to {cmd[0]!r} within {timeout} s")
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"peer: {cmd[0]} failed: {value}")
-        return value
-
-    def kill(self):
-        os.kill(self.process.pid, signal.SIGKILL)
-        self.process.join(10)
-
-    def stop(self):
-        if self.process.is_alive():
-            try:
-                self.call("quit", timeout=10)
-            except (OSError, TimeoutError, RuntimeError, EOFError):
-                pass
-            self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(10)
-
-
 @pytest.fixture(scope="module")
 def prefill_peer():
-    p = Peer()
+    p = Peer(cp.serve)
     yield p
     p.stop()
 
@@ -114,7 +75,7 @@ def test_killed_peer_leaves_the_context_as_it_was():
     """The peer exports a request and is killed (SIGKILL) before this side pulls it: the pull
     fails, the request is gone, the allocator's counts and hash map are as before (this
     side's own cached prefix included), and the engine still pulls from a live exporter."""
-    victim = Peer()
+    victim = Peer(cp.serve)
     try:
         metadata = victim.call("build", "hybrid", "ctx-victim", {})
         ctx = cp.context("hybrid")
@@ -147,7 +108,7 @@ def test_peer_killed_during_a_large_pull_leaves_the_context_consistent():
     """SIGKILL right after a 16 MiB pull started: either it finished first (every byte the
     peer's, the request live) or it fails (its blocks zeroed and released, counts and hash
     map as before); never a mix."""
-    victim = Peer()
+    victim = Peer(cp.serve)
     try:
         length, bs = 512, 16                  # 4 layers x 32 KiB x 512 tokens = 16 MiB
         kw = {"num_blocks": 40, "block_size": bs, "blocks_per": 40, "max_requests": 2}

@@ -30,12 +30,13 @@ DECODE_STEPS = 5
 
 
 class Peer:
-    """A spawned process running :func:`transfer_peer.serve`."""
+    """A spawned process running ``serve`` (:func:`transfer_peer.serve`, or the context
+    peer's): commands over a pipe, each answered within ``STEP_S``."""
 
-    def __init__(self):
+    def __init__(self, serve=peer.serve):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=peer.serve, args=(child,), daemon=True)
+        self.process = ctx.Process(target=serve, args=(child,), daemon=True)
         self.process.start()
         child.close()
 
@@ -47,6 +48,10 @@ class Peer:
         if status != "ok":
             raise RuntimeError(f"peer: {cmd[0]} failed: {value}")
         return value
+
+    def kill(self):
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(10)
 
     def stop(self):
         if self.process.is_alive():
@@ -117,8 +122,7 @@ def test_killed_peer_leaves_this_side_consistent():
             handle, _, _ = victim.call("prefill_export", PROMPTS, 1, "lost")
             mine = engine.export("mine", 1, 5)
             before = peer.snapshot(mgr)
-            os.kill(victim.process.pid, signal.SIGKILL)
-            victim.process.join(10)
+            victim.kill()
             with pytest.raises(TransferError, match="'lost'"):
                 engine.pull(handle, 0, timeout_s=3)
             n = len(PROMPTS[1])

@@ -126,12 +126,9 @@ def mamba_units(mamba: dict | None, slot: int) -> dict:
     return units
 
 
-def check_compatible(local: dict, remote: dict, length: int) -> None:
-    """Refuse (``ValueError``, naming what differs) to move ``length`` tokens between two
-    layouts that do not hold them the same way: different KV layers, head dims, components,
-    dtypes, Mamba shapes, a length past either side's ``max_len``, or ring windows that differ
-    once the tokens no longer fit the smaller one (the entries would be rotated differently).
-    Slot counts, ``max_len`` and TP degrees may differ."""
+def check_kv_layers(local: dict, remote: dict) -> None:
+    """Refuse (``ValueError``) two layouts whose attention layers differ in KV dtype, count,
+    head dim, components or element size (slot and paged layouts alike)."""
     if local["kv_dtype"] != remote["kv_dtype"]:
         raise ValueError(f"layout: expected KV dtype {local['kv_dtype']}, got "
                          f"{remote['kv_dtype']} on the peer")
@@ -143,6 +140,16 @@ def check_compatible(local: dict, remote: dict, length: int) -> None:
             if mine[field] != theirs[field]:
                 raise ValueError(f"layout: expected {field} {mine[field]} in attention layer "
                                  f"{a}, got {theirs[field]} on the peer (head-dim groups differ)")
+
+
+def check_compatible(local: dict, remote: dict, length: int) -> None:
+    """Refuse (``ValueError``, naming what differs) to move ``length`` tokens between two
+    layouts that do not hold them the same way: different KV layers, head dims, components,
+    dtypes, Mamba shapes, a length past either side's ``max_len``, or ring windows that differ
+    once the tokens no longer fit the smaller one (the entries would be rotated differently).
+    Slot counts, ``max_len`` and TP degrees may differ."""
+    check_kv_layers(local, remote)
+    for a, (mine, theirs) in enumerate(zip(local["kv"], remote["kv"], strict=True)):
         windows = [w for w in (mine["window"], theirs["window"]) if w]
         if windows and length > min(windows) and mine["window"] != theirs["window"]:
             raise ValueError(f"layout: expected the same ring window in attention layer {a} "

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from .layout import address_of, check_mamba_compatible, mamba_units
+from .layout import address_of, check_kv_layers, check_mamba_compatible, mamba_units
 from .plan import merge_ranges
 
 __all__ = ["describe_context", "check_paged_compatible", "plan_context_pull"]
@@ -103,17 +103,7 @@ def check_paged_compatible(local: dict, remote: dict, length: int) -> None:
     if not remote.get("paged"):
         raise ValueError("layout: expected a DynamicInferenceContext's paged layout on the "
                          "peer, got a HybridCacheManager's slot layout")
-    if local["kv_dtype"] != remote["kv_dtype"]:
-        raise ValueError(f"layout: expected KV dtype {local['kv_dtype']}, got "
-                         f"{remote['kv_dtype']} on the peer")
-    if len(local["kv"]) != len(remote["kv"]):
-        raise ValueError(f"layout: expected {len(local['kv'])} attention layers, got "
-                         f"{len(remote['kv'])} on the peer")
-    for a, (mine, theirs) in enumerate(zip(local["kv"], remote["kv"], strict=True)):
-        for field in ("head_dim", "components", "itemsize"):
-            if mine[field] != theirs[field]:
-                raise ValueError(f"layout: expected {field} {mine[field]} in attention layer "
-                                 f"{a}, got {theirs[field]} on the peer (head-dim groups differ)")
+    check_kv_layers(local, remote)
     if (local["tp"] is None) != (remote["tp"] is None):
         raise ValueError(f"layout: expected {'a' if local['tp'] else 'no'} TP layout on the "
                          f"peer as here, got {remote['tp']} (pass tp= on both sides or neither)")
