@@ -113,6 +113,20 @@ __device__ __forceinline__ int hc_token_target(const HcWriteArgs& a, const KVLay
     return 0;
 }
 
+// Item j of a launch (part j % parts of token j / parts): sets *t, *part and *dst and returns
+// true when the token is written; a skipped token that counts is reported once, by its first
+// part's lane 0 in the first launched layer.
+__device__ __forceinline__ bool hc_item_target(const HcWriteArgs& a, const KVLayerInfo& info,
+                                               hc_i64 j, hc_i64 slot_stride, hc_i64 tok_stride,
+                                               int* t, int* part, hc_i64* dst, int* status) {
+    *t = (int)(j / a.parts);
+    *part = (int)(j - (hc_i64)*t * a.parts);
+    const int what = hc_token_target(a, info, *t, slot_stride, tok_stride, dst);
+    if (what == 2 && (threadIdx.x & 31u) == 0 && *part == 0 && blockIdx.y == 0)
+        hc_report(status);
+    return what == 0;
+}
+
 // How the 32 lanes of a warp cover the rows of one token: 2^shift lanes per (component, head)
 // row (the fewest that take a row's chunks in one pass, at most 32), 32 >> shift rows side by
 // side; a lane takes chunks col, col + 2^shift, ... of rows sub, sub + (32 >> shift), ...
@@ -154,18 +168,13 @@ __device__ void hc_kv_write_body(const HcWriteArgs& a, const KVLayerInfo& info, 
     const HcRowWalk w = hc_row_walk(a.components * H, a.row_bytes / W);  // W | row_bytes
     const int row_step = 32 >> w.shift;
     char* const cache = reinterpret_cast<char*>(info.data);
-    const int lane = (int)(threadIdx.x & 31u);
     const int row_jump = row_step * a.parts;  // the rows a warp skips: the other parts'
     const hc_i64 items = (hc_i64)a.num_tokens * a.parts;
     for (hc_i64 j = hc_warp_id(); j < items; j += hc_warp_count()) {
-        const int t = (int)(j / a.parts);
-        const int part = (int)(j - (hc_i64)t * a.parts);
+        int t, part;
         hc_i64 dst = 0;
-        const int what = hc_token_target(a, info, t, slot_stride, tok_stride, &dst);
-        if (what != 0) {
-            if (what == 2 && lane == 0 && part == 0 && blockIdx.y == 0) hc_report(status);
+        if (!hc_item_target(a, info, j, slot_stride, tok_stride, &t, &part, &dst, status))
             continue;
-        }
         int r = w.sub + part * row_step, i = 0;
         while (r < w.rows) {
             V buf[HC_IN_FLIGHT];
@@ -378,18 +387,13 @@ __device__ void hc_kv_write_fp8_body(const HcWriteArgs& a, const KVLayerInfo& in
     const HcRowWalk w = hc_row_walk(a.components * H, D / E);
     const int row_step = 32 >> w.shift;
     char* const cache = reinterpret_cast<char*>(info.data);
-    const int lane = (int)(threadIdx.x & 31u);
     const int row_jump = row_step * a.parts;
     const hc_i64 items = (hc_i64)a.num_tokens * a.parts;
     for (hc_i64 j = hc_warp_id(); j < items; j += hc_warp_count()) {
-        const int t = (int)(j / a.parts);
-        const int part = (int)(j - (hc_i64)t * a.parts);
+        int t, part;
         hc_i64 dst = 0;
-        const int what = hc_token_target(a, info, t, slot_stride, tok_stride, &dst);
-        if (what != 0) {
-            if (what == 2 && lane == 0 && part == 0 && blockIdx.y == 0) hc_report(status);
+        if (!hc_item_target(a, info, j, slot_stride, tok_stride, &t, &part, &dst, status))
             continue;
-        }
         int r = w.sub + part * row_step, i = 0;
         while (r < w.rows) {
             unsigned in[HC_FP8_IN_FLIGHT][NW];
