@@ -361,6 +361,7 @@ class EagerVersusLaggingRegistration(RuleBasedStateMachine):
     # bug above changes an outcome (the pressure variant hunts them). The evictable count may
     # still differ (test_a_cached_parent_of_a_backlogged_block_is_not_evictable), unused here.
     blocks_range, policies, drops = (1000, 1000), ["lru"], False
+    budgets = [1]       # B's: a budget of 1 never registers a step at once
     # Prefix-cache isolation (docs/design.md §6.1): mostly no salt, so that prompts hit.
     salts = [None, None, None, b"t1", "t1", b"t2"]
 
@@ -369,9 +370,10 @@ class EagerVersusLaggingRegistration(RuleBasedStateMachine):
         bs = data.draw(st.sampled_from([1, 2, 3]), label="bs")
         blocks = data.draw(st.integers(*self.blocks_range), label="blocks")
         policy = data.draw(st.sampled_from(self.policies), label="policy")
+        lagging = data.draw(st.sampled_from(self.budgets), label="budget")
         self.a, self.b = (make_ctx(blocks, bs=bs, mamba=1, slots=min(blocks, 40) + 8, rows=4,
                                    max_blocks=24 // bs, policy=policy,
-                                   registration_budget=budget) for budget in (None, 1))
+                                   registration_budget=budget) for budget in (None, lagging))
         self.next_id = 0
         self.isolation = {}     # request id -> (salt, extra keys)
 
@@ -532,6 +534,19 @@ TestEagerVersusLaggingUnderPressure.settings = settings(
     TestEagerVersusLaggingUnderPressure.settings, stateful_step_count=40)
 
 
+class SmallStepsAtOnceUnderPressure(EagerVersusLaggingRegistration):
+    """B's budget of 4 or 8 registers a step at once when it and the backlog hold at most 1 or
+    2 blocks (draining the backlog first), and queues the others: a mix of both, under eviction
+    pressure, still decides as registering everything at once."""
+
+    blocks_range, policies, drops, budgets = (6, 14), ["lru", "ref_zero"], True, [4, 8]
+
+
+TestSmallStepsAtOnceUnderPressure = SmallStepsAtOnceUnderPressure.TestCase
+TestSmallStepsAtOnceUnderPressure.settings = settings(
+    TestSmallStepsAtOnceUnderPressure.settings, stateful_step_count=40)
+
+
 
 # --- the drop log is pruned: the same context with pruning off is the oracle ---------------
 
@@ -594,18 +609,14 @@ def assert_eager_agrees(eager, b):
     assert se == sb
 
 
-@settings(max_examples=25)
-@given(seed=st.integers(0, 2**16), bs=st.sampled_from([1, 2, 4]), rows=st.integers(2, 6))
-def test_pruned_drops_change_no_outcome_of_a_serving_loop(seed, bs, rows):
-    """A serving loop over a full pool (arrivals, finishes, shared prefixes, LRU eviction while
-    blocks wait in the backlog): pruning the drop log changes nothing."""
-    rng = np.random.default_rng(seed)
-    blocks = rows * (24 // bs) // 2 + 4
-    a, b, eager = pruning_twins(blocks, bs, rows)
-    ctxs = (a, b, eager)
+def serving_loop(ctxs, rng, rows, after_step, steps=60):
+    """Drive ``ctxs`` side by side through a serving loop (arrivals, finishes, shared prefixes,
+    decode batches) and check that they admit and extend alike; ``after_step()`` runs after
+    every commit."""
+    a = ctxs[0]
     stem = rng.integers(0, 3, 12).tolist()
-    left, next_id, drops = {}, 0, 0
-    for _ in range(60):
+    left, next_id = {}, 0
+    for _ in range(steps):
         for rid in [r for r, k in left.items() if k == 0]:
             for c in ctxs:
                 c.release_requests([rid])
@@ -615,7 +626,7 @@ def test_pruned_drops_change_no_outcome_of_a_serving_loop(seed, bs, rows):
             prompt = (stem[:n] if rng.random() < 0.5 else rng.integers(0, 3, n).tolist())
             got = [outcome(lambda c=c, i=next_id, p=prompt: plan_outcome(c.add_request(i, p)))
                    for c in ctxs]
-            assert got[0] == got[1] == got[2]
+            assert all(g == got[0] for g in got)
             if isinstance(got[0], type):
                 break
             left[next_id] = int(rng.integers(1, 12))
@@ -625,21 +636,93 @@ def test_pruned_drops_change_no_outcome_of_a_serving_loop(seed, bs, rows):
         if ids:
             got = [outcome(lambda c=c, i=ids, t=toks: c.extend_requests(i, t).rows.tolist())
                    for c in ctxs]
-            assert got[0] == got[1] == got[2]
+            assert all(g == got[0] for g in got)
             if not isinstance(got[0], type):
                 for r in ids:
                     left[r] -= 1
         for c in ctxs:
             c.commit_step()
-        drops += len(a._registration._dropped)
+        after_step()
+
+
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**16), bs=st.sampled_from([1, 2, 4]), rows=st.integers(2, 6))
+def test_pruned_drops_change_no_outcome_of_a_serving_loop(seed, bs, rows):
+    """A serving loop over a full pool (arrivals, finishes, shared prefixes, LRU eviction while
+    blocks wait in the backlog): pruning the drop log changes nothing."""
+    rng = np.random.default_rng(seed)
+    blocks = rows * (24 // bs) // 2 + 4
+    a, b, eager = pruning_twins(blocks, bs, rows)
+    drops = []
+
+    def after_step():
+        drops.append(len(a._registration._dropped))
         assert_pruning_agrees(a, b)
         assert_eager_agrees(eager, b)
         if rng.random() < 0.1:
             assert_caught_up_alike(a, b)
+
+    serving_loop((a, b, eager), rng, rows, after_step)
     assert_caught_up_alike(a, b)
-    for c in ctxs:
+    for c in (a, b, eager):
         check_all(c)
-    event(f"drops kept while queued: {'some' if drops else 'none'}")
+    event(f"drops kept while queued: {'some' if any(drops) else 'none'}")
+
+
+@settings(max_examples=25)
+@given(seed=st.integers(0, 2**16), bs=st.sampled_from([1, 2, 4]), rows=st.integers(3, 8))
+def test_small_steps_registered_at_once_decide_as_registering_everything(seed, bs, rows):
+    """A budget of 12 registers a step at once when it and the backlog hold at most 3 blocks
+    (the backlog first, in order) and queues bigger ones: under eviction pressure it decides
+    as a context that registers everything at once, and its backlog stays consistent."""
+    rng = np.random.default_rng(seed)
+    blocks = rows * (24 // bs) // 2 + 4
+    small, eager = (make_ctx(blocks, bs=bs, mamba=1, slots=blocks + 2 * rows, rows=rows,
+                             max_blocks=32 // bs, registration_budget=budget)
+                    for budget in (12, None))
+
+    def after_step():
+        assert_eager_agrees(eager, small)
+        if rng.random() < 0.2:
+            check_all(small)
+
+    serving_loop((small, eager), rng, rows, after_step)
+    assert_caught_up_alike(small, eager)
+    for c in (small, eager):
+        check_all(c)
+
+
+def test_a_small_step_registers_a_young_backlog_first():
+    """Budget 12 (steps of at most 3 blocks register at once): 6 blocks completing at one step
+    are queued; a later small step over a 1-block backlog too young for the budgeted drain
+    registers that backlog, then its own block. Row 1's new block duplicates row 0's queued
+    one (rows 0 and 1 hold the same tokens), so only that order gives what registering at once
+    gives: row 0's block holds the hash."""
+    small, eager = (make_ctx(40, bs=4, mamba=1, slots=60, rows=6, max_blocks=8,
+                             registration_budget=budget) for budget in (12, None))
+    reg = small._registration
+    for c in (small, eager):
+        for i in range(6):
+            c.add_request(i, [1, 2, 3] if i < 2 else [10 * i + 1, 10 * i + 2, 10 * i + 3])
+        c.commit_step()
+        c.extend_requests(list(range(6)), np.full(6, 9))    # 6 blocks complete
+        c.commit_step()
+    assert reg.queued == 6
+    for c in (small, eager):
+        c.extend_requests([0], [[4, 4, 4, 4]])      # row 0's second block
+        c.commit_step()
+        c.commit_step()     # the budgeted drain hashes the first entry
+        c.commit_step()     # ... and registers it; row 0's block is too young
+    assert reg.queued == 1
+    for c in (small, eager):
+        c.extend_requests([1], [[4, 4, 4, 4]])      # row 1's: a duplicate of row 0's
+        c.commit_step()
+    assert reg.queued == 0
+    assert small.kv_block_allocator.kv_hash_to_block_id == \
+        eager.kv_block_allocator.kv_hash_to_block_id
+    assert_caught_up_alike(small, eager)
+    for c in (small, eager):
+        check_all(c)
 
 
 # --- the drop log is pruned: the same context with pruning off is the oracle ---------------

@@ -42,8 +42,13 @@ __all__ = ["BlockRegistration", "PendingParents"]
 # ago or earlier.
 DRAIN_FRACTION = 8
 DRAIN_AGE = 2
+# A step whose blocks and the backlog number at most budget / 4 registers them all at once (a
+# staggered serving load: a few blocks on every step, never a lockstep spike).
+AT_ONCE_FRACTION = 4
 # Beyond this many rows that could hold duplicates, all of the backlog is hashed to find them.
 ENTANGLED_ROWS = 16
+_NO_BLOCKS = np.zeros(0, np.int64)
+_NO_BLOCKS.flags.writeable = False
 
 
 class BlockRegistration:
@@ -136,9 +141,18 @@ class BlockRegistration:
             if now.any():
                 registered += self._register(rows[now], upto[now])
             if not now.all():
-                self._enqueue(rows[~now], first[~now], upto[~now])
-                if self.budget is None:
-                    registered += self._drain(None)
+                rows, first, upto = rows[~now], first[~now], upto[~now]
+                if self.budget is None or self.queued + int((upto - first).sum()) \
+                        <= self.budget // AT_ONCE_FRACTION:
+                    # A small step over a small backlog: queuing it would cost more bookkeeping
+                    # (duplicate analysis at each eviction, deferred Mamba states) than the
+                    # registration it spreads. The backlog goes first: order is kept.
+                    if self.queued:
+                        registered += self._drain(None)
+                    registered += self._register(rows, upto, bool((upto - first == 1).all()),
+                                                 deferred=False)
+                else:
+                    self._enqueue(rows, first, upto)
         return registered
 
     def _enqueue(self, rows: np.ndarray, first: np.ndarray, upto: np.ndarray) -> None:
@@ -192,6 +206,8 @@ class BlockRegistration:
         registered under the predecessor hash of each backlog block that will register. Eviction
         keeps them, and their cached ancestors, as it keeps the parents of used registered
         blocks (what it needs of the backlog is hashed for it, each block once, as always)."""
+        if not self.queued:
+            return _NO_BLOCKS
         owners, cols, _, hashes, private = self._backlog()
         keep = ~private & (cols > 0)
         parents = self.requests.hashes[owners[keep], cols[keep] - 1].tolist()
@@ -327,9 +343,11 @@ class BlockRegistration:
         rows, upto, _, _ = self._queue[0]
         return bool(self.requests.hashed[rows[0]] >= upto[0])
 
-    def _register(self, rows: np.ndarray, upto: np.ndarray, single=False, commit=None) -> int:
+    def _register(self, rows: np.ndarray, upto: np.ndarray, single=False, commit=None,
+                  deferred=True) -> int:
         """Hash and register blocks ``[registered, upto)`` of distinct ``rows`` (``single``: one
-        each), completed at commit ``commit`` (None: the current one)."""
+        each), completed at commit ``commit`` (None: the current one); ``deferred=False``: none
+        of them was queued (no Mamba state awaits them)."""
         requests, kv = self.requests, self.kv
         if single:     # a decode step's: one new block each
             cols, done = upto - 1, requests.hashed[rows]
@@ -349,7 +367,7 @@ class BlockRegistration:
                     # fails, as parent hash 0 is no block's).
                     kv._register_new_blocks(ids, hashes, parents,
                                             table[rows, cols - 1].astype(np.int64))
-                    return self._settle(ids, hashes, len(ids))
+                    return self._settle(ids, hashes, len(ids)) if deferred else len(ids)
         requests.hash_through(rows, upto)
         ids, hashes, parents, drained, drained_hashes = blocks_to_register(
             requests, rows, upto * requests.block_size, kv.kv_hash_to_block_id)
@@ -362,7 +380,7 @@ class BlockRegistration:
             ids, hashes, parents = ids[fresh], hashes[fresh], parents[fresh]
         if len(ids):
             kv._register_new_blocks(ids, hashes, parents)
-        return self._settle(drained, drained_hashes, len(ids))
+        return self._settle(drained, drained_hashes, len(ids)) if deferred else len(ids)
 
     def _settle(self, drained: np.ndarray, hashes: np.ndarray, registered: int) -> int:
         """The ``drained`` blocks (``hashes``) left the backlog: unmark them and settle the
