@@ -49,8 +49,8 @@ def before_evictable_blocks(self, ref_counts, exclude=None):
     return candidates
 
 
-def before_evict(self, n, ref_counts, timestamps, *, exclude=None):
-    candidates = self.evictable_blocks(ref_counts, exclude)
+def before_evict(self, n, ref_counts, timestamps, *, exclude=None, candidates=None):
+    candidates = self.evictable_blocks(ref_counts, exclude)     # the scan, never reused
     if len(candidates) < n:
         raise MambaSlotCapacityError(n, len(candidates))
     victims = candidates[lexsort_oldest(candidates, timestamps, n)]
@@ -199,7 +199,7 @@ def test_the_twin_workload_reaches_the_changed_paths():
     from hcache.contexts.mamba_hash_map import MambaHashMap
     seen = dict.fromkeys(["evict", "shortage", "deregistered", "guessed", "settled",
                           "dropped", "eos only", "entangled"], 0)
-    demand = MambaSlotPool.demand
+    shortfall = MambaSlotPool.shortfall
 
     def counting(cls, name, key, when):
         fn = getattr(cls, name)
@@ -211,9 +211,9 @@ def test_the_twin_workload_reaches_the_changed_paths():
 
     counters = [
         (MambaSlotPool, "evict", "evict", lambda self, n, *a, **k: n > 0),
-        (MambaSlotPool, "demand", "shortage",      # (demand reads only)
-         lambda self, *a, **k: (lambda new, available: len(new) > available)(
-             *demand(self, *a, **k))),
+        (MambaSlotPool, "shortfall", "shortage",      # (shortfall reads only)
+         lambda self, *a, **k: (lambda new, candidates: candidates is not None and len(new) >
+                                self.free_count + len(candidates))(*shortfall(self, *a, **k))),
         (KVBlockAllocator, "_deregister", "deregistered", lambda self, ids: len(ids)),
         (BlockForest, "link", "guessed",
          lambda self, b, h, p, lp=None: lp is not None and (p > 0).any()),

@@ -133,9 +133,7 @@ class MambaSlotAllocator:
                           lambda self, value: setattr(self._pool, "free_count", value),
                           doc="Free cache slots (the top of ``free_slots``).")
 
-    @property
-    def _kv(self):
-        return self.context.kv_block_allocator
+    _kv = property(attrgetter("context.kv_block_allocator"))
 
     num_used_slots = property(lambda self: self.max_slots - self.free_count,
                               doc="Slots owned by a block.")
@@ -340,19 +338,21 @@ class MambaSlotAllocator:
             idx = np.flatnonzero(((hashes > 0) & ~self._hashes.cached(bids, hashes)) | waiting)
             if len(idx) > 1:       # a repeated block keeps its first entry
                 idx = idx[self._pool.first_occurrences(bids[idx])]
-        refs = self._kv.block_ref_counts
-        new, available = self._pool.demand(bids[idx], refs, distinct=True)
-        if len(new) > self.free_count and (waiting.any() or self._hashes.awaiting.any()):
+        refs, pool = self._kv.block_ref_counts, self._pool
+        short = pool.shortfall(bids[idx], refs, distinct=True)
+        if short[1] is not None and (waiting.any() or self._hashes.awaiting.any()):
             private = self.private_deferred()   # duplicates: registering at once keeps none
             if len(private):
-                self._pool.release(self._hashes.forget_awaiting(private))
+                pool.release(self._hashes.forget_awaiting(private))
                 idx = idx[~np.isin(bids[idx], private)]
-                new, available = self._pool.demand(bids[idx], refs, distinct=True)
+                short = pool.shortfall(bids[idx], refs, distinct=True)
+        new, available = short[0], self.free_count + len(() if short[1] is None else short[1])
         if len(new) > available:    # keep owners and the first `available` new (distinct) blocks
             owned = self.block_to_slot[bids[idx]] >= 0
             idx = idx[owned | (np.cumsum(~owned) <= available)]
-        ids = bids[idx]
-        slots, victims = self._pool.allocate(ids, refs, self._timestamps(), distinct=True)
+        ids = bids[idx]     # the blocks left out own no slot: the candidates stand
+        slots, victims = pool.allocate(ids, refs, self._timestamps(), distinct=True,
+                                       shortfall=short)
         self._hashes.drop_blocks(victims, self._kv.block_hashes)
         is_inter = idx < len(inter)
         if is_inter.any():

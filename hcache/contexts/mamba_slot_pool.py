@@ -23,6 +23,9 @@ from ..errors import CacheCapacityError
 
 __all__ = ["MambaSlotCapacityError", "MambaSlotPool"]
 
+_NO_BLOCKS = np.zeros(0, dtype=np.int64)
+_NO_BLOCKS.flags.writeable = False
+
 
 class MambaSlotCapacityError(CacheCapacityError):
     """Not enough free plus evictable Mamba cache slots for a batch; nothing was changed.
@@ -92,16 +95,22 @@ class MambaSlotPool:
 
     def demand(self, block_ids: np.ndarray, ref_counts, *, distinct: bool = False):
         """Blocks of ``block_ids`` (``distinct``: known to hold no repeat) needing a new slot
-        (first-seen order) and the slots available to them: free ones plus evictable ones not
+        (first-seen order), and the slots available to them: free ones plus evictable ones not
         in ``block_ids`` (whose slots are being returned)."""
+        new, candidates = self.shortfall(block_ids, ref_counts, distinct=distinct)
+        return new, self.free_count + (0 if candidates is None else len(candidates))
+
+    def shortfall(self, block_ids: np.ndarray, ref_counts, *, distinct: bool = False):
+        """:meth:`demand` as ``(new, candidates)``: the evictable blocks outside ``block_ids``
+        (int64, one scan) when the free slots are too few for ``new``, else None; pass them
+        on to :meth:`allocate` while nothing has changed."""
         new = block_ids[self.block_to_slot[block_ids] < 0]
         if not distinct:
             uniq, first = np.unique(new, return_index=True)
             new = uniq[np.argsort(first)]
-        available = self.free_count
-        if len(new) > self.free_count:
-            available += len(self.evictable_blocks(ref_counts, exclude=block_ids))
-        return new, available
+        if len(new) <= self.free_count:
+            return new, None
+        return new, self.evictable_blocks(ref_counts, exclude=block_ids)
 
     def first_occurrences(self, block_ids: np.ndarray) -> np.ndarray:
         """``bool [n]``: whether each entry of checked ``block_ids`` is its block's first."""
@@ -110,9 +119,11 @@ class MambaSlotPool:
         return self._seen[block_ids] == order
 
     def allocate(self, block_ids: np.ndarray, ref_counts, timestamps, *,
-                 distinct: bool = False):
+                 distinct: bool = False, shortfall=None):
         """Give every block of ``block_ids`` a slot (one per distinct block; owners keep
-        theirs), free slots first, then by :meth:`evict`, all or nothing.
+        theirs), free slots first, then by :meth:`evict`, all or nothing; ``shortfall``: what
+        :meth:`shortfall` returned for these blocks (or for a superset whose extra blocks own no
+        slot), nothing changed since.
 
         Returns
         -------
@@ -124,27 +135,32 @@ class MambaSlotPool:
         MambaSlotCapacityError
             Free plus evictable slots (other than those of ``block_ids``) are too few.
         """
-        new, available = self.demand(block_ids, ref_counts, distinct=distinct)
+        if shortfall is None:
+            new, candidates = self.shortfall(block_ids, ref_counts, distinct=distinct)
+        else:
+            new, candidates = block_ids[self.block_to_slot[block_ids] < 0], shortfall[1]
+        available = self.free_count + (0 if candidates is None else len(candidates))
         if len(new) > available:
             raise MambaSlotCapacityError(len(new), available)
-        victims = np.zeros(0, dtype=np.int64)
+        victims = _NO_BLOCKS
         if len(new):
             take = min(len(new), self.free_count)
             slots = self.free_slots[self.free_count - take:self.free_count][::-1].copy()
             self.free_count -= take
             if take < len(new):
                 evicted, victims = self.evict(len(new) - take, ref_counts, timestamps,
-                                              exclude=block_ids)
+                                              exclude=block_ids, candidates=candidates)
                 slots = np.concatenate([slots, evicted])
             self.block_to_slot[new] = slots
             self.slot_to_block[slots] = new
             self._owned[new] = True
         return self.block_to_slot[block_ids].astype(np.int64), victims
 
-    def evict(self, n: int, ref_counts, timestamps, *, exclude=None):
+    def evict(self, n: int, ref_counts, timestamps, *, exclude=None, candidates=None):
         """Take the slots of the ``n`` least recently used evictable blocks: oldest
         ``timestamps`` first (all 0 when None), ties by block id, never a block of
-        ``exclude``. The slots are **not** returned to the free stack.
+        ``exclude``. The slots are **not** returned to the free stack. ``candidates``: the
+        :meth:`evictable_blocks` for that ``exclude``, when known.
 
         Returns
         -------
@@ -156,7 +172,8 @@ class MambaSlotPool:
         MambaSlotCapacityError
             Fewer than ``n`` candidates; nothing changes.
         """
-        candidates = self.evictable_blocks(ref_counts, exclude)
+        if candidates is None:
+            candidates = self.evictable_blocks(ref_counts, exclude)
         if len(candidates) < n:
             raise MambaSlotCapacityError(n, len(candidates))
         victims = candidates[_oldest(candidates, timestamps, n, len(self.block_to_slot))]
