@@ -1,23 +1,14 @@
-"""When the blocks a step completes are hashed and registered (docs/design.md §6.8 says why
-and how; this is the contract).
+"""When the blocks a step completes are hashed and registered: docs/design.md §6.8 is the
+contract (why a backlog, what a commit drains, why every outcome is registering at once's).
 
 :class:`BlockRegistration` keeps a backlog, a first-in first-out queue of ``(rows, upto)``
-entries (register each row through block column ``upto``). A :meth:`commit` works on entries
-queued two commits ago or earlier, on ``max(budget, ceil(backlog / 8))`` blocks: it registers
-the hashed blocks at the front (whole entries, then leading rows) or, if the front is not
-hashed, hashes that many (each once, chained from the row's last digest); SHA-256 being most of
-the cost, a step does one or the other. A prompt's blocks (hashed at admission) register at
-their step. Every outcome that depends on registration is the outcome of
-registering at once: :meth:`flush_for_prompt` catches up the rows a prompt could match a block
-of; :meth:`flush` those a release drops (all, if it deregisters); eviction keeps the registered
-blocks the backlog will link to (:meth:`pending_parents`); a block whose hash was deregistered
-after it completed stays private, as it would have; a context with a local (sliding-window)
-block space registers everything at every commit. The boundary state of a backlog block is kept
-at its step and becomes reachable (and counts in ``stored_states``) when the block registers;
-when slots run short, the backlog is hashed (:meth:`private_blocks`) so that a duplicate, which
-registering at once would not store, takes none. Only the registration state (hash maps,
-``block_hashes``, forest links) lags between steps (``tests/test_block_registration.py`` runs
-the smallest budget against ``budget=None``). Within a step, prompts' blocks register first.
+entries (register each row through block column ``upto``). A :meth:`commit` registers a small
+step at once (with the backlog, at most ``budget / 4`` blocks: the backlog first), else queues
+it, and works on entries queued two commits ago or earlier, on ``max(budget, ceil(backlog /
+8))`` blocks: it registers the hashed front or hashes that many. A prompt's blocks (hashed at
+admission) register at their step, first. The :meth:`flush` family, :meth:`pending_parents`
+and :meth:`private_blocks` keep every outcome that of registering at once
+(``tests/test_block_registration.py`` runs budgets against ``budget=None``).
 
 Invariants (checked by :meth:`BlockRegistration.broken_invariants`): the queue holds exactly the
 backlog, the computed complete blocks of each row beyond its ``registered`` count, in
@@ -42,13 +33,12 @@ __all__ = ["BlockRegistration", "PendingParents"]
 # ago or earlier.
 DRAIN_FRACTION = 8
 DRAIN_AGE = 2
-# A step whose blocks and the backlog number at most budget / 4 registers them all at once (a
-# staggered serving load: a few blocks on every step, never a lockstep spike).
+# A step whose blocks and the backlog number at most budget / 4 registers them all at once, the
+# backlog first (a serving load completes a few blocks on every step: queuing them cost more in
+# bookkeeping, the duplicate analysis at each eviction and deferred Mamba states, than it spread).
 AT_ONCE_FRACTION = 4
 # Beyond this many rows that could hold duplicates, all of the backlog is hashed to find them.
 ENTANGLED_ROWS = 16
-_NO_BLOCKS = np.zeros(0, np.int64)
-_NO_BLOCKS.flags.writeable = False
 
 
 class BlockRegistration:
@@ -65,8 +55,8 @@ class BlockRegistration:
         Whose ``stats`` (a ``PrefixCacheStats``) count a backlog block's Mamba state in
         ``stored_states`` when it becomes reachable (the context).
     budget : int or None
-        Blocks a :meth:`commit` hashes or registers: ``max(budget, ceil(queued / 8))`` (at
-        least one row's); None: all, at once.
+        Blocks a :meth:`commit` hashes or registers: ``max(budget, ceil(queued / 8))``; None:
+        all, at once.
 
     Attributes
     ----------
@@ -111,8 +101,8 @@ class BlockRegistration:
 
     def commit(self, rows: np.ndarray, before: np.ndarray, ends: np.ndarray) -> int:
         """After a step of ``rows`` (ascending; ``before``: their computed tokens before it,
-        ``ends``: after it): queue the blocks it completed, then register at most ``budget``
-        queued blocks. Returns the number registered."""
+        ``ends``: after it): register or queue the blocks it completed, and work on the
+        backlog. Returns the number registered."""
         requests, bs = self.requests, self.requests.block_size
         if self.window is not None and len(rows):
             requests.hash_through(rows, ends // bs)
@@ -144,11 +134,7 @@ class BlockRegistration:
                 rows, first, upto = rows[~now], first[~now], upto[~now]
                 if self.budget is None or self.queued + int((upto - first).sum()) \
                         <= self.budget // AT_ONCE_FRACTION:
-                    # A small step over a small backlog: queuing it would cost more bookkeeping
-                    # (duplicate analysis at each eviction, deferred Mamba states) than the
-                    # registration it spreads. The backlog goes first: order is kept.
-                    if self.queued:
-                        registered += self._drain(None)
+                    registered += self._drain(None) if self.queued else 0
                     registered += self._register(rows, upto, bool((upto - first == 1).all()),
                                                  deferred=False)
                 else:
@@ -169,12 +155,10 @@ class BlockRegistration:
             self.queued += int(counts.sum())
 
     def flush(self, rows=None) -> int:
-        """Register the backlog through the last entry holding one of ``rows`` (default:
-        all of it). Returns the number registered."""
-        if not self.queued:
-            return 0
-        if rows is None:
-            return self._drain(None)
+        """Register the backlog through the last entry holding one of ``rows`` (default: all);
+        returns the number registered."""
+        if not self.queued or rows is None:
+            return self._drain(None) if self.queued else 0
         marked = np.zeros(self.requests.max_requests, bool)
         marked[rows] = True
         last = -1
@@ -207,7 +191,7 @@ class BlockRegistration:
         keeps them, and their cached ancestors, as it keeps the parents of used registered
         blocks (what it needs of the backlog is hashed for it, each block once, as always)."""
         if not self.queued:
-            return _NO_BLOCKS
+            return np.zeros(0, np.int64)
         owners, cols, _, hashes, private = self._backlog()
         keep = ~private & (cols > 0)
         parents = self.requests.hashes[owners[keep], cols[keep] - 1].tolist()
@@ -305,10 +289,8 @@ class BlockRegistration:
 
     def _prune_dropped(self, oldest: int) -> None:
         """Forget the hashes last deregistered before commit ``oldest``, the oldest queued
-        entry's: a drop counts only for blocks that completed at or before it, and every block
-        still queued or queued later completes at ``oldest`` or after, so no outcome changes
-        (``tests/test_block_registration.py`` runs this against ``prune_dropped=False``).
-        Costs one step per forgotten deregistration."""
+        entry's: a drop counts only for blocks that completed at or before it, and no block
+        queued now or later completed earlier (tested against ``prune_dropped=False``)."""
         log, dropped = self._drop_log, self._dropped
         while log and log[0][0] < oldest:
             commit, hashes = log.popleft()
@@ -346,8 +328,7 @@ class BlockRegistration:
     def _register(self, rows: np.ndarray, upto: np.ndarray, single=False, commit=None,
                   deferred=True) -> int:
         """Hash and register blocks ``[registered, upto)`` of distinct ``rows`` (``single``: one
-        each), completed at commit ``commit`` (None: the current one); ``deferred=False``: none
-        of them was queued (no Mamba state awaits them)."""
+        each), completed at commit ``commit`` (None: now); ``deferred``: they were queued."""
         requests, kv = self.requests, self.kv
         if single:     # a decode step's: one new block each
             cols, done = upto - 1, requests.hashed[rows]

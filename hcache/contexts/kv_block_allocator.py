@@ -131,10 +131,8 @@ class KVBlockAllocator:
         (self.block_ref_counts == 0) & (self.block_hashes != -1))),
         doc="Registered blocks no request holds (a prefix match may reuse them).")
 
-    @property
-    def free_block_ids(self) -> np.ndarray:
-        """Copy of the free stack, ``int32 [num_free_blocks]``, bottom first."""
-        return self._free.free_block_ids
+    free_block_ids = property(attrgetter("_free.free_block_ids"),
+                              doc="Copy of the free stack, int32 [num_free_blocks], bottom first.")
 
     # --- queries ------------------------------------------------------------------------
 
@@ -151,9 +149,8 @@ class KVBlockAllocator:
 
     def get_allocatable_count(self) -> int:
         """Free blocks plus, under lru, evictable cached blocks."""
-        if not self.caches_released_blocks:
-            return self._free.top
-        return self._free.top + self.get_evictable_block_count()
+        return self._free.top + (self.get_evictable_block_count()
+                                 if self.caches_released_blocks else 0)
 
     def is_memory_available(self, n: int, potential_matched_count: int = 0) -> bool:
         """Whether :meth:`allocate_memory_blocks` ``(n)`` would succeed after pinning
@@ -242,7 +239,7 @@ class KVBlockAllocator:
         if free.any():
             raise ValueError(f"block_ids: expected allocated or cached blocks, got free block "
                              f"{int(ids[free][0])}")
-        uniq, counts = np.unique(ids, return_counts=True)
+        uniq, counts = _counted(ids)
         self.block_ref_counts[uniq] += counts.astype(np.int32)
         self.block_timestamps[uniq] = self._clock
         self._leaves.discard(uniq)
@@ -260,7 +257,7 @@ class KVBlockAllocator:
             A ref count would drop below 0 (nothing changes).
         """
         ids = block_id_array("block_ids", block_ids, self._num_blocks)
-        uniq, counts = np.unique(ids, return_counts=True)
+        uniq, counts = _counted(ids)
         after = self.block_ref_counts[uniq].astype(np.int64) - counts
         if (after < 0).any():
             bad = int(uniq[after < 0][0])
@@ -307,8 +304,8 @@ class KVBlockAllocator:
         """
         ids = block_id_array("block_ids", block_ids, self._num_blocks)
         hs = hash_array("hashes", hashes, ids.shape[0])
-        ps = (np.zeros_like(hs) if parent_hashes is None
-              else hash_array("parent_hashes", parent_hashes, ids.shape[0]))
+        ps = np.zeros_like(hs) if parent_hashes is None else \
+            hash_array("parent_hashes", parent_hashes, ids.shape[0])
         pending = self._forest.plan_registration(ids, hs, ps, self.block_ref_counts)
         if self.enable_prefix_caching:
             self._forest.link(*pending)
@@ -369,8 +366,7 @@ class KVBlockAllocator:
         if self.deregistering is not None:
             self.deregistering(ids)
         hashes, parents = self._forest.unlink(ids)
-        self.block_ref_counts[ids] = 0
-        self.block_timestamps[ids] = 0
+        self.block_ref_counts[ids] = self.block_timestamps[ids] = 0
         self._free.push(ids)
         if self.caches_released_blocks:     # parents left childless at ref count 0: leaves
             self._leaves.discard(ids)
@@ -395,3 +391,10 @@ class KVBlockAllocator:
                                             self._leaves)
         if errors:
             raise RuntimeError("KVBlockAllocator invariants broken:\n  " + "\n  ".join(errors))
+
+
+def _counted(ids: np.ndarray):
+    """``np.unique(ids, return_counts=True)``, cheaper when no id repeats (a request's)."""
+    ordered = np.sort(ids)
+    repeats = len(ordered) > 1 and np.count_nonzero(ordered[1:] == ordered[:-1])
+    return np.unique(ordered, return_counts=True) if repeats else (ordered, np.ones_like(ordered))
