@@ -415,10 +415,14 @@ def link_cases(draw):
                    np.int64)
     hs = np.arange(next_hash + 5, next_hash + 5 + len(ids), dtype=np.int64)
     known = [0, next_hash + 1000, *f.hash_to_block.keys(), *hs.tolist()]
-    ps = np.array([draw(st.sampled_from(known)) for _ in ids], np.int64)
+    # Often a chain: the previous entry's hash (a prompt's blocks, row after row).
+    ps = np.array([draw(st.sampled_from(known + [int(hs[i - 1])] * 3 if i else known))
+                   for i in range(len(ids))], np.int64)
     right = np.array([f.hash_to_block.get(p, -1) for p in ps.tolist()], np.int64)
+    in_batch = dict(zip(hs.tolist(), ids.tolist()))     # earlier or later entries
     guesses = np.array([draw(st.sampled_from([int(r), -1, draw(st.integers(0, nb - 1)),
-                                              int(ids[i])]))
+                                              int(ids[i]), int(ids[i - 1]) if i else -1,
+                                              in_batch.get(int(ps[i]), -1)]))
                         for i, r in enumerate(right)], np.int64)
     return f, ids, hs, ps, guesses
 
@@ -426,8 +430,9 @@ def link_cases(draw):
 @given(link_cases())
 def test_link_with_guessed_parents_links_as_by_hash(case):
     """``link(..., likely_parents)``: right guesses, wrong ones (a private, free, unlinked or
-    unrelated block, -1, the block itself), parents earlier in the batch and parent hash 0
-    give exactly the parent ids, parent hashes, child counts and map of a link by hash."""
+    unrelated block, -1, the block itself, a later entry holding the parent hash), parents
+    earlier in the batch (guessed as the previous entry, or not) and parent hash 0 give
+    exactly the parent ids, parent hashes, child counts and map of a link by hash."""
     f, ids, hs, ps, guesses = case
     twin = copy.deepcopy(f)
     f.link(ids, hs, ps, guesses)

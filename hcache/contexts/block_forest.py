@@ -148,7 +148,8 @@ class BlockForest:
         :meth:`plan_registration` result) and link each to its parent: the block holding its
         parent hash before this call or earlier in the batch (0, or any other, means none).
         ``likely_parents`` (int64 block ids, optional) are checked guesses of the parents (a
-        row's previous block): only the others are looked up by hash."""
+        row's previous block, registered or the batch's previous entry): only the others are
+        looked up by hash."""
         n = len(block_ids)
         if n == 0:
             return
@@ -157,7 +158,9 @@ class BlockForest:
             parents = np.fromiter(map(self.hash_to_block.get, parent_hashes.tolist(),
                                       repeat(-1)), np.int64, n)
         else:
-            parents = np.where(self.hashes[likely_parents] == parent_hashes, likely_parents, -1)
+            found = self.hashes[likely_parents] == parent_hashes
+            found[1:] |= (likely_parents[1:] == block_ids[:-1]) & (hashes[:-1] == parent_hashes[1:])
+            parents = np.where(found, likely_parents, -1)
         unresolved = np.flatnonzero((parents < 0) & (parent_hashes > 0))
         if len(unresolved) and likely_parents is not None:
             parents[unresolved] = np.fromiter(map(self.hash_to_block.get,

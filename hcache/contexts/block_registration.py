@@ -350,7 +350,7 @@ class BlockRegistration:
                                             table[rows, cols - 1].astype(np.int64))
                     return self._settle(ids, hashes, len(ids)) if deferred else len(ids)
         requests.hash_through(rows, upto)
-        ids, hashes, parents, drained, drained_hashes = blocks_to_register(
+        ids, hashes, parents, likely, drained, drained_hashes = blocks_to_register(
             requests, rows, upto * requests.block_size, kv.kv_hash_to_block_id)
         if self._dropped and len(ids):
             # A hash deregistered since these blocks completed was registered then: registering
@@ -358,9 +358,9 @@ class BlockRegistration:
             at = self._commits if commit is None else commit
             fresh = np.fromiter((self._dropped.get(h, -1) < at for h in hashes.tolist()), bool,
                                 len(hashes))
-            ids, hashes, parents = ids[fresh], hashes[fresh], parents[fresh]
+            ids, hashes, parents, likely = ids[fresh], hashes[fresh], parents[fresh], likely[fresh]
         if len(ids):
-            kv._register_new_blocks(ids, hashes, parents)
+            kv._register_new_blocks(ids, hashes, parents, likely)
         return self._settle(drained, drained_hashes, len(ids)) if deferred else len(ids)
 
     def _settle(self, drained: np.ndarray, hashes: np.ndarray, registered: int) -> int:

@@ -87,9 +87,10 @@ def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
 
     Returns
     -------
-    (int64 [m], int64 [m], int64 [m], int64 [k], int64 [k])
-        ``block_ids``, ``hashes`` and ``parent_hashes`` (0 = none) to register, in row order
-        then block order, then every completed block and its hash (``k >= m``). A hash already
+    (int64 [m], int64 [m], int64 [m], int64 [m], int64 [k], int64 [k])
+        ``block_ids``, ``hashes``, ``parent_hashes`` (0 = none) and likely parents (the row's
+        previous block, a guess for :meth:`BlockForest.link`) to register, in row order then
+        block order, then every completed block and its hash (``k >= m``). A hash already
         in the KV map, or claimed by an earlier entry of this commit, is left to the block
         holding it (that block serves matches), so concurrent duplicates stay private.
     """
@@ -98,7 +99,7 @@ def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
     done = requests.registered[rows]
     grew = complete > done
     if not grew.any():
-        return (np.zeros(0, np.int64),) * 5
+        return (np.zeros(0, np.int64),) * 6
     rows, done, complete = rows[grew], done[grew], complete[grew]
     requests.registered[rows] = complete
     if (complete - done).max() == 1:      # a decode step: one block each
@@ -109,10 +110,12 @@ def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
     hashes = requests.hashes[owners, cols]
     parents = requests.hashes[owners, cols - 1]
     parents[cols == 0] = 0
-    block_ids = requests.request_to_kv_block_ids[owners, cols].astype(np.int64)
+    table = requests.request_to_kv_block_ids
+    block_ids = table[owners, cols].astype(np.int64)
+    likely = table[owners, cols - 1].astype(np.int64)   # column -1: checked, and fails
     listed = hashes.tolist()
     if kv_hash_to_block_id.keys().isdisjoint(listed) and len(set(listed)) == len(listed):
-        return block_ids, hashes, parents, block_ids, hashes     # all new (a decode step's)
+        return block_ids, hashes, parents, likely, block_ids, hashes     # all new
     if kv_hash_to_block_id.keys().isdisjoint(listed):
         keep = np.ones(len(listed), bool)
     else:
@@ -122,7 +125,7 @@ def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
         first = np.zeros(len(listed), bool)
         first[np.unique(hashes, return_index=True)[1]] = True
         keep &= first
-    return block_ids[keep], hashes[keep], parents[keep], block_ids, hashes
+    return block_ids[keep], hashes[keep], parents[keep], likely[keep], block_ids, hashes
 
 
 def pending_blocks_overlap(wanted: set, requests) -> bool:

@@ -82,6 +82,9 @@ def batch_tokens(name: str, tokens, n: int):
 def ragged_columns(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(which, column)`` of every cell of ``counts[i]`` consecutive columns from
     ``starts[i]``, entry after entry: ``which`` indexes the entries."""
+    if len(counts) == 1:    # one entry (a prompt's step)
+        start = int(starts[0])
+        return np.zeros(int(counts[0]), np.intp), np.arange(start, start + int(counts[0]))
     total = int(counts.sum())
     which = np.repeat(np.arange(len(counts)), counts)
     first = np.cumsum(counts) - counts
