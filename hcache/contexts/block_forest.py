@@ -161,7 +161,7 @@ class BlockForest:
             found = self.hashes[likely_parents] == parent_hashes
             found[1:] |= (likely_parents[1:] == block_ids[:-1]) & (hashes[:-1] == parent_hashes[1:])
             parents = np.where(found, likely_parents, -1)
-        unresolved = np.flatnonzero((parents < 0) & (parent_hashes > 0))
+        unresolved = ((parents < 0) & (parent_hashes > 0)).nonzero()[0]
         if len(unresolved) and likely_parents is not None:
             parents[unresolved] = np.fromiter(map(self.hash_to_block.get,
                                                   parent_hashes[unresolved].tolist(), repeat(-1)),
@@ -184,8 +184,9 @@ class BlockForest:
         has_parent = parents >= 0
         self.parent_ids[block_ids] = parents
         self.parent_hashes[block_ids] = np.where(has_parent, parent_hashes, 0)
-        linked = np.sort(parents[has_parent])
-        if len(linked) > 1 and (linked[1:] == linked[:-1]).any():   # siblings in the batch
+        linked = parents[has_parent]
+        linked.sort()
+        if len(linked) > 1 and np.count_nonzero(linked[1:] == linked[:-1]):   # siblings
             linked, counts = np.unique(linked, return_counts=True)
             self.child_counts[linked] += counts.astype(np.int32)
         else:
@@ -202,7 +203,7 @@ class BlockForest:
         np.subtract.at(self.child_counts, parents, 1)
         # Children outside the batch exist only under a block still counting some: a peel
         # unlinks whole subtrees, so the scan of every link is for other deregistrations.
-        if self.child_counts[block_ids].any():
+        if np.count_nonzero(self.child_counts[block_ids]):
             orphans = np.isin(self.parent_ids, block_ids)
             self.parent_ids[orphans] = -1
             self.parent_hashes[orphans] = 0

@@ -118,25 +118,26 @@ class BlockRegistration:
             self._commits - DRAIN_AGE)
         upto = ends // bs
         grew = upto > before // bs
-        if not grew.any():
+        if not np.count_nonzero(grew):
             return registered
         rows, upto = rows[grew], upto[grew]
         first = np.maximum(before[grew] // bs, requests.registered[rows])   # matched run ahead
         grew = upto > first
-        if grew.any():
+        if np.count_nonzero(grew):
             rows, first, upto = rows[grew], first[grew], upto[grew]
             # A prompt's blocks (hashed at admission: no SHA-256 to spread) of a row without
             # a backlog are registered at once.
             now = (requests.hashed[rows] >= upto) & (requests.registered[rows] == first)
-            if now.any():
+            taken = np.count_nonzero(now)
+            if taken:
                 registered += self._register(rows[now], upto[now])
-            if not now.all():
+            if taken < len(now):
                 rows, first, upto = rows[~now], first[~now], upto[~now]
                 if self.budget is None or self.queued + int((upto - first).sum()) \
                         <= self.budget // AT_ONCE_FRACTION:
                     registered += self._drain(None) if self.queued else 0
-                    registered += self._register(rows, upto, bool((upto - first == 1).all()),
-                                                 deferred=False)
+                    single = not np.count_nonzero(upto - first != 1)
+                    registered += self._register(rows, upto, single, deferred=False)
                 else:
                     self._enqueue(rows, first, upto)
         return registered
@@ -332,8 +333,8 @@ class BlockRegistration:
         requests, kv = self.requests, self.kv
         if single:     # a decode step's: one new block each
             cols, done = upto - 1, requests.hashed[rows]
-            hashes = requests.hash_next(rows, cols) if (done == cols).all() else \
-                requests.hashes[rows, cols] if (done >= upto).all() else None
+            hashes = requests.hash_next(rows, cols) if not np.count_nonzero(done != cols) else \
+                requests.hashes[rows, cols] if not np.count_nonzero(done < upto) else None
             if hashes is not None:
                 table = requests.request_to_kv_block_ids
                 parents = np.where(cols > 0, requests.hashes[rows, cols - 1], 0)

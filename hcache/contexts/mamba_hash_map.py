@@ -64,9 +64,10 @@ class MambaHashMap:
         the other awaiting blocks that still own a slot (their states are unreachable) and how
         many entered the map."""
         waiting = self.awaiting[block_ids]
-        if waiting.all():
+        n = np.count_nonzero(waiting)
+        if n == len(waiting):
             blocks, hs = block_ids, hashes
-        elif not waiting.any():
+        elif not n:
             return np.zeros(0, np.int64), 0
         else:
             blocks, hs = block_ids[waiting], hashes[waiting]
@@ -75,7 +76,7 @@ class MambaHashMap:
         # The map is a subset of the KV map, where a block holding its hash holds it alone, and
         # an awaiting block is not in the map: so no other state is cached under such a hash.
         ok = owned & (kv_block_hashes[blocks] == hs)
-        if ok.all():
+        if np.count_nonzero(ok) == len(ok):
             self.hash_to_block_id.update(zip(hs.tolist(), blocks.tolist()))
             return blocks[:0], len(blocks)
         self.hash_to_block_id.update(zip(hs[ok].tolist(), blocks[ok].tolist()))

@@ -341,11 +341,11 @@ class IntermediateStates:
         ``intermediate_bids`` then ``eos_bids``; scratch entries are in ascending row order."""
         if not self.pending:
             return None
-        if self.counts.any():
+        if np.count_nonzero(self.counts):
             inter = self.block_ids[np.arange(_K)[None, :] < self.counts[:, None]].astype(np.int64)
         else:       # EOS entries only (decode steps)
             inter = np.zeros(0, np.int64)
-        eos_rows = np.nonzero(self.eos_block_ids >= 0)[0].astype(np.int64)
+        eos_rows = (self.eos_block_ids >= 0).nonzero()[0].astype(np.int64)
         eos = self.eos_block_ids[eos_rows].astype(np.int64)
         if not len(inter) and not len(eos):
             return None
@@ -364,8 +364,8 @@ class IntermediateStates:
         self.block_ids[sel] = -1
         self.counts[sel] = 0
         self.eos_block_ids[sel] = -1
-        self.pending = rows is not None and bool(self.counts.any()
-                                                 or (self.eos_block_ids >= 0).any())
+        self.pending = rows is not None and bool(np.count_nonzero(self.counts)
+                                                 or np.count_nonzero(self.eos_block_ids >= 0))
 
     def reset(self) -> None:
         """Forget every entry and zero the scratch (device fills, no allocation)."""

@@ -332,15 +332,15 @@ class MambaSlotAllocator:
         bids = np.concatenate([inter, eos]) if len(inter) else eos
         deferred = self.deferred_blocks
         waiting = np.zeros(len(bids), bool) if deferred is None else deferred[bids]
-        if not len(inter) and waiting.all():    # a decode step's new blocks: private, distinct
+        if not len(inter) and np.count_nonzero(waiting) == len(bids):   # a decode step's, queued
             idx = np.arange(len(bids))
         else:
-            idx = np.flatnonzero(((hashes > 0) & ~self._hashes.cached(bids, hashes)) | waiting)
+            idx = (((hashes > 0) & ~self._hashes.cached(bids, hashes)) | waiting).nonzero()[0]
             if len(idx) > 1:       # a repeated block keeps its first entry
                 idx = idx[self._pool.first_occurrences(bids[idx])]
-        refs, pool = self._kv.block_ref_counts, self._pool
+        refs, pool, awaiting = self._kv.block_ref_counts, self._pool, self._hashes.awaiting
         short = pool.shortfall(bids[idx], refs, distinct=True)
-        if short[1] is not None and (waiting.any() or self._hashes.awaiting.any()):
+        if short[1] is not None and np.count_nonzero(waiting) + np.count_nonzero(awaiting):
             private = self.private_deferred()   # duplicates: registering at once keeps none
             if len(private):
                 pool.release(self._hashes.forget_awaiting(private))
@@ -355,14 +355,14 @@ class MambaSlotAllocator:
                                        shortfall=short)
         self._hashes.drop_blocks(victims, self._kv.block_hashes)
         is_inter = idx < len(inter)
-        if is_inter.any():
-            self._copies.scratch_to_cache(src[idx[is_inter]], slots[is_inter], stream=stream)
-        if not is_inter.all():      # checked by construction: owned distinct slots, live rows
+        if inters := np.count_nonzero(is_inter):
+            self._copies.scratch_to_cache_unchecked(src[idx[is_inter]], slots[is_inter], stream)
+        if inters < len(idx):      # checked by construction: owned distinct slots, live rows
             self._copies.store_live_unchecked(slots[~is_inter],
                                               eos_rows[idx[~is_inter] - len(inter)], stream)
         # Registered unchecked: the hashes are these blocks' own KV hashes, just read.
         waiting = waiting[idx]
-        self._hashes.awaiting[ids[waiting]] = True
+        awaiting[ids[waiting]] = True
         self.hash_to_block_id.update(zip(hashes[idx[~waiting]].tolist(), ids[~waiting].tolist()))
         self._clear_intermediate_state()
         return int(len(idx) - np.count_nonzero(waiting))

@@ -281,7 +281,13 @@ class MambaStateCopies:
             raise ValueError(f"slots: expected {len(src)} slots, got {len(dst)}")
         if len(np.unique(dst)) != len(dst):
             raise ValueError("slots: expected distinct slots, got a repeated slot")
-        self._copy(self._scratch_to_cache, src, dst, 1, stream)
+        self.scratch_to_cache_unchecked(src, dst, stream)
+
+    def scratch_to_cache_unchecked(self, src_offsets: np.ndarray, slots: np.ndarray,
+                                   stream) -> None:
+        """:meth:`scratch_to_cache` of arguments the caller built valid (offsets in the
+        scratch, distinct owned slots)."""
+        self._copy(self._scratch_to_cache, src_offsets, slots, 1, stream)
 
     def zero(self) -> None:
         """Zero every cache slot (device fills, no allocation)."""

@@ -98,7 +98,7 @@ def blocks_to_register(requests, rows, ends, kv_hash_to_block_id: dict):
     complete = ends // bs
     done = requests.registered[rows]
     grew = complete > done
-    if not grew.any():
+    if not np.count_nonzero(grew):
         return (np.zeros(0, np.int64),) * 6
     rows, done, complete = rows[grew], done[grew], complete[grew]
     requests.registered[rows] = complete

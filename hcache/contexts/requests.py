@@ -316,7 +316,7 @@ class RequestTable:
     def complete_steps(self):
         """Mark every scheduled step but a parked row's computed; returns its ``rows``
         (ascending) and their computed tokens before and after, int64 arrays."""
-        rows = np.flatnonzero((self.pending_end >= 0) & ~self.parked)
+        rows = ((self.pending_end >= 0) & ~self.parked).nonzero()[0]
         ends, before = self.pending_end[rows], self.computed[rows].copy()
         self.computed[rows] = ends
         self.pending_end[rows] = -1

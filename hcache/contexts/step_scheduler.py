@@ -199,7 +199,7 @@ class StepScheduler:
         closing = None
         if counts is None:
             closing = ends % bs == 0      # the token closes a block
-            if not closing.any():
+            if not np.count_nonzero(closing):
                 closing = False           # (no row does)
         requests.append(rows, flat, counts, starts, ends)
         requests.schedule(rows, ends)
@@ -236,7 +236,7 @@ class StepScheduler:
             return
         eos = ends % bs == 0
         single = counts is None or counts.max() == 1
-        if single and not eos.any():
+        if single and not np.count_nonzero(eos):
             return
         bounds = None
         if not single:
