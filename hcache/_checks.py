@@ -118,15 +118,17 @@ def host_array(name: str, values) -> np.ndarray:
     """
     if isinstance(values, np.ndarray):
         return values
-    if is_array(values):
+    if type(values) is list or type(values) is tuple:
+        pass        # ordered, flat or not: no array protocol, string or set to refuse
+    elif is_array(values):
         if on_device(values):
             raise TypeError(f"{name}: expected host integers, got device memory "
                             f"({type(values).__name__})")
         return _import_host(name, values)
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+    elif isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"{name}: expected a 1-D sequence of ints, got {type(values).__name__}")
-    refuse_unordered(name, values)
-    if not isinstance(values, (list, tuple)):
+    else:
+        refuse_unordered(name, values)
         values = list(values)          # a generator, a range
     if any(map(isinstance, values, repeat((bool, np.bool_)))):
         i = next(i for i, v in enumerate(values) if isinstance(v, (bool, np.bool_)))
@@ -193,7 +195,7 @@ def index_array(name: str, values, upper: int, *, distinct: bool = False) -> np.
         raise IndexError(f"{name}: expected indices in [0, {upper}), got {arr.max()}")
     arr = arr.astype(np.int64)
     bad = (arr < 0) | (arr >= upper)
-    if bad.any():
+    if np.count_nonzero(bad):
         raise IndexError(f"{name}: expected indices in [0, {upper}), got {int(arr[bad][0])}")
     if distinct and len(arr) > 1:
         first = np.unique(arr, return_index=True)[1]
@@ -208,7 +210,7 @@ def block_id_array(name: str, ids, num_blocks: int, *, padding: bool = False) ->
     arr = host_array(name, ids)
     if arr.size == 0 and arr.ndim == 1:
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":     # bool is not an integer kind here
         raise TypeError(f"{name}: expected integer block ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name}: expected a 1-D sequence, got shape {arr.shape}")
@@ -216,7 +218,7 @@ def block_id_array(name: str, ids, num_blocks: int, *, padding: bool = False) ->
         raise IndexError(f"{name}: expected block ids in [0, {num_blocks}), got {arr.max()}")
     arr = arr.astype(np.int64)
     bad = (arr < (-1 if padding else 0)) | (arr >= num_blocks)
-    if bad.any():
+    if np.count_nonzero(bad):
         raise IndexError(f"{name}: expected block ids in [0, {num_blocks}), "
                          f"got {int(arr[bad][0])}")
     return arr

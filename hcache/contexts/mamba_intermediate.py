@@ -357,9 +357,9 @@ class IntermediateStates:
 
         Raises ``IndexError`` (nothing changes) when a row is out of range.
         """
-        if rows is None and not self.pending:
-            return      # nothing pending: every row is clear already
         sel = slice(None) if rows is None else index_array("rows", rows, self.max_requests)
+        if not self.pending:
+            return      # nothing pending: every row is clear already
         self.offsets[sel] = 0
         self.block_ids[sel] = -1
         self.counts[sel] = 0
