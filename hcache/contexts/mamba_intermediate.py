@@ -184,12 +184,12 @@ class IntermediateStates:
             required = as_int("overall_required_blocks", overall_required_blocks)
         if skip >= chunk:
             raise ValueError(f"skip_tokens: expected fewer than {chunk} tokens, got {skip}")
-        table = to_host(block_table)[row]
+        table = to_host(block_table)[row].tolist()
         first_block = -(-finished // bs)
         matched_ids = host_ints("matched_block_ids", matched_block_ids)
         extra = _NO_EXTRA if type(extra_boundaries) is tuple and not extra_boundaries \
             else host_ints("extra_boundaries", extra_boundaries)
-        if list(table[first_block:first_block + matched]) != matched_ids[:matched].tolist():
+        if table[first_block:first_block + matched] != matched_ids[:matched].tolist():
             raise ValueError("matched_block_ids: expected the block table's matched blocks")
         chunk_start, seq_len = finished + skip, chunk - skip
         boundaries = [(first_block + matched) * bs, (prompt_len // bs) * bs, (required - 1) * bs]
@@ -208,17 +208,14 @@ class IntermediateStates:
         for c in columns:
             if c >= len(table) or table[c] < 0:
                 raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary "
-                                 f"of row {row}, got {table[:max(columns) + 1].tolist()}")
-        block_ids = table[columns[:len(offsets)]].tolist()
-        eos = int(table[columns[-1]]) if len(columns) > len(offsets) else -1
+                                 f"of row {row}, got {table[:max(columns) + 1]}")
         n = len(offsets)
-        self.offsets[row] = 0
-        self.block_ids[row] = -1
-        self.offsets[row, :n] = offsets
-        self.block_ids[row, :n] = block_ids
+        block_ids = [table[c] for c in columns[:n]]
+        self.offsets[row] = offsets + [0] * (_K - n)
+        self.block_ids[row] = block_ids + [-1] * (_K - n)
         self.counts[row] = n
-        self.eos_block_ids[row] = eos
-        if n or eos >= 0:
+        self.eos_block_ids[row] = table[columns[-1]] if len(columns) > n else -1
+        if len(columns):
             self.pending = True
 
     def plan_batch(self, rows, chunk_starts, seq_lens, boundaries, eos_columns, *,
