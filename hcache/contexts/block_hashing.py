@@ -253,15 +253,12 @@ def prompt_block_hashes(root: bytes, tokens: np.ndarray, block_size: int, keys: 
     """
     step = 8 * block_size
     raw = tokens[:len(tokens) // block_size * block_size].astype("<i8", copy=False).tobytes()
-    sha, digest, digests = hashlib.sha256, root, []
+    sha, digest, starts = hashlib.sha256, root, range(0, len(raw), step)
     if keys:
-        for k, pos in enumerate(range(0, len(raw), step)):
-            digest = sha(digest + raw[pos:pos + step] + keys.get(k, b"")).digest()
-            digests.append(digest)
+        digests = [digest := sha(digest + raw[pos:pos + step] + keys.get(k, b"")).digest()
+                   for k, pos in enumerate(starts)]
     else:
-        for pos in range(0, len(raw), step):
-            digest = sha(digest + raw[pos:pos + step]).digest()
-            digests.append(digest)
+        digests = [digest := sha(digest + raw[pos:pos + step]).digest() for pos in starts]
     return _hashes_of(b"".join(digests)), digest
 
 
