@@ -7,7 +7,8 @@ the digest is chained, a block's hash identifies the whole prefix that ends with
 the hashes Megatron-LM computes, so they are interchangeable with it.
 
 :func:`compute_block_hashes` hashes a whole sequence; :func:`chain_block_hashes` continues chains
-from their last digests, so a growing sequence hashes each block once, when it completes.
+from their last digests, so a growing sequence hashes each block once, when it completes;
+:func:`prompt_block_hashes` is its one-chain form for a checked prompt (an admission).
 
 Isolation (docs/design.md §6.1): a request's optional *salt* replaces the 32 zero bytes the
 chain starts from by ``sha256(SALT_DOMAIN || salt)``, so it enters the first block's hash and,
