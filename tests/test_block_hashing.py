@@ -295,3 +295,33 @@ def test_keyed_chains_continued_block_by_block_equal_the_whole_sequence(block_si
 def test_bad_salts_and_keys_are_refused_naming_the_argument(kwargs, error, message):
     with pytest.raises(error, match=message):
         compute_block_hashes([1, 2, 3, 4, 5], 2, **kwargs)   # 3 blocks, the last partial
+
+
+@given(st.integers(1, 4), SALTS, st.lists(st.integers(-2**63, 2**63 - 1), max_size=20),
+       st.data())
+def test_prompt_block_hashes_equal_the_whole_sequence_and_the_general_chain(block_size, salt,
+                                                                           tokens, data):
+    """prompt_block_hashes (the admission's one-chain path) equals compute_block_hashes of the
+    whole sequence, and its digest is the last one chain_block_hashes gives (the root when no
+    block is complete); a key of the partial tail block enters no hash."""
+    from hcache.contexts.block_hashing import (
+        block_keys,
+        cache_salt,
+        chain_root,
+        prompt_block_hashes,
+    )
+
+    n, num_blocks = len(tokens) // block_size, -(-len(tokens) // block_size)
+    extra = data.draw(st.dictionaries(st.integers(0, max(num_blocks - 1, 0)), BLOCK_KEYS,
+                                      max_size=3)) if num_blocks else {}
+    keys = block_keys("extra_keys", extra, num_blocks)
+    root = chain_root(cache_salt("salt", salt))
+    arr = np.array(tokens, np.int64)
+    hashes, digest = prompt_block_hashes(root, arr, block_size, keys or None)
+    assert hashes.dtype == np.int64
+    assert hashes.tolist() == compute_block_hashes(tokens, block_size, salt=salt,
+                                                   extra_keys=extra)
+    _, digests = chain_block_hashes(np.frombuffer(root, np.uint8)[None],
+                                    arr[:n * block_size].reshape(n, block_size), np.array([n]),
+                                    {k: v for k, v in keys.items() if k < n})
+    assert digest == (digests[-1].tobytes() if n else root)

@@ -7,7 +7,8 @@ the digest is chained, a block's hash identifies the whole prefix that ends with
 the hashes Megatron-LM computes, so they are interchangeable with it.
 
 :func:`compute_block_hashes` hashes a whole sequence; :func:`chain_block_hashes` continues chains
-from their last digests, so a growing sequence hashes each block once, when it completes.
+from their last digests, so a growing sequence hashes each block once, when it completes;
+:func:`prompt_block_hashes` is its one-chain form for a checked prompt (an admission).
 
 Isolation (docs/design.md §6.1): a request's optional *salt* replaces the 32 zero bytes the
 chain starts from by ``sha256(SALT_DOMAIN || salt)``, so it enters the first block's hash and,
@@ -29,10 +30,11 @@ import numpy as np
 from .._checks import as_int, host_array
 from ..runtime.device import array_module_of
 
-__all__ = ["compute_block_hashes", "chain_block_hashes", "DIGEST_BYTES", "cache_salt",
-           "block_keys", "chain_root"]
+__all__ = ["compute_block_hashes", "chain_block_hashes", "prompt_block_hashes", "DIGEST_BYTES",
+           "cache_salt", "block_keys", "chain_root"]
 
 _MOD = (1 << 63) - 1
+_MOD_U64 = np.uint64(_MOD)
 DIGEST_BYTES = 32   # a SHA-256 digest; an unsalted chain starts from DIGEST_BYTES zero bytes
 # Prefix of a salt's root message: it is no block message (those start with a digest, and no
 # digest starts with these bytes but by a 2^-144 chance), so a salted root is no block's digest.
@@ -226,6 +228,43 @@ def chain_block_hashes(parent_digests: np.ndarray, blocks: np.ndarray,
                 digests.append(digest)
                 pos += step
     joined = b"".join(digests)
-    first8 = np.frombuffer(joined, dtype="<u8").reshape(m, 4)[:, 0]
-    hashes = (first8 % np.uint64(_MOD)).astype(np.int64) + 1
-    return hashes, np.frombuffer(joined, dtype=np.uint8).reshape(m, DIGEST_BYTES)
+    return _hashes_of(joined), np.frombuffer(joined, dtype=np.uint8).reshape(m, DIGEST_BYTES)
+
+
+def prompt_block_hashes(root: bytes, tokens: np.ndarray, block_size: int, keys: dict | None):
+    """:func:`chain_block_hashes` of one chain from its root: the hashes of the complete blocks
+    of ``tokens`` and the last one's digest, with as little work around SHA-256 as possible
+    (an admission hashes a whole prompt).
+
+    Parameters
+    ----------
+    root : bytes [32]
+        :func:`chain_root` of the salt.
+    tokens : int64 [num_tokens]
+        Checked tokens; a trailing partial block has no hash.
+    block_size : int
+    keys : dict of int to bytes, optional
+        Encoded extra keys (:func:`block_keys`) by block index.
+
+    Returns
+    -------
+    hashes : int64 [num_tokens // block_size]
+    digest : bytes [32]
+        The digest of the last complete block (``root`` when there is none).
+    """
+    step = 8 * block_size
+    raw = tokens[:len(tokens) // block_size * block_size].astype("<i8", copy=False).tobytes()
+    sha, digest, starts = hashlib.sha256, root, range(0, len(raw), step)
+    if keys:
+        digests = [digest := sha(digest + raw[pos:pos + step] + keys.get(k, b"")).digest()
+                   for k, pos in enumerate(starts)]
+    else:
+        digests = [digest := sha(digest + raw[pos:pos + step]).digest() for pos in starts]
+    return _hashes_of(b"".join(digests)), digest
+
+
+def _hashes_of(joined: bytes) -> np.ndarray:
+    """int64 hashes of concatenated digests: ``uint64_le(digest[:8]) mod (2^63 - 1) + 1``."""
+    hashes = np.frombuffer(joined, dtype="<u8")[::DIGEST_BYTES // 8] % _MOD_U64
+    hashes += np.uint64(1)
+    return hashes.view(np.int64)    # < 2^63: the same values

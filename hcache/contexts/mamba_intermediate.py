@@ -189,7 +189,7 @@ class IntermediateStates:
         matched_ids = host_ints("matched_block_ids", matched_block_ids)
         extra = _NO_EXTRA if type(extra_boundaries) is tuple and not extra_boundaries \
             else host_ints("extra_boundaries", extra_boundaries)
-        if list(table[first_block:first_block + matched]) != matched_ids[:matched].tolist():
+        if table[first_block:first_block + matched].tolist() != matched_ids[:matched].tolist():
             raise ValueError("matched_block_ids: expected the block table's matched blocks")
         chunk_start, seq_len = finished + skip, chunk - skip
         boundaries = [(first_block + matched) * bs, (prompt_len // bs) * bs, (required - 1) * bs]
@@ -205,20 +205,19 @@ class IntermediateStates:
             columns.append((chunk_start + o) // bs - 1)
         if finished + chunk >= prompt_len and prompt_len > 0 and prompt_len % bs == 0:
             columns.append(prompt_len // bs - 1)  # the EOS entry
+        block_ids = []
         for c in columns:
-            if c >= len(table) or table[c] < 0:
+            b = int(table[c]) if c < len(table) else -1
+            if b < 0:
                 raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary "
                                  f"of row {row}, got {table[:max(columns) + 1].tolist()}")
-        block_ids = table[columns[:len(offsets)]].tolist()
-        eos = int(table[columns[-1]]) if len(columns) > len(offsets) else -1
+            block_ids.append(b)
         n = len(offsets)
-        self.offsets[row] = 0
-        self.block_ids[row] = -1
-        self.offsets[row, :n] = offsets
-        self.block_ids[row, :n] = block_ids
+        self.offsets[row] = offsets + [0] * (_K - n)
+        self.block_ids[row] = block_ids[:n] + [-1] * (_K - n)
         self.counts[row] = n
-        self.eos_block_ids[row] = eos
-        if n or eos >= 0:
+        self.eos_block_ids[row] = block_ids[-1] if len(columns) > n else -1
+        if len(columns):
             self.pending = True
 
     def plan_batch(self, rows, chunk_starts, seq_lens, boundaries, eos_columns, *,

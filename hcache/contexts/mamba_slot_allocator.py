@@ -266,8 +266,7 @@ class MambaSlotAllocator:
         of range) or ``ValueError`` (the request has no live slot)."""
         row, bid = (check_index("request_idx", request_idx, self.max_requests),
                     check_index("block_id", block_id, self.num_blocks))
-        return bool(self._copies.restore_to_live([row], [bid], stream=stream,
-                                                 rows_name="request_idx")[0])
+        return self._copies.restore_one(row, bid, stream=stream, rows_name="request_idx")
 
     def restore_to_live_batch(self, request_indices, block_ids, *, stream=None) -> list[bool]:
         """Batched :meth:`restore_to_live` (distinct live slots, one launch); per entry, done?"""

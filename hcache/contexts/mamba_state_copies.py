@@ -265,6 +265,26 @@ class MambaStateCopies:
         self._copy(self._cache_to_live, src[found], live[found], 0, stream)
         return found.tolist()
 
+    def restore_one(self, row: int, block_id: int, *, stream=None,
+                    rows_name: str = "request_indices") -> bool:
+        """:meth:`restore_to_live` of one checked ``row`` and ``block_id``: the admission's
+        restore, with the checks that a single pair needs.
+
+        Raises
+        ------
+        ValueError
+            The request has no live slot. Nothing is copied.
+        """
+        live = int(to_host(self.context.request_to_mamba_state_idx)[row])
+        if not 0 <= live < self.max_requests:
+            raise ValueError(f"{rows_name}: expected requests with a live Mamba slot, "
+                             f"got request {row} -> {live}")
+        src = int(self._pool.block_to_slot[block_id])
+        if src < 0:
+            return False
+        self._copy(self._cache_to_live, (src,), (live,), 0, stream)
+        return True
+
     def scratch_to_cache(self, src_offsets, slots, *, stream=None) -> None:
         """``cache[:, slots[i]] = scratch[:, src_offsets[i]]`` (one launch).
 

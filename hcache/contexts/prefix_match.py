@@ -23,12 +23,18 @@ The policy (the references' lessons applied):
 
 from __future__ import annotations
 
+from functools import partial
+from itertools import takewhile
+from operator import is_not
+
 import numpy as np
 
 from .token_batches import ragged_columns
 
 __all__ = ["match_prefix", "restore_depth_tokens", "blocks_to_register",
            "pending_blocks_overlap"]
+
+_is_block = partial(is_not, None)     # a hash map's answer: a block id, not None
 
 
 def match_prefix(hashes, kv_hash_to_block_id: dict, mamba_hash_to_block_id: dict | None):
@@ -47,16 +53,11 @@ def match_prefix(hashes, kv_hash_to_block_id: dict, mamba_hash_to_block_id: dict
         The matched block ids, and the restore depths in blocks: 0 and every ``k + 1`` whose
         matched block ``k`` has a cached Mamba state under its hash.
     """
-    matched = []
-    for h in hashes:
-        b = kv_hash_to_block_id.get(h)
-        if b is None:
-            break
-        matched.append(b)
+    matched = list(takewhile(_is_block, map(kv_hash_to_block_id.get, hashes)))
     depths = [0]
-    if mamba_hash_to_block_id is not None:
-        depths += [k + 1 for k, h in enumerate(hashes[:len(matched)])
-                   if mamba_hash_to_block_id.get(h) == matched[k]]
+    if mamba_hash_to_block_id is not None:   # zip stops at the end of the match
+        depths += [k for k, (state_block, block) in enumerate(
+            zip(map(mamba_hash_to_block_id.get, hashes), matched), 1) if state_block == block]
     return matched, depths
 
 

@@ -205,29 +205,30 @@ class RequestTable:
 
     # --- commands -------------------------------------------------------------------------------
 
-    def admit(self, request_id, tokens: np.ndarray, blocks, hashes: np.ndarray,
-              digest, *, kv_cached: int, registered: int, computed: int,
-              stats: PrefixCacheStats, salt: bytes | None = None,
+    def admit(self, request_id, tokens: np.ndarray, matched: list, new: np.ndarray,
+              hashes: np.ndarray, digest: bytes, *, kv_cached: int, registered: int,
+              computed: int, stats: PrefixCacheStats, salt: bytes | None = None,
               keys: dict | None = None) -> int:
         """Take the lowest free row and a free live slot for a new request (the caller checked
-        :attr:`has_free_row`) and fill them; returns the row.
-
-        ``hashes`` / ``digest`` are the hashes of the complete blocks of ``tokens`` and the
-        last one's digest (the chain's root when none), under ``salt`` and the encoded extra
-        ``keys`` by block (ignored without hashing).
-        """
+        :attr:`has_free_row`) and fill them; returns the row. Its blocks are the ``matched``
+        ones, then ``new``; ``hashes`` / ``digest`` (bytes) are the hashes of the complete
+        blocks of ``tokens`` and the last one's digest (the chain's root when none), under
+        ``salt`` and the encoded extra ``keys`` by block (ignored without hashing)."""
         row, slot = self._free_rows.pop(), self._free_live_slots.pop()
         self._version += 1
-        n, nb = len(tokens), len(blocks)
+        n, m, nb = len(tokens), len(matched), len(matched) + len(new)
         self.tokens[row, :n] = tokens
         self.lengths[row], self.num_blocks[row], self.computed[row] = n, nb, computed
         self.pending_end[row] = -1
         self.kv_cached[row], self.registered[row] = kv_cached, registered
-        self.request_to_kv_block_ids[row, :nb] = blocks
+        table = self.request_to_kv_block_ids[row]
+        if m:
+            table[:m] = matched
+        table[m:nb] = new
         self.request_to_mamba_state_idx[row] = slot
         if self.hashing:
             self.hashes[row, :len(hashes)] = hashes
-            self.digests[row] = digest
+            self.digests[row] = np.frombuffer(digest, np.uint8)
             self.hashed[row] = len(hashes)
             self.salts[row], self.keys[row] = salt, dict(keys or {})
             tail = len(hashes)   # a key of the partial tail block waits for it to complete

@@ -14,13 +14,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CacheCapacityError
-from .block_hashing import block_keys, cache_salt, chain_block_hashes, chain_root
+from .block_hashing import block_keys, cache_salt, chain_root, prompt_block_hashes
 from .prefix_match import match_prefix, restore_depth_tokens
 from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan, _Chunk
 
 __all__ = ["StepScheduler"]
 
-_PLAIN_ROOT = np.frombuffer(chain_root(None), np.uint8)   # the root of every unsalted chain
+_PLAIN_ROOT = chain_root(None)     # the root of every unsalted chain
+_NO_HASHES = np.zeros(0, np.int64)
 
 
 class StepScheduler:
@@ -68,33 +69,33 @@ class StepScheduler:
         """
         requests, kv, bs, mamba = self.requests, self.kv, self.block_size, self.mamba
         n = len(tokens)
-        full = n // bs if requests.hashing else 0
         if salt is None and extra_keys is None:     # the plain chain (Megatron-LM's)
-            keys, root = {}, _PLAIN_ROOT
+            keys, root = None, _PLAIN_ROOT
         else:
             salt = cache_salt("salt", salt)
             keys = block_keys("extra_keys", extra_keys, -(-n // bs))
-            root = np.frombuffer(chain_root(salt), np.uint8)
-        hashes, digests = chain_block_hashes(root[None],
-                                             tokens[:full * bs].reshape(full, bs),
-                                             np.array([full]),
-                                             {k: v for k, v in keys.items() if k < full}
-                                             if keys else None)
+            root = chain_root(salt)
+        hashes, digest = (prompt_block_hashes(root, tokens, bs, keys) if requests.hashing
+                          else (_NO_HASHES, root))
         if self.registration is not None:
             self.registration.flush_for_prompt(hashes)
         listed = hashes.tolist()
         matched, depths = match_prefix(listed, kv.kv_hash_to_block_id,
                                        None if mamba is None else mamba.hash_to_block_id)
+        has_mamba = self.num_mamba_layers > 0
+
         def skip_of(m):
             return restore_depth_tokens(n, matched[:m], [d for d in depths if d <= m], bs,
-                                        prefix_caching=requests.hashing,
-                                        has_mamba=self.num_mamba_layers > 0)
+                                        prefix_caching=requests.hashing, has_mamba=has_mamba)
 
-        skip = skip_of(len(matched))
+        # every depth is at most len(matched): the full match's skip needs no filtering
+        skip = restore_depth_tokens(n, matched, depths, bs, prefix_caching=requests.hashing,
+                                    has_mamba=has_mamba)
         if self.window is not None:   # the local layers' window must be cached too
             m, skip, lo, local_ids = self.window.plan_admit(listed, matched, skip_of)
             matched = matched[:m]
-        num_new = -(-n // bs) - len(matched)
+        num_matched, num_blocks = len(matched), -(-n // bs)
+        num_new = num_blocks - num_matched
         if not requests.has_free_row:
             raise CacheCapacityError(f"requests: all {requests.max_requests} rows are in use",
                                      required=1, available=0)
@@ -103,9 +104,11 @@ class StepScheduler:
         # (Ancestors of matched blocks are matched blocks, so nothing else becomes pinned.)
         # Without a local block space to check too, the allocation is the check (it changes
         # nothing when it fails); the matched blocks are kept from eviction as if pinned first.
+        # (The allocator checks the ids it is given: an int64 array is its cheapest input.)
+        matched_ids = np.array(matched, np.int64) if matched else None
         new = None
         if self.window is None:
-            new = kv.allocate_memory_blocks(num_new, matched)
+            new = kv.allocate_memory_blocks(num_new, matched_ids)
         if new is None and not kv.can_allocate_memory_blocks(num_new, matched):
             pinned = kv.get_evictable_block_count(matched) if matched else 0
             available = kv.get_allocatable_count() - pinned
@@ -113,33 +116,33 @@ class StepScheduler:
                                      required=num_new, available=available)
         if self.window is not None:
             self.window.check_admit(local_ids, num_new)
-            new = kv.allocate_memory_blocks(num_new, matched)
+            new = kv.allocate_memory_blocks(num_new, matched_ids)
         if matched:
-            kv.retain_memory_blocks(matched)
-        restored = matched[skip // bs - 1] if skip and self.num_mamba_layers else -1
+            kv.retain_memory_blocks(matched_ids)
+        restored = matched[skip // bs - 1] if skip and has_mamba else -1
         stats = PrefixCacheStats(
-            requests=1, prompt_tokens=n, skipped_tokens=skip, kv_hit_blocks=len(matched),
-            kv_miss_blocks=len(hashes) - len(matched), mamba_hits=int(restored >= 0))
-        row = requests.admit(request_id, tokens, matched + new.tolist(), hashes,
-                             digests[-1] if full else root, kv_cached=len(matched) * bs,
-                             registered=len(matched), computed=skip, stats=stats, salt=salt,
-                             keys=keys)
+            requests=1, prompt_tokens=n, skipped_tokens=skip, kv_hit_blocks=num_matched,
+            kv_miss_blocks=len(hashes) - num_matched, mamba_hits=int(restored >= 0))
+        row = requests.admit(request_id, tokens, matched, new, hashes, digest,
+                             kv_cached=num_matched * bs, registered=num_matched, computed=skip,
+                             stats=stats, salt=salt, keys=keys)
         if self.window is not None:
             self.window.admit(row, lo, local_ids, num_new)
         slot = int(requests.request_to_mamba_state_idx[row])
         if restored >= 0:
             mamba.restore_to_live(row, restored, stream=stream)
-        elif self.num_mamba_layers:
+        elif has_mamba:
             self.live.zero(slot, stream=stream)
         requests.schedule(row, n)
         if mamba is not None:
             # Beyond the reference's three candidates, also keep the boundary one block before
             # the last one: the back-off point of an exact repeat of this block-aligned prefix.
             mamba.compute_and_store_offsets(
-                _Chunk(n, 0), row, skip, n, len(matched), matched, -(-n // bs),
+                _Chunk(n, 0), row, skip, n, num_matched, matched, num_blocks,
                 extra_boundaries=(n // bs * bs - bs,))
-        plan = StepPlan(request_id, row, slot, skip, n, tokens[skip:].copy(),
-                        requests.blocks(row), skip, len(matched), restored)
+        blocks = requests.request_to_kv_block_ids[row, :num_blocks].copy()
+        plan = StepPlan(request_id, row, slot, skip, n, tokens[skip:].copy(), blocks, skip,
+                        num_matched, restored)
         return plan, requests.stats(row)
 
     def extend(self, ids: list, rows: np.ndarray, flat: np.ndarray, counts, *,
