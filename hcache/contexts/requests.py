@@ -235,9 +235,7 @@ class RequestTable:
             if tail in self.keys[row]:
                 self.pending_key_cols[row] = tail
                 self._pending_keys += 1
-        self._row_of[request_id] = row
-        self._id_of[row] = request_id
-        self._stats[row] = stats
+        self._row_of[request_id], self._id_of[row], self._stats[row] = row, request_id, stats
         return row
 
     def add_blocks(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
