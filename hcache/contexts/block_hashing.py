@@ -210,7 +210,8 @@ def chain_block_hashes(parent_digests: np.ndarray, blocks: np.ndarray,
         msg = np.empty((m, DIGEST_BYTES + data.shape[1]), np.uint8)
         msg[:, :DIGEST_BYTES] = parent_digests
         msg[:, DIGEST_BYTES:] = data
-        digests = [sha(row).digest() for row in msg]
+        raw, width = msg.tobytes(), msg.shape[1]    # bytes slices: no row views to make
+        digests = [sha(raw[i:i + width]).digest() for i in range(0, m * width, width)]
         for i, suffix in (keys or {}).items():
             digests[i] = sha(msg[i].tobytes() + suffix).digest()
     else:

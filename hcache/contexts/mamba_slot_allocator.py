@@ -222,7 +222,8 @@ class MambaSlotAllocator:
 
     def _on_kv_deregistered(self, block_ids: list, hashes: set) -> None:
         """The subscribed observer: :meth:`on_kv_blocks_deregistered` of unregistered ids."""
-        self._pool.release(np.sort(np.array(block_ids, dtype=np.int64)))
+        if any(map(self._pool.owned.__getitem__, block_ids)):
+            self._pool.release(np.sort(np.array(block_ids, dtype=np.int64)))
         self._hashes.drop_hashes(hashes)
 
     def register_block_hashes_batch(self, block_ids, hashes) -> None:

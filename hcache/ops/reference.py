@@ -174,9 +174,16 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
     out-of-range pairs are skipped (per tensor) and counted once each in ``status[0]``."""
     s = np.asarray(src_idx, dtype=np.int64)
     d = np.asarray(dst_idx, dtype=np.int64)
-    # The common call has no padding and no negative index: bounds then need only the maxima.
-    nonnegative = not len(s) or min(s.min(), d.min()) >= 0
-    top = (int(s.max()), int(d.max())) if nonnegative and len(s) else (-1, -1)
+    # The common call has no padding and no negative index: bounds then need only the maxima
+    # (of Python lists for a few pairs: NumPy's reductions cost more to call than to run).
+    if not len(s):
+        low, top = 0, (-1, -1)
+    elif len(s) <= 64:
+        src_list, dst_list = s.tolist(), d.tolist()
+        low, top = min(min(src_list), min(dst_list)), (max(src_list), max(dst_list))
+    else:
+        low, top = min(s.min(), d.min()), (int(s.max()), int(d.max()))
+    nonnegative = low >= 0
     rows: dict = {}   # (src slots, dst slots) -> (out-of-range count, rows to copy or None: all)
 
     def copied(num_src, num_dst):
