@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import numpy as np
@@ -133,6 +134,28 @@ def test_retain_refreshes_timestamps_and_rejects_free_blocks():
     with pytest.raises(ValueError, match="free"):
         a.retain_memory_blocks([ids[0], a.free_block_ids.tolist()[0]])
     assert snapshot(a) == before
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_retain_of_distinct_held_or_cached_ids_unchecked_equals_retain(seed):
+    """``_retain_distinct`` (the context's retain of a prefix match: distinct ids the hash map
+    holds) changes exactly what ``retain_memory_blocks`` does, leaves and eviction included."""
+    rng = np.random.default_rng(seed)
+    a = KVBlockAllocator(24)
+    ids, _ = chain(a, 10, 100)
+    other, _ = chain(a, 4, 200)
+    a.advance_clock(3)
+    a.release_memory_blocks(ids[4:] + other)        # cached now, some leaves
+    a.advance_clock(2)
+    pick = rng.permutation(ids + other)[:int(rng.integers(1, 15))]
+    twin = copy.deepcopy(a)
+    a._retain_distinct(np.array(pick, np.int64))
+    twin.retain_memory_blocks(pick)
+    assert snapshot(a) == snapshot(twin)
+    a.check_invariants()
+    n = a.get_allocatable_count()
+    assert (a.allocate_memory_blocks(n).tolist() == twin.allocate_memory_blocks(n).tolist())
+    assert snapshot(a) == snapshot(twin)
 
 
 def test_advance_clock_returns_the_new_value():

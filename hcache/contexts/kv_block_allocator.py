@@ -244,18 +244,17 @@ class KVBlockAllocator:
         self.block_timestamps[uniq] = self._clock
         self._leaves.discard(uniq)
 
+    def _retain_distinct(self, block_ids: np.ndarray) -> None:
+        """:meth:`retain_memory_blocks` unchecked: distinct used or cached ids (int64)."""
+        self.block_ref_counts[block_ids] += 1
+        self.block_timestamps[block_ids] = self._clock
+        self._leaves.discard(block_ids)
+
     def release_memory_blocks(self, block_ids) -> None:
         """Drop one reference per occurrence of each id. Blocks reaching 0 are freed when
         unregistered, deregistered and freed under ``"ref_zero"``, and stay cached under
-        ``"lru"``.
-
-        Raises
-        ------
-        IndexError
-            An id is out of range.
-        ValueError
-            A ref count would drop below 0 (nothing changes).
-        """
+        ``"lru"``. ``IndexError``: an id out of range; ``ValueError``: a ref count would drop
+        below 0 (nothing changes)."""
         ids = block_id_array("block_ids", block_ids, self._num_blocks)
         uniq, counts = _counted(ids)
         after = self.block_ref_counts[uniq].astype(np.int64) - counts

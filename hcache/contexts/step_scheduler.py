@@ -104,11 +104,10 @@ class StepScheduler:
         # (Ancestors of matched blocks are matched blocks, so nothing else becomes pinned.)
         # Without a local block space to check too, the allocation is the check (it changes
         # nothing when it fails); the matched blocks are kept from eviction as if pinned first.
-        # (The allocator checks the ids it is given: an int64 array is its cheapest input.)
-        matched_ids = np.array(matched, np.int64) if matched else None
+        # The matched ids come from the hash map: registered, distinct, in range (unchecked).
         new = None
         if self.window is None:
-            new = kv.allocate_memory_blocks(num_new, matched_ids)
+            new = kv._allocate(num_new, matched)
         if new is None and not kv.can_allocate_memory_blocks(num_new, matched):
             pinned = kv.get_evictable_block_count(matched) if matched else 0
             available = kv.get_allocatable_count() - pinned
@@ -116,9 +115,9 @@ class StepScheduler:
                                      required=num_new, available=available)
         if self.window is not None:
             self.window.check_admit(local_ids, num_new)
-            new = kv.allocate_memory_blocks(num_new, matched_ids)
+            new = kv._allocate(num_new, matched)
         if matched:
-            kv.retain_memory_blocks(matched_ids)
+            kv._retain_distinct(np.array(matched, np.int64))
         restored = matched[skip // bs - 1] if skip and has_mamba else -1
         stats = PrefixCacheStats(
             requests=1, prompt_tokens=n, skipped_tokens=skip, kv_hit_blocks=num_matched,
