@@ -544,6 +544,7 @@ CASES[(ALLOC, "__init__")] = Case(
      "eviction_policy": Choice()})
 case(ALLOC, "add_blocks_deregistered_observer", make_alloc, lambda _: {"fn": print},
      fn=Callable())
+case(ALLOC, "add_released_observer", make_alloc, lambda _: {"fn": print}, fn=Callable())
 case(ALLOC, "advance_clock", make_alloc, lambda _: {"steps": 1}, steps=Int(0, 2**63 - 1 - 3))
 case(ALLOC, "allocate_memory_blocks", make_alloc, lambda _: {"n": 2, "retained": [0]}, n=Int(0),
      retained=Ints(0, 7, fixed_length=False, none_ok=True))

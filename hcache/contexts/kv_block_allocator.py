@@ -23,6 +23,7 @@ import numpy as np
 from .._checks import as_int, block_id_array, check_int, hash_array, host_ints
 from .._copying import refuse_copy
 from .block_forest import BlockForest
+from .block_id_sets import counted
 from .evictable_leaves import EvictableLeaves
 from .free_block_stack import FreeBlockStack
 from .kv_block_invariants import broken_kv_block_invariants
@@ -96,7 +97,7 @@ class KVBlockAllocator:
         self.block_timestamps = np.empty(n, dtype=np.int64)
         self._forest = BlockForest(n)
         self._leaves = EvictableLeaves(n)
-        self._observers: list = []
+        self._observers, self._released_observers = [], []     # deregistered, released
         self.pending_parents = self.deregistering = None
         self.reset()
 
@@ -139,10 +140,9 @@ class KVBlockAllocator:
     def get_evictable_block_count(self, block_ids=None) -> int:
         """Cached blocks :meth:`evict_lru_blocks` can reclaim (those with no in-use descendant;
         0 unless lru), among ``block_ids`` if given (``IndexError`` for an id out of range)."""
-        mask = np.zeros(self._num_blocks, dtype=bool)
-        if self.caches_released_blocks:
-            pinned = None if self.pending_parents is None else self.pending_parents()
-            mask = self._forest.evictable_mask(self.block_ref_counts, pinned)
+        pinned = None if self.pending_parents is None else self.pending_parents()
+        mask = self._forest.evictable_mask(self.block_ref_counts, pinned) \
+            if self.caches_released_blocks else np.zeros(self._num_blocks, dtype=bool)
         if block_ids is not None:
             mask = mask[block_id_array("block_ids", block_ids, self._num_blocks)]
         return int(np.count_nonzero(mask))
@@ -156,13 +156,12 @@ class KVBlockAllocator:
         """Whether :meth:`allocate_memory_blocks` ``(n)`` would succeed after pinning
         ``potential_matched_count`` prefix-matched evictable blocks (which then cannot supply
         fresh blocks; a block with an in-use descendant is not evictable, not counted)."""
-        n, potential_matched_count = (as_int("n", n), as_int("potential_matched_count",
-                                                            potential_matched_count))
+        n, matched = as_int("n", n), as_int("potential_matched_count", potential_matched_count)
         if self._free.top >= n:
             return True
-        if potential_matched_count == 0:
+        if matched == 0:
             return self.can_allocate_memory_blocks(n)
-        return self.get_allocatable_count() - potential_matched_count >= n
+        return self.get_allocatable_count() - matched >= n
 
     def can_allocate_memory_blocks(self, n: int, retained=None) -> bool:
         """Whether :meth:`allocate_memory_blocks` ``(n, retained)`` would succeed, in O(n log
@@ -186,6 +185,13 @@ class KVBlockAllocator:
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
         self._observers.append(fn)
+
+    def add_released_observer(self, fn) -> None:
+        """Call ``fn(block_ids, block_timestamps)`` with the blocks (int64, unique) each release
+        drops to ref count 0, before they are freed or deregistered (evictable state's owners)."""
+        if not callable(fn):
+            raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
+        self._released_observers.append(fn)
 
     def allocate_memory_blocks(self, n: int, retained=None) -> np.ndarray | None:
         """Pop ``n`` free blocks (ref count 1, timestamp = clock), evicting cached blocks under
@@ -239,7 +245,7 @@ class KVBlockAllocator:
         if free.any():
             raise ValueError(f"block_ids: expected allocated or cached blocks, got free block "
                              f"{int(ids[free][0])}")
-        uniq, counts = _counted(ids)
+        uniq, counts = counted(ids)
         self.block_ref_counts[uniq] += counts.astype(np.int32)
         self.block_timestamps[uniq] = self._clock
         self._leaves.discard(uniq)
@@ -256,7 +262,7 @@ class KVBlockAllocator:
         ``"lru"``. ``IndexError``: an id out of range; ``ValueError``: a ref count would drop
         below 0 (nothing changes)."""
         ids = block_id_array("block_ids", block_ids, self._num_blocks)
-        uniq, counts = _counted(ids)
+        uniq, counts = counted(ids)
         after = self.block_ref_counts[uniq].astype(np.int64) - counts
         if (after < 0).any():
             bad = int(uniq[after < 0][0])
@@ -265,6 +271,8 @@ class KVBlockAllocator:
                              f"{int(counts[after < 0][0])}")
         self.block_ref_counts[uniq] = after.astype(np.int32)
         zero = uniq[after == 0]
+        for fn in self._released_observers if len(zero) else ():
+            fn(zero, self.block_timestamps)
         registered = self.block_hashes[zero] != -1
         self._free.push(zero[~registered])
         if not self.caches_released_blocks:
@@ -390,10 +398,3 @@ class KVBlockAllocator:
                                             self._leaves)
         if errors:
             raise RuntimeError("KVBlockAllocator invariants broken:\n  " + "\n  ".join(errors))
-
-
-def _counted(ids: np.ndarray):
-    """``np.unique(ids, return_counts=True)``, cheaper when no id repeats (a request's)."""
-    ordered = np.sort(ids)
-    repeats = len(ordered) > 1 and np.count_nonzero(ordered[1:] == ordered[:-1])
-    return np.unique(ordered, return_counts=True) if repeats else (ordered, np.ones_like(ordered))

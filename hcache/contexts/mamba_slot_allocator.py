@@ -100,11 +100,11 @@ class MambaSlotAllocator:
             self.ssm_states_shape, conv_dt, ssm_dt)
         self.max_intermediate_count = inter.max_count
         self._pool = MambaSlotPool(self.num_blocks, self.max_slots)
-        # Bound to the KV allocator for its lifetime, as the observer subscribed below is.
         self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owned, self.num_blocks)
         self._copies = MambaStateCopies(context, self._pool, self.device, inter.conv_out,
                                         inter.ssm_out, conv_dt, ssm_dt)
-        kv.add_blocks_deregistered_observer(self._on_kv_deregistered)
+        kv.add_blocks_deregistered_observer(self._on_kv_deregistered)   # for life, as the map
+        kv.add_released_observer(self._pool.released)
         settle(self.device)   # the new slots are ready for any stream
 
     # --- queries --------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ class MambaSlotAllocator:
     def can_allocate_slots(self, block_ids) -> bool:
         """Whether :meth:`allocate_slots_batch` would succeed for ``block_ids``."""
         ids = index_array("block_ids", block_ids, self.num_blocks)
-        new, available = self._pool.demand(ids, self._kv.block_ref_counts)
+        new, available = self._pool.demand(ids, self._kv.block_ref_counts, self._timestamps())
         return len(new) <= available
 
     # --- slots ----------------------------------------------------------------------------------
@@ -338,21 +338,21 @@ class MambaSlotAllocator:
             idx = (((hashes > 0) & ~self._hashes.cached(bids, hashes)) | waiting).nonzero()[0]
             if len(idx) > 1:       # a repeated block keeps its first entry
                 idx = idx[self._pool.first_occurrences(bids[idx])]
-        refs, pool, awaiting = self._kv.block_ref_counts, self._pool, self._hashes.awaiting
-        short = pool.shortfall(bids[idx], refs, distinct=True)
+        refs, stamps, pool, awaiting = (self._kv.block_ref_counts, self._timestamps(), self._pool,
+                                        self._hashes.awaiting)
+        short = pool.shortfall(bids[idx], refs, stamps, distinct=True)
         if short[1] is not None and np.count_nonzero(waiting) + np.count_nonzero(awaiting):
             private = self.private_deferred()   # duplicates: registering at once keeps none
             if len(private):
                 pool.release(self._hashes.forget_awaiting(private))
                 idx = idx[~np.isin(bids[idx], private)]
-                short = pool.shortfall(bids[idx], refs, distinct=True)
+                short = pool.shortfall(bids[idx], refs, stamps, distinct=True)
         new, available = short[0], self.free_count + len(() if short[1] is None else short[1])
         if len(new) > available:    # keep owners and the first `available` new (distinct) blocks
             owned = self.block_to_slot[bids[idx]] >= 0
             idx = idx[owned | (np.cumsum(~owned) <= available)]
         ids = bids[idx]     # the blocks left out own no slot: the candidates stand
-        slots, victims = pool.allocate(ids, refs, self._timestamps(), distinct=True,
-                                       shortfall=short)
+        slots, victims = pool.allocate(ids, refs, stamps, distinct=True, shortfall=short)
         self._hashes.drop_blocks(victims, self._kv.block_hashes)
         is_inter = idx < len(inter)
         if inters := np.count_nonzero(is_inter):
@@ -393,7 +393,7 @@ class MambaSlotAllocator:
 
     def check_invariants(self) -> None:
         """Raise ``RuntimeError`` listing every broken invariant (see the module docstring)."""
-        problems = self._pool.broken_invariants()
+        problems = self._pool.broken_invariants(self._kv.block_ref_counts, self._timestamps())
         problems += self._hashes.broken_invariants(self.block_to_slot)
         problems += self._intermediate.broken_invariants()
         if problems:

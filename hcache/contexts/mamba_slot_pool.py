@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import CacheCapacityError
+from .evictable_slots import EvictableSlots
 
 __all__ = ["MambaSlotCapacityError", "MambaSlotPool"]
 
@@ -67,6 +68,7 @@ class MambaSlotPool:
         self.owned = bytearray(num_blocks)
         self._seen = np.zeros(num_blocks, dtype=np.int64)   # scratch of first_occurrences
         self._excluded = np.zeros(num_blocks, dtype=np.bool_)   # scratch of evictable_blocks
+        self._evictable = EvictableSlots()
         self.reset()
 
     @property
@@ -81,6 +83,7 @@ class MambaSlotPool:
         self.free_slots[:] = np.arange(self.max_slots - 1, -1, -1, dtype=np.int32)
         self.free_count = self.max_slots
         self._owned.fill(False)
+        self._evictable.reset()
 
     def evictable_blocks(self, ref_counts, exclude=None) -> np.ndarray:
         """Blocks owning a slot whose KV ``ref_counts`` are 0, other than those of
@@ -93,24 +96,38 @@ class MambaSlotPool:
             self._excluded[exclude] = False
         return candidates
 
-    def demand(self, block_ids: np.ndarray, ref_counts, *, distinct: bool = False):
+    def demand(self, block_ids: np.ndarray, ref_counts, timestamps, *, distinct: bool = False):
         """Blocks of ``block_ids`` (``distinct``: known to hold no repeat) needing a new slot
         (first-seen order), and the slots available to them: free ones plus evictable ones not
-        in ``block_ids`` (whose slots are being returned)."""
-        new, candidates = self.shortfall(block_ids, ref_counts, distinct=distinct)
+        in ``block_ids`` (whose slots are being returned), counted up to what ``new`` needs."""
+        new, candidates = self.shortfall(block_ids, ref_counts, timestamps, distinct=distinct)
         return new, self.free_count + (0 if candidates is None else len(candidates))
 
-    def shortfall(self, block_ids: np.ndarray, ref_counts, *, distinct: bool = False):
-        """:meth:`demand` as ``(new, candidates)``: the evictable blocks outside ``block_ids``
-        (int64, one scan) when the free slots are too few for ``new``, else None; pass them
-        on to :meth:`allocate` while nothing has changed."""
+    def shortfall(self, block_ids: np.ndarray, ref_counts, timestamps, *,
+                  distinct: bool = False):
+        """:meth:`demand` as ``(new, candidates)``: when the free slots are too few for ``new``,
+        the oldest evictable blocks outside ``block_ids`` that make up for them, in LRU order
+        (int64; all there are when too few), else None. Pass them on to :meth:`allocate` while
+        nothing has changed. Reads only."""
         new = block_ids[self.block_to_slot[block_ids] < 0]
         if not distinct:
             uniq, first = np.unique(new, return_index=True)
             new = uniq[np.argsort(first)]
         if len(new) <= self.free_count:
             return new, None
-        return new, self.evictable_blocks(ref_counts, exclude=block_ids)
+        return new, self._oldest_evictable(len(new) - self.free_count, ref_counts, timestamps,
+                                           block_ids)
+
+    def _oldest_evictable(self, n, ref_counts, timestamps, exclude) -> np.ndarray:
+        self._evictable.rebuild_if_large(lambda: self.evictable_blocks(ref_counts), timestamps)
+        excluded = frozenset() if exclude is None else frozenset(exclude.tolist())
+        return np.array(self._evictable.oldest(n, self.owned, ref_counts, timestamps, excluded),
+                        np.int64)
+
+    def released(self, block_ids: np.ndarray, timestamps) -> None:
+        """The KV allocator's observer: it dropped ``block_ids`` (int64) to ref count 0, so
+        those owning a slot became evictable."""
+        self._evictable.push(block_ids[self._owned[block_ids]], timestamps)
 
     def first_occurrences(self, block_ids: np.ndarray) -> np.ndarray:
         """``bool [n]``: whether each entry of checked ``block_ids`` is its block's first."""
@@ -136,7 +153,7 @@ class MambaSlotPool:
             Free plus evictable slots (other than those of ``block_ids``) are too few.
         """
         if shortfall is None:
-            new, candidates = self.shortfall(block_ids, ref_counts, distinct=distinct)
+            new, candidates = self.shortfall(block_ids, ref_counts, timestamps, distinct=distinct)
         else:
             new, candidates = block_ids[self.block_to_slot[block_ids] < 0], shortfall[1]
         available = self.free_count + (0 if candidates is None else len(candidates))
@@ -154,13 +171,14 @@ class MambaSlotPool:
             self.block_to_slot[new] = slots
             self.slot_to_block[slots] = new
             self._owned[new] = True
+            self._evictable.push(new[np.asarray(ref_counts)[new] == 0], timestamps)
         return self.block_to_slot[block_ids].astype(np.int64), victims
 
     def evict(self, n: int, ref_counts, timestamps, *, exclude=None, candidates=None):
         """Take the slots of the ``n`` least recently used evictable blocks: oldest
         ``timestamps`` first (all 0 when None), ties by block id, never a block of
-        ``exclude``. The slots are **not** returned to the free stack. ``candidates``: the
-        :meth:`evictable_blocks` for that ``exclude``, when known.
+        ``exclude``. The slots are **not** returned to the free stack. ``candidates``: what
+        :meth:`shortfall` gave for that ``exclude``, when known.
 
         Returns
         -------
@@ -173,7 +191,7 @@ class MambaSlotPool:
             Fewer than ``n`` candidates; nothing changes.
         """
         if candidates is None:
-            candidates = self.evictable_blocks(ref_counts, exclude)
+            candidates = self._oldest_evictable(n, ref_counts, timestamps, exclude)
         if len(candidates) < n:
             raise MambaSlotCapacityError(n, len(candidates))
         victims = candidates[_oldest(candidates, timestamps, n, len(self.block_to_slot))]
@@ -197,8 +215,9 @@ class MambaSlotPool:
         self.free_slots[self.free_count:self.free_count + len(slots)] = slots
         self.free_count += len(slots)
 
-    def broken_invariants(self) -> list[str]:
-        """Every broken invariant of the maps and the free stack; empty when all hold."""
+    def broken_invariants(self, ref_counts=None, timestamps=None) -> list[str]:
+        """Every broken invariant of the maps and the free stack, and (given the KV
+        ``ref_counts`` and ``timestamps``) of the evictable slots' order; empty when all hold."""
         problems = []
         free = self.free_slots[:self.free_count].astype(np.int64)
         if not 0 <= self.free_count <= self.max_slots:
@@ -217,6 +236,9 @@ class MambaSlotPool:
             problems.append("block_to_slot and slot_to_block are not inverse")
         if not np.array_equal(self._owned, self.block_to_slot >= 0):
             problems.append("owned flags disagree with block_to_slot")
+        if ref_counts is not None:
+            problems += self._evictable.broken_invariants(self.evictable_blocks(ref_counts),
+                                                          timestamps)
         return problems
 
 
