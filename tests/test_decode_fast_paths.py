@@ -369,6 +369,28 @@ def test_pool_release_and_allocate_keep_the_owned_flags(case, data):
     assert np.array_equal(pool._owned, pool.block_to_slot >= 0)
 
 
+def test_evictable_slot_heap_stays_bounded_when_nothing_is_evicted():
+    """Blocks released and retained over and over with slots to spare (no eviction ever pops
+    the heap): the stale entries are rebuilt away, so the heap stays within about twice the
+    slots, and every evictable slot keeps a live entry."""
+    from hcache.contexts.evictable_slots import _SLACK
+    rng = np.random.default_rng(5)
+    nb, slots = 64, 16
+    pool = MambaSlotPool(nb, slots)
+    refs, stamps = np.ones(nb, np.int32), np.zeros(nb, np.int64)
+    owners = np.arange(slots, dtype=np.int64) * 3
+    pool.allocate(owners, refs, stamps, distinct=True)
+    for clock in range(1, 3000):
+        b = owners[rng.integers(slots, size=4)]
+        stamps[b], refs[b] = clock, 0          # retained at `clock`, then released
+        pool.released(np.unique(b), stamps)
+        assert len(pool._evictable._heap) <= 2 * slots + _SLACK + 4
+    assert pool.broken_invariants(refs, stamps) == []
+    want = before_evictable_blocks(pool, refs)
+    got = pool.evict(len(want), refs, stamps)[1]
+    assert got.tolist() == want[lexsort_oldest(want, stamps, len(want))].tolist()
+
+
 def test_evict_lru_slots_batch_ignores_exclude_ids_out_of_range():
     """``_evict_lru_slots_batch(n, exclude=...)``: an id outside ``[0, num_blocks)`` (a -1 pad,
     a too-large id) excludes no block, and a tuple is a list of ids, as with ``np.isin``

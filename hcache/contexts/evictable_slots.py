@@ -11,7 +11,7 @@ only when it is allocated or retained, which makes its ref count positive). The 
 entry when a block with ref count 0 gets a slot, and the KV allocator reports the blocks whose
 ref count drops to 0 (:meth:`KVBlockAllocator.add_released_observer`), so every evictable block
 has a live entry (:meth:`broken_invariants`); stale entries are dropped when met, and the heap is
-rebuilt from a scan when it outgrows twice its live size.
+rebuilt from the slots' owners when it outgrows twice their number.
 """
 
 from __future__ import annotations
@@ -73,12 +73,13 @@ class EvictableSlots:
             heapq.heappush(heap, entry)
         return out
 
-    def rebuild_if_large(self, candidates_of, timestamps) -> None:
-        """Rebuild from ``candidates_of()`` (the evictable blocks, a scan) when stale entries
-        made the heap outgrow its limit."""
+    def rebuild_if_large(self, owners_of, timestamps) -> None:
+        """Rebuild from ``owners_of()`` (every block owning a slot, a scan: a superset of the
+        evictable ones) when stale entries made the heap outgrow its limit, so it holds at
+        most about twice the slots."""
         if len(self._heap) <= self._limit:
             return
-        blocks = candidates_of()
+        blocks = owners_of()
         stamps = [0] * len(blocks) if timestamps is None else timestamps[blocks].tolist()
         self._heap = list(zip(stamps, blocks.tolist()))
         heapq.heapify(self._heap)

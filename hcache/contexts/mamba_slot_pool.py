@@ -119,7 +119,6 @@ class MambaSlotPool:
                                            block_ids)
 
     def _oldest_evictable(self, n, ref_counts, timestamps, exclude) -> np.ndarray:
-        self._evictable.rebuild_if_large(lambda: self.evictable_blocks(ref_counts), timestamps)
         excluded = frozenset() if exclude is None else frozenset(exclude.tolist())
         return np.array(self._evictable.oldest(n, self.owned, ref_counts, timestamps, excluded),
                         np.int64)
@@ -128,6 +127,10 @@ class MambaSlotPool:
         """The KV allocator's observer: it dropped ``block_ids`` (int64) to ref count 0, so
         those owning a slot became evictable."""
         self._evictable.push(block_ids[self._owned[block_ids]], timestamps)
+        self._evictable.rebuild_if_large(self._owners, timestamps)
+
+    def _owners(self) -> np.ndarray:
+        return self.slot_to_block[self.slot_to_block >= 0].astype(np.int64)
 
     def first_occurrences(self, block_ids: np.ndarray) -> np.ndarray:
         """``bool [n]``: whether each entry of checked ``block_ids`` is its block's first."""
@@ -172,6 +175,7 @@ class MambaSlotPool:
             self.slot_to_block[slots] = new
             self._owned[new] = True
             self._evictable.push(new[np.asarray(ref_counts)[new] == 0], timestamps)
+            self._evictable.rebuild_if_large(self._owners, timestamps)
         return self.block_to_slot[block_ids].astype(np.int64), victims
 
     def evict(self, n: int, ref_counts, timestamps, *, exclude=None, candidates=None):
