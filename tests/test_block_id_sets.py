@@ -1,4 +1,4 @@
-"""The np.unique stand-ins for a step's block ids (hcache/contexts/block_id_sets.py) against
+"""The np.unique stand-in for a step's block ids (hcache/contexts/block_id_sets.py) against
 np.unique itself."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import given
 
-from hcache.contexts.block_id_sets import counted, distinct_sorted
+from hcache.contexts.block_id_sets import counted
 
 ids = st.lists(st.integers(0, 40), max_size=30).map(lambda xs: np.array(xs, np.int64))
 
@@ -18,9 +18,3 @@ def test_counted_is_unique_with_counts(a):
     want_uniq, want_counts = np.unique(a, return_counts=True)
     assert uniq.tolist() == want_uniq.tolist() and counts.tolist() == want_counts.tolist()
 
-
-@given(ids)
-def test_distinct_sorted_is_unique_and_leaves_its_input(a):
-    before = a.copy()
-    assert distinct_sorted(a).tolist() == np.unique(a).tolist()
-    assert a.tolist() == before.tolist()

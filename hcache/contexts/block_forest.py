@@ -25,7 +25,7 @@ from itertools import repeat
 
 import numpy as np
 
-from .block_id_sets import distinct_sorted
+from .block_id_sets import counted
 
 __all__ = ["BlockForest"]
 
@@ -186,13 +186,8 @@ class BlockForest:
         has_parent = parents >= 0
         self.parent_ids[block_ids] = parents
         self.parent_hashes[block_ids] = np.where(has_parent, parent_hashes, 0)
-        linked = parents[has_parent]
-        linked.sort()
-        if len(linked) > 1 and np.count_nonzero(linked[1:] == linked[:-1]):   # siblings
-            linked, counts = np.unique(linked, return_counts=True)
-            self.child_counts[linked] += counts.astype(np.int32)
-        else:
-            self.child_counts[linked] += 1
+        linked, counts = counted(parents[has_parent])     # siblings in the batch count each
+        self.child_counts[linked] += counts.astype(np.int32)
 
     def unlink(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """Unregister unique registered ``block_ids``, orphaning their children; returns their
@@ -201,8 +196,8 @@ class BlockForest:
         for h in hashes.tolist():
             del self.hash_to_block[h]
         parents = self.parent_ids[block_ids]
-        parents = parents[parents >= 0].astype(np.int64)
-        np.subtract.at(self.child_counts, parents, 1)
+        parents, lost = counted(parents[parents >= 0].astype(np.int64))
+        self.child_counts[parents] -= lost.astype(np.int32)
         # Children outside the batch exist only under a block still counting some: a peel
         # unlinks whole subtrees, so the scan of every link is for other deregistrations.
         if np.count_nonzero(self.child_counts[block_ids]):
@@ -219,7 +214,7 @@ class BlockForest:
         self.parent_hashes[block_ids] = 0
         self.child_counts[block_ids] = 0
         self.hashes[block_ids] = -1
-        return set(hashes.tolist()), distinct_sorted(parents[self.hashes[parents] != -1])
+        return set(hashes.tolist()), parents[self.hashes[parents] != -1]
 
     # --- eviction order -----------------------------------------------------------------
 
