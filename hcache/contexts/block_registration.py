@@ -180,8 +180,6 @@ class BlockRegistration:
         rows = np.flatnonzero(requests.registered < requests.computed // requests.block_size)
         done = requests.registered[rows]
         rows, done = rows[done < len(prompt_hashes)], done[done < len(prompt_hashes)]
-        if not len(rows):
-            return 0
         last = np.maximum(done - 1, 0)
         continues = (done == 0) | (prompt_hashes[last] == requests.hashes[rows, last])
         return self.flush(rows[continues]) if continues.any() else 0
@@ -203,6 +201,8 @@ class BlockRegistration:
     def private_blocks(self) -> np.ndarray:
         """The backlog blocks (int64) that will stay private when registered: registering at
         once, they were duplicates (see :meth:`_backlog`), so they keep no Mamba state."""
+        if not self.queued:
+            return np.zeros(0, np.int64)
         _, _, blocks, _, private = self._backlog()
         return blocks[private]
 
