@@ -184,6 +184,14 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
     else:
         low, top = min(s.min(), d.min()), (int(s.max()), int(d.max()))
     nonnegative = low >= 0
+    if len(s) == 1 and nonnegative:     # one pair (a restore): scalar indices, no masks
+        i, j = top
+        src0, dst0 = slots.pairs[0]
+        _bump(status, int(i >= src0.shape[0] or j >= dst0.shape[0]))
+        for src, dst in _slot_records(slots):
+            if i < src.shape[0] and j < dst.shape[0]:
+                dst[j] = src[i]
+        return
     rows: dict = {}   # (src slots, dst slots) -> (out-of-range count, rows to copy or None: all)
 
     def copied(num_src, num_dst):
