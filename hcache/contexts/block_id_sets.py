@@ -10,10 +10,12 @@ __all__ = ["counted"]
 
 def counted(ids: np.ndarray):
     """``np.unique(ids, return_counts=True)`` (counts int64)."""
-    ordered = np.sort(ids)
+    ordered = ids.copy()        # (np.sort's and np.ones' Python wrappers cost more than this)
+    ordered.sort()
     if len(ordered) < 2:
         return ordered, np.ones(len(ordered), np.int64)
-    first = np.ones(len(ordered), bool)
+    first = np.empty(len(ordered), bool)
+    first[0] = True
     np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
     starts = first.nonzero()[0]
     if len(starts) == len(ordered):      # no repeat (a request's blocks)
