@@ -313,6 +313,26 @@ def test_observers_run_in_order_and_a_raising_one_is_logged(caplog):
     a.check_invariants()
 
 
+def test_a_raising_release_observer_is_logged_after_the_release_is_committed(caplog):
+    a = KVBlockAllocator(4)
+    seen = []
+
+    def boom(ids, stamps):
+        seen.append((ids.tolist(), a.num_free_blocks, a.num_cached_blocks))
+        raise RuntimeError("release observer failure")
+
+    a.add_released_observer(boom)
+    a.add_released_observer(lambda ids, stamps: seen.append(("next", ids.tolist())))
+    ids, _ = chain(a, 2, 9)
+    more = a.allocate_memory_blocks(1).tolist()
+    with caplog.at_level(logging.ERROR, logger="hcache.contexts.kv_block_allocator"):
+        a.release_memory_blocks(ids + more)
+    # Called once the release is done: the unregistered block is free, the chain cached.
+    assert seen == [(sorted(ids + more), 2, 2), ("next", sorted(ids + more))]
+    assert "release observer failure" in caplog.text
+    a.check_invariants()
+
+
 # --- registration -------------------------------------------------------------------------
 
 def test_registration_is_idempotent_and_keeps_the_first_parent():

@@ -729,3 +729,21 @@ def test_store_from_tensors_names_a_state_that_is_not_an_array():
         with pytest.raises(TypeError, match="ssm_state: expected a numpy array"):
             alloc.store_from_tensors(int(ids[0]), 0, bad, conv)
         assert_unchanged(before, alloc)
+
+
+def test_a_kv_reset_alone_leaves_the_old_slots_evictable_in_lru_order():
+    """``KVBlockAllocator.reset`` without the Mamba allocator's: every block is at ref count 0
+    with timestamp 0, so the slots its blocks still own are evictable, lowest block first (the
+    slot LRU hears of it through the release observer, as a scan of every slot would see it)."""
+    _, kv, alloc = make(num_blocks=16, max_slots=3)
+    kv.advance_clock(5)
+    ids = kv.allocate_memory_blocks(3)
+    alloc.allocate_slots_batch(ids)
+    kv.release_memory_blocks(ids)
+    kv.reset()
+    alloc.check_invariants()
+    victims = sorted(ids.tolist())[:2]
+    slots = [alloc.get_slot(b) for b in victims]
+    assert alloc.allocate_slots_batch([5, 6]) == slots
+    assert [alloc.get_slot(b) for b in victims] == [-1, -1]
+    alloc.check_invariants()

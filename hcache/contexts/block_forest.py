@@ -160,8 +160,10 @@ class BlockForest:
             parents = np.fromiter(map(self.hash_to_block.get, parent_hashes.tolist(),
                                       repeat(-1)), np.int64, n)
         else:
-            found = self.hashes[likely_parents] == parent_hashes
-            found[1:] |= (likely_parents[1:] == block_ids[:-1]) & (hashes[:-1] == parent_hashes[1:])
+            found = self.hashes[likely_parents] == parent_hashes     # registered before
+            previous_entry = (likely_parents[1:] == block_ids[:-1]) \
+                & (hashes[:-1] == parent_hashes[1:])                   # or just before it here
+            found[1:] |= previous_entry
             parents = np.where(found, likely_parents, -1)
         unresolved = ((parents < 0) & (parent_hashes > 0)).nonzero()[0]
         if len(unresolved) and likely_parents is not None:

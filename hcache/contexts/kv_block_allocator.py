@@ -140,9 +140,10 @@ class KVBlockAllocator:
     def get_evictable_block_count(self, block_ids=None) -> int:
         """Cached blocks :meth:`evict_lru_blocks` can reclaim (those with no in-use descendant;
         0 unless lru), among ``block_ids`` if given (``IndexError`` for an id out of range)."""
-        pinned = None if self.pending_parents is None else self.pending_parents()
-        mask = self._forest.evictable_mask(self.block_ref_counts, pinned) \
-            if self.caches_released_blocks else np.zeros(self._num_blocks, dtype=bool)
+        mask = np.zeros(self._num_blocks, dtype=bool)
+        if self.caches_released_blocks:
+            pinned = None if self.pending_parents is None else self.pending_parents()
+            mask = self._forest.evictable_mask(self.block_ref_counts, pinned)
         if block_ids is not None:
             mask = mask[block_id_array("block_ids", block_ids, self._num_blocks)]
         return int(np.count_nonzero(mask))
@@ -187,8 +188,8 @@ class KVBlockAllocator:
         self._observers.append(fn)
 
     def add_released_observer(self, fn) -> None:
-        """Call ``fn(block_ids, block_timestamps)`` with the blocks (int64, unique) each release
-        drops to ref count 0, before they are freed or deregistered (evictable state's owners)."""
+        """Call ``fn(block_ids, block_timestamps)`` (arrays, read only) after each release with
+        the blocks (int64, unique) it dropped to ref count 0, and at :meth:`reset` with all."""
         if not callable(fn):
             raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
         self._released_observers.append(fn)
@@ -197,11 +198,9 @@ class KVBlockAllocator:
         """Pop ``n`` free blocks (ref count 1, timestamp = clock), evicting cached blocks under
         lru when the free stack is short; ``retained`` (block ids, optional) are blocks the
         caller retains next: evicted as if retained already (neither they nor their ancestors).
-
         Returns a new ``int32 [n]`` array of distinct ids, or None (nothing changed) when fewer
         than ``n`` blocks can be made free. Raises ``IndexError`` (a retained id out of range),
-        ``TypeError`` / ``ValueError`` (``n`` is not an int >= 0).
-        """
+        ``TypeError`` / ``ValueError`` (``n`` is not an int >= 0)."""
         return self._allocate(as_int("n", n), self._kept(retained))
 
     def allocate_memory_blocks_per_request(self, counts) -> np.ndarray | None:
@@ -226,7 +225,7 @@ class KVBlockAllocator:
         self.block_ref_counts[ids] = 1
         self.block_timestamps[ids] = self._clock
         if pending is not None:
-            self._notify(*pending)
+            self._notify(self._observers, *pending)
         return ids
 
     def retain_memory_blocks(self, block_ids) -> None:
@@ -271,16 +270,15 @@ class KVBlockAllocator:
                              f"{int(counts[after < 0][0])}")
         self.block_ref_counts[uniq] = after.astype(np.int32)
         zero = uniq[after == 0]
-        for fn in self._released_observers if len(zero) else ():
-            fn(zero, self.block_timestamps)
         registered = self.block_hashes[zero] != -1
         self._free.push(zero[~registered])
-        if not self.caches_released_blocks:
-            if registered.any():
-                self._notify(*self._deregister(zero[registered]))
-            return
-        cached = zero[registered]
-        self._leaves.add(cached[self._forest.child_counts[cached] == 0], self.block_timestamps)
+        if not self.caches_released_blocks and registered.any():
+            self._notify(self._observers, *self._deregister(zero[registered]))
+        elif self.caches_released_blocks:
+            cached = zero[registered]
+            self._leaves.add(cached[self._forest.child_counts[cached] == 0], self.block_timestamps)
+        if len(zero):
+            self._notify(self._released_observers, zero, self.block_timestamps)
 
     def register_kv_block_hashes(self, block_ids, hashes, parent_hashes=None) -> None:
         """Record the prefix hash of each block (a batch, applied whole or not at all).
@@ -335,18 +333,19 @@ class KVBlockAllocator:
         victims = self._peel(n)
         if victims is None:
             return False
-        self._notify(*self._deregister(victims))
+        self._notify(self._observers, *self._deregister(victims))
         return True
 
     def reset(self) -> None:
         """Free every block, clear hashes, ref counts, timestamps and the clock. Observers are
-        kept and not called (owners of derived state reset it themselves)."""
+        kept; release observers learn every block is at ref count 0, no other is called."""
         self._free.reset()
         self.block_ref_counts.fill(0)
         self.block_timestamps.fill(0)
         self._forest.reset()
         self._leaves.reset()
         self._clock = 0
+        self._notify(self._released_observers, np.arange(self._num_blocks), self.block_timestamps)
 
     # --- internals ----------------------------------------------------------------------
 
@@ -382,12 +381,13 @@ class KVBlockAllocator:
                              self.block_timestamps)
         return ids.tolist(), hashes
 
-    def _notify(self, block_ids: list, hashes: set) -> None:
-        for fn in list(self._observers):
+    def _notify(self, observers: list, *args) -> None:
+        """Call each of ``observers`` with ``args`` (lists and sets copied); log a raise."""
+        for fn in list(observers):
             try:
-                fn(list(block_ids), set(hashes))
+                fn(*(type(a)(a) if isinstance(a, (list, set)) else a for a in args))
             except Exception:  # noqa: BLE001 - observers must not break the allocator
-                _log.exception("blocks-deregistered observer %r failed", fn)
+                _log.exception("blocks observer %r failed", fn)
 
     # --- checks -------------------------------------------------------------------------
 

@@ -182,7 +182,8 @@ class MambaSlotPool:
         """Take the slots of the ``n`` least recently used evictable blocks: oldest
         ``timestamps`` first (all 0 when None), ties by block id, never a block of
         ``exclude``. The slots are **not** returned to the free stack. ``candidates``: what
-        :meth:`shortfall` gave for that ``exclude``, when known.
+        :meth:`shortfall` gave for that ``exclude`` with nothing changed since (trusted: the
+        oldest evictable blocks, at least ``n`` of them unless there are fewer).
 
         Returns
         -------
