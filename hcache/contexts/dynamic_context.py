@@ -83,8 +83,9 @@ class DynamicInferenceContext(ContextConstructors, ContextViews):
         Blocks of the sliding-window layers' own space (docs/design.md §6.7); default: none.
     registration_budget : int or None
         Completed blocks a :meth:`commit_step` hashes, or registers (or 1/8 of the waiting ones
-        if more); the rest wait, in order, and whatever depends on them catches up first
-        (docs/design.md §6.8). None: all at once.
+        if more); the rest wait, in order, and whatever depends on them catches up first; a
+        step whose blocks, with the waiting ones, are at most a quarter of it registers them at
+        once (docs/design.md §6.8). None: all at once.
 
     Attributes
     ----------
