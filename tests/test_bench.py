@@ -101,6 +101,9 @@ def test_host_bench_on_cpu_reports_every_case(tmp_path, capsys):
     assert sum(c.startswith("context decode") for c in cases) == 5
     assert {"serving decode block16 pool x1", "serving decode block256 pool x1"} <= set(cases)
     for r in rows:
+        if r["case"].startswith("serving "):
+            assert r["python_calls"] > 0
+    for r in rows:
         assert r["family"] == "host" and 0 < r["us"] <= r["worst_us"]
         assert min(r["us"], r["mean_us"]) <= r["worst_us"]
     assert "median us" in capsys.readouterr().out
@@ -136,3 +139,21 @@ def test_calls_report_is_named_by_what_it_holds(tmp_path):
     report = json.loads(path.read_text())
     assert path.name.endswith("_calls_quick.json") and report["kind"] == "calls"
     assert any(r["case"] == "context add_request" for r in report["rows"])
+
+
+def test_serving_rows_count_the_same_python_calls_in_every_run():
+    """The serving rows' ``python_calls`` (a decode step's, an admission's, a release's) do not
+    depend on the machine: two fresh runs of the same seeded workload count the same, and a
+    decode step makes more calls at block 16 (its blocks complete 16 times as often)."""
+    from hcache.bench import host_serving
+
+    class Ctx:
+        device, quick = "cpu", True
+
+    def calls(block):
+        rows = host_serving._serving(Ctx, 1, block, 1, warm_steps=30, timed_steps=10)
+        return {r["case"]: r["python_calls"] for r in rows}
+
+    first = calls(256)
+    assert first == calls(256)
+    assert calls(16)["serving decode block16 pool x1"] > first["serving decode block256 pool x1"]

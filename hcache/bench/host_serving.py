@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -38,6 +39,7 @@ TIMED_STEPS = 200
 DECODE_GOALS = (150.0, 250.0)     # median, mean (µs)
 ADD_GOAL = 200.0
 ROUNDS = 5          # fresh runs of the full bench; a step's time is its median over them
+CALL_STEPS = 20     # steps after the last run whose Python-level calls are counted
 
 
 def run(ctx) -> list[dict]:
@@ -178,6 +180,7 @@ def _serving(ctx, rounds: int, block: int, scale: int, warm_steps: int = WARM_ST
             evicting.append(steps_evicting / timed_steps)
         finally:
             gc.enable()
+    calls = _calls_per_step(server, 5 if timed_steps < TIMED_STEPS else CALL_STEPS)
     times = [float(x) for x in np.median(decode, axis=0)]
     common = {"model": "4 mamba layers", "batch": BATCH, "block": block, "pool_blocks": pools,
               "pool_scale": scale}
@@ -186,7 +189,8 @@ def _serving(ctx, rounds: int, block: int, scale: int, warm_steps: int = WARM_ST
          "us": round(statistics.median(times), 2), "mean_us": round(statistics.fmean(times), 2),
          "worst_us": round(max(times), 2), "goal_us": DECODE_GOALS[0],
          "mean_goal_us": DECODE_GOALS[1], "steps": timed_steps, "rounds": rounds,
-         "evicting_share": round(statistics.median(evicting), 3), "clock": "thread_time_ns"},
+         "evicting_share": round(statistics.median(evicting), 3), "clock": "thread_time_ns",
+         "python_calls": calls["decode"]},
     ]
     for name, times, goal in (("add_request", adds, ADD_GOAL), ("release", releases, None)):
         if times:       # per admitted / released request, over every run
@@ -194,5 +198,37 @@ def _serving(ctx, rounds: int, block: int, scale: int, warm_steps: int = WARM_ST
                          "us": round(statistics.median(times), 2),
                          "mean_us": round(statistics.fmean(times), 2),
                          "worst_us": round(max(times), 2), "goal_us": goal, "steps": len(times),
-                         "clock": "thread_time_ns"})
+                         "clock": "thread_time_ns", "python_calls": calls[name]})
     return rows
+
+
+class _CallCounter:
+    """A clock for :meth:`_Server.step` that reads the Python-level calls made so far
+    (functions and C functions, as ``sys.setprofile`` sees them) while :attr:`profile` is
+    installed: a count that the shared machine's speed does not move."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self) -> int:
+        return self.calls - 1       # this call's own event is not the measured code's
+
+    def profile(self, frame, event, arg) -> None:
+        if event == "call" or event == "c_call":
+            self.calls += 1
+
+
+def _calls_per_step(server, steps: int) -> dict:
+    """Median Python-level calls of a decode step, an ``add_request`` and a
+    ``release_requests`` over ``steps`` more steps of ``server``."""
+    counter, counts = _CallCounter(), {"decode": [], "add_request": [], "release": []}
+    sys.setprofile(counter.profile)
+    try:
+        for _ in range(steps):
+            decode, adds, releases = server.step(counter)
+            counts["decode"].append(decode)
+            counts["add_request"] += adds
+            counts["release"] += releases
+    finally:
+        sys.setprofile(None)
+    return {k: int(statistics.median(v)) if v else None for k, v in counts.items()}
