@@ -87,9 +87,8 @@ class EvictableSlots:
 
     def broken_invariants(self, evictable: np.ndarray, timestamps) -> list[str]:
         """Every broken invariant given the evictable blocks (int64); reads only."""
-        live = {b for t, b in self._heap
-                if timestamps is None and t == 0 or timestamps is not None
-                and int(timestamps[b]) == t}
+        stamp = (lambda b: 0) if timestamps is None else (lambda b: int(timestamps[b]))
+        live = {b for t, b in self._heap if stamp(b) == t}
         missing = set(evictable.tolist()) - live
         return [f"evictable blocks without a live heap entry: {sorted(missing)[:8]}"] \
             if missing else []

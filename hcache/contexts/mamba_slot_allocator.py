@@ -103,8 +103,8 @@ class MambaSlotAllocator:
         self._hashes = MambaHashMap(kv.kv_hash_to_block_id, self._pool.owned, self.num_blocks)
         self._copies = MambaStateCopies(context, self._pool, self.device, inter.conv_out,
                                         inter.ssm_out, conv_dt, ssm_dt)
-        kv.add_blocks_deregistered_observer(self._on_kv_deregistered)   # for life, as the map
-        kv.add_released_observer(self._pool.released)
+        kv.add_blocks_deregistered_observer(self._on_kv_deregistered)
+        kv.add_released_observer(self._pool.released)   # both for the KV allocator's lifetime
         settle(self.device)   # the new slots are ready for any stream
 
     # --- queries --------------------------------------------------------------------------------

@@ -166,8 +166,7 @@ class MambaStateCopies:
         live = to_host(self.context.request_to_mamba_state_idx)[rows].astype(np.int64)
         bad = (live < 0) | (live >= self.max_requests)
         if bad.any():
-            raise ValueError(f"{name}: expected requests with a live Mamba slot, "
-                             f"got request {int(rows[bad][0])} -> {int(live[bad][0])}")
+            raise _no_live_slot(name, int(rows[bad][0]), int(live[bad][0]))
         return live
 
     def write_layer(self, block_id, slot, layer_idx, ssm_state, conv_state, *,
@@ -277,8 +276,7 @@ class MambaStateCopies:
         """
         live = int(to_host(self.context.request_to_mamba_state_idx)[row])
         if not 0 <= live < self.max_requests:
-            raise ValueError(f"{rows_name}: expected requests with a live Mamba slot, "
-                             f"got request {row} -> {live}")
+            raise _no_live_slot(rows_name, row, live)
         src = int(self._pool.block_to_slot[block_id])
         if src < 0:
             return False
@@ -315,3 +313,8 @@ class MambaStateCopies:
             for cache in (self.conv_states, self.ssm_states):
                 if cache is not None:
                     cache.fill(0)
+
+
+def _no_live_slot(name: str, row: int, live: int) -> ValueError:
+    return ValueError(f"{name}: expected requests with a live Mamba slot, got request {row} -> "
+                      f"{live}")

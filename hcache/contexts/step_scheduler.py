@@ -88,9 +88,7 @@ class StepScheduler:
             return restore_depth_tokens(n, matched[:m], [d for d in depths if d <= m], bs,
                                         prefix_caching=requests.hashing, has_mamba=has_mamba)
 
-        # every depth is at most len(matched): the full match's skip needs no filtering
-        skip = restore_depth_tokens(n, matched, depths, bs, prefix_caching=requests.hashing,
-                                    has_mamba=has_mamba)
+        skip = skip_of(len(matched))
         if self.window is not None:   # the local layers' window must be cached too
             m, skip, lo, local_ids = self.window.plan_admit(listed, matched, skip_of)
             matched = matched[:m]
