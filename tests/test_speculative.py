@@ -408,6 +408,12 @@ class SpeculativeMachine(RuleBasedStateMachine):
         start = self.rng.integers(0, 5, n)
         for m in (self.spec.m, self.ref.m):
             m.reset_for_new_sequences(start.tolist())
+        # The engine's prefill of the new prefixes, the same in both: the positions it covers
+        # may hold a rejected draft token in one manager and nothing in the other.
+        for (_, a, _), (_, b, _) in zip(self.spec.kv, self.ref.kv):
+            prefix = _rows(self.rng, a[:n].shape, a.dtype)
+            put(a[:n], prefix)
+            put(b[:n], prefix)
         self.lengths = start.astype(np.int64)
 
     @rule(n=st.integers(1, B))
