@@ -481,6 +481,48 @@ def test_link_guess_of_minus_one_when_the_last_block_holds_the_parent_hash():
     assert f.parent_ids[[0, 1]].tolist() == [3, 3] and f.child_counts[3] == 2
 
 
+@st.composite
+def unlink_cases(draw):
+    """A forest of chains and branches (parents registered before their children), and a set
+    of registered blocks to unlink: leaves and parents together, or parents whose children
+    stay (orphans, dangling roots), of any size."""
+    nb = draw(st.integers(1, 90))
+    f = BlockForest(nb)
+    order = draw(st.permutations(range(nb)))[:draw(st.integers(1, nb))]
+    hashes = [0]
+    for i, b in enumerate(order):
+        parent = draw(st.sampled_from(hashes[: i + 1]))
+        f.link(np.array([b]), np.array([i + 1]), np.array([parent]))
+        hashes.append(i + 1)
+    if draw(st.booleans()):     # an earlier unlink left dangling roots
+        f.unlink(np.array([draw(st.sampled_from(order))], np.int64))
+    held = np.flatnonzero(f.hashes != -1).tolist()
+    gone = draw(st.lists(st.sampled_from(held), unique=True, min_size=1)) if held else []
+    return f, np.array(gone, np.int64)
+
+
+@given(unlink_cases())
+def test_unlink_of_few_blocks_equals_the_vectorised_unlink(case):
+    """``unlink`` counts the parents of up to ``_FEW`` ids in Python: the same forest, hash set
+    and parents that lost a child (sorted) as the NumPy path, orphans and dangling roots too."""
+    from hcache.contexts import block_forest
+    f, gone = case
+    if not len(gone):
+        return
+    twin = copy.deepcopy(f)
+    few = f.unlink(gone.copy())
+    saved, block_forest._FEW = block_forest._FEW, -1
+    try:
+        many = twin.unlink(gone.copy())
+    finally:
+        block_forest._FEW = saved
+    assert few[0] == many[0]
+    assert few[1].dtype == many[1].dtype and few[1].tolist() == many[1].tolist()
+    assert forest_state(f) == forest_state(twin)
+    assert (f.dangling.tolist(), f.num_dangling) == (twin.dangling.tolist(), twin.num_dangling)
+    assert f.broken_invariants() == []
+
+
 # --- reference slot_copy: the fast path when every index is in range --------------------------
 
 @st.composite

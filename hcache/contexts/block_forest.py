@@ -29,6 +29,9 @@ from .block_id_sets import counted
 
 __all__ = ["BlockForest"]
 
+# Up to this many ids, unlink counts the parents in Python (cheaper than NumPy calls).
+_FEW = 64
+
 
 class BlockForest:
     """Hashes, hash map and parent forest of the registered blocks among ``num_blocks``.
@@ -194,12 +197,22 @@ class BlockForest:
     def unlink(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """Unregister unique registered ``block_ids``, orphaning their children; returns their
         former hashes and the registered blocks that lost a child (int64, unique)."""
-        hashes = self.hashes[block_ids]
-        for h in hashes.tolist():
+        hashes = self.hashes[block_ids].tolist()
+        for h in hashes:
             del self.hash_to_block[h]
-        parents = self.parent_ids[block_ids]
-        parents, lost = counted(parents[parents >= 0].astype(np.int64))
-        self.child_counts[parents] -= lost.astype(np.int32)
+        if len(block_ids) <= _FEW:      # a step's victims: counted in Python, not NumPy calls
+            lost: dict[int, int] = {}
+            for p in self.parent_ids[block_ids].tolist():
+                if p >= 0:
+                    lost[p] = lost.get(p, 0) + 1
+            counts = self.child_counts
+            for p, k in lost.items():
+                counts[p] -= k
+            parents = np.array(sorted(lost), dtype=np.int64)
+        else:
+            parents = self.parent_ids[block_ids]
+            parents, lost = counted(parents[parents >= 0].astype(np.int64))
+            self.child_counts[parents] -= lost.astype(np.int32)
         # Children outside the batch exist only under a block still counting some: a peel
         # unlinks whole subtrees, so the scan of every link is for other deregistrations.
         if np.count_nonzero(self.child_counts[block_ids]):
@@ -216,7 +229,7 @@ class BlockForest:
         self.parent_hashes[block_ids] = 0
         self.child_counts[block_ids] = 0
         self.hashes[block_ids] = -1
-        return set(hashes.tolist()), parents[self.hashes[parents] != -1]
+        return set(hashes), parents[self.hashes[parents] != -1]
 
     # --- eviction order -----------------------------------------------------------------
 

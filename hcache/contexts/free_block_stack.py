@@ -43,9 +43,14 @@ class FreeBlockStack:
         """Empty the stack as consecutive :meth:`pop` ``(counts[i])`` would have, had each pushed
         its own share of the victims first: ``top`` ids were free, the rest (pushed since, in
         peel order) are one eviction's victims; ``sum(counts)`` is the stack's size."""
-        out = per_request_order(self.ids[: self.top].tolist(), top, counts)
+        if counts.count(1) == len(counts):   # one each: the free ones top down, then victims
+            out = np.concatenate((self.ids[top - 1::-1] if top else self.ids[:0],
+                                  self.ids[top: self.top]))
+        else:
+            out = np.asarray(per_request_order(self.ids[: self.top].tolist(), top, counts),
+                             dtype=np.int32)
         self.top = 0
-        return np.asarray(out, dtype=np.int32)
+        return out
 
 
 def per_request_order(stack: list, top: int, counts: list) -> list:

@@ -159,21 +159,22 @@ class StepScheduler:
         """
         requests, kv, bs = self.requests, self.kv, self.block_size
         scheduled = requests.pending_end[rows]
-        if np.count_nonzero(scheduled >= 0):
+        if len(rows) and scheduled.max() >= 0:
             i = int(np.argmax(scheduled >= 0))
             raise ValueError(f"{'request_id' if single else f'request_ids[{i}]'}: expected a "
                              f"request without a scheduled step, got {ids[i]!r}")
         # No step is scheduled, so computed == lengths and num_blocks == ceil(lengths / bs).
         starts = requests.lengths[rows]
         ends = starts + (1 if counts is None else counts)
-        if np.count_nonzero(ends > self.max_sequence_length) \
-                or (counts is not None and np.count_nonzero(counts < 1)):
+        if len(rows) and (ends.max() > self.max_sequence_length
+                          or (counts is not None and counts.min() < 1)):
             i = int(np.argmax((ends > self.max_sequence_length) | (ends == starts)))
             raise ValueError(f"{'tokens' if single else f'tokens[{i}]'}: expected "
                              f"1..{self.max_sequence_length - starts[i]} tokens, "
                              f"got {ends[i] - starts[i]}")
         if counts is None:
-            need = (starts % bs == 0).view(np.int8)     # the token opens a block
+            phase = starts % bs
+            need = (phase == 0).view(np.int8)       # the token opens a block
         else:
             need = -(-ends // bs) - requests.num_blocks[rows]
         total = int(np.count_nonzero(need)) if counts is None else int(need.sum())
@@ -198,7 +199,7 @@ class StepScheduler:
                 self.window.extend(rows, need, total)
         closing = None
         if counts is None:
-            closing = ends % bs == 0      # the token closes a block
+            closing = phase == bs - 1     # the token closes a block
             if not np.count_nonzero(closing):
                 closing = False           # (no row does)
         requests.append(rows, flat, counts, starts, ends)
@@ -218,8 +219,10 @@ class StepScheduler:
         """``need[i]`` new blocks per row, ``total`` in all, or None (nothing changed)."""
         kv = self.kv
         if kv.num_free_blocks >= total:
-            return kv.allocate_memory_blocks(total)
-        return kv.allocate_memory_blocks_per_request(need[need > 0].tolist())
+            return kv._allocate(total, ())
+        # (an int8 need is a 0/1 mask: one block for each row it marks)
+        return kv._allocate(total, (), [1] * total if need.dtype == np.int8
+                            else need[need > 0].tolist())
 
     def _plan_snapshots(self, rows, starts, ends, counts, closing) -> None:
         """Ask the Mamba slot allocator for the boundary states of the extension chunks
