@@ -94,41 +94,38 @@ class EvictableLeaves:
         promoted: list[int] = []
         aside: list[tuple[int, int]] = []
         remaining: dict[int, int] = {}      # children left of the parents touched
-        # A promoted parent that the next pop would return is taken at once: it never enters
-        # the heap, and is a member only if it ends the peel untaken (or is set aside).
-        entry = None
+        # A promoted parent that the next pop would return is taken at once (the chain walk
+        # below): it never enters the heap, and is a member only if it ends the peel untaken
+        # (or is set aside).
         while len(out) < n:
-            if entry is None:
-                if not heap:
-                    break
-                entry = pop(heap)
-                if not is_member(entry[1]) or stamp(entry[1]) != entry[0]:
-                    entry = None
-                    continue        # stale
-                member[entry[1]] = False
+            if not heap:
+                break
+            entry = pop(heap)
             b = entry[1]
-            if b in keep:
-                aside.append(entry)
-                entry = None
-                continue
-            out.append(b)
-            entry = None
-            p = parent_of(b)
-            if p >= 0:
-                left = remaining.get(p)
-                left = (children(p) if left is None else left) - 1
-                if left:
-                    remaining[p] = left
-                elif refs(p) == 0:
-                    promoted.append(p)
-                    entry = (stamp(p), p)
-                    if heap and not entry < heap[0]:
-                        member[p] = True
-                        push(heap, entry)
-                        entry = None
-        if entry is not None:
-            member[entry[1]] = True
-            push(heap, entry)
+            if not is_member(b) or stamp(b) != entry[0]:
+                continue        # stale
+            member[b] = False
+            while True:         # b was just taken off the heap, or promoted ahead of its top
+                if b in keep:
+                    aside.append(entry)
+                    break
+                out.append(b)
+                p = parent_of(b)
+                if p < 0:
+                    break
+                left = remaining.get(p) or children(p)
+                if left > 1:
+                    remaining[p] = left - 1
+                    break
+                if refs(p):
+                    break
+                promoted.append(p)
+                entry = (stamp(p), p)
+                if len(out) == n or heap and not entry < heap[0]:
+                    member[p] = True
+                    push(heap, entry)
+                    break
+                b = p
         for entry in aside:
             member[entry[1]] = True
             push(heap, entry)
