@@ -501,21 +501,25 @@ def unlink_cases(draw):
     return f, np.array(gone, np.int64)
 
 
-@given(unlink_cases())
-def test_unlink_of_few_blocks_equals_the_vectorised_unlink(case):
-    """``unlink`` counts the parents of up to ``_FEW`` ids in Python: the same forest, hash set
-    and parents that lost a child (sorted) as the NumPy path, orphans and dangling roots too."""
+@pytest.mark.parametrize("limits", [(64, 8), (64, -1), (200, 200)])
+@given(case=unlink_cases())
+def test_unlink_of_few_blocks_equals_the_vectorised_unlink(limits, case):
+    """``unlink`` counts the parents of up to ``_FEW`` ids in Python and unlinks up to
+    ``_SCALAR`` element by element: the same forest, hash set and parents that lost a child
+    (sorted) as the NumPy path, orphans and dangling roots too."""
     from hcache.contexts import block_forest
     f, gone = case
     if not len(gone):
         return
     twin = copy.deepcopy(f)
-    few = f.unlink(gone.copy())
-    saved, block_forest._FEW = block_forest._FEW, -1
+    saved = block_forest._FEW, block_forest._SCALAR
     try:
+        block_forest._FEW, block_forest._SCALAR = limits
+        few = f.unlink(gone.copy())
+        block_forest._FEW, block_forest._SCALAR = -1, -1
         many = twin.unlink(gone.copy())
     finally:
-        block_forest._FEW = saved
+        block_forest._FEW, block_forest._SCALAR = saved
     assert few[0] == many[0]
     assert few[1].dtype == many[1].dtype and few[1].tolist() == many[1].tolist()
     assert forest_state(f) == forest_state(twin)

@@ -29,8 +29,9 @@ from .block_id_sets import counted
 
 __all__ = ["BlockForest"]
 
-# Up to this many ids, unlink counts the parents in Python (cheaper than NumPy calls).
-_FEW = 64
+# Up to _FEW ids, unlink counts the parents in Python; up to _SCALAR, it does all element by
+# element (cheaper than NumPy calls on tiny arrays).
+_FEW, _SCALAR = 64, 8
 
 
 class BlockForest:
@@ -196,7 +197,9 @@ class BlockForest:
 
     def unlink(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """Unregister unique registered ``block_ids``, orphaning their children; returns their
-        former hashes and the registered blocks that lost a child (int64, unique)."""
+        former hashes and the registered blocks they left childless (int64, ascending)."""
+        if len(block_ids) <= _SCALAR:
+            return self._unlink_scalar(block_ids)
         hashes = self.hashes[block_ids].tolist()
         for h in hashes:
             del self.hash_to_block[h]
@@ -215,6 +218,42 @@ class BlockForest:
             self.child_counts[parents] -= lost.astype(np.int32)
         # Children outside the batch exist only under a block still counting some: a peel
         # unlinks whole subtrees, so the scan of every link is for other deregistrations.
+        if self.num_dangling or np.count_nonzero(self.child_counts[block_ids]):
+            self._orphan(block_ids)
+        self.parent_ids[block_ids] = -1
+        self.parent_hashes[block_ids] = 0
+        self.child_counts[block_ids] = 0
+        self.hashes[block_ids] = -1
+        return set(hashes), parents[(self.hashes[parents] != -1)
+                                    & (self.child_counts[parents] == 0)]
+
+    def _unlink_scalar(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
+        """:meth:`unlink` of a few blocks, element by element."""
+        ids = block_ids.tolist()
+        hashes, parent_ids, counts = self.hashes, self.parent_ids, self.child_counts
+        gone = [hashes.item(b) for b in ids]
+        for h in gone:
+            del self.hash_to_block[h]
+        lost: dict[int, int] = {}
+        for b in ids:
+            p = parent_ids.item(b)
+            if p >= 0:
+                lost[p] = lost.get(p, 0) + 1
+        for p, k in lost.items():
+            counts[p] -= k
+        if any(counts.item(b) for b in ids) or self.num_dangling:
+            self._orphan(block_ids)
+        parent_hashes = self.parent_hashes
+        for b in ids:
+            parent_ids[b] = hashes[b] = -1
+            parent_hashes[b] = counts[b] = 0
+        return set(gone), np.array(sorted(p for p in lost if hashes.item(p) != -1
+                                          and not counts.item(p)), np.int64)
+
+    def _orphan(self, block_ids: np.ndarray) -> None:
+        """Cut the links of the children of ``block_ids`` outside them (a peel unlinks whole
+        subtrees: these are other deregistrations), making them dangling roots; the blocks
+        themselves stop dangling."""
         if np.count_nonzero(self.child_counts[block_ids]):
             orphans = np.isin(self.parent_ids, block_ids)
             self.parent_ids[orphans] = -1
@@ -225,11 +264,6 @@ class BlockForest:
             gone = self.dangling[block_ids]
             self.dangling[block_ids] = False
             self.num_dangling -= int(np.count_nonzero(gone))
-        self.parent_ids[block_ids] = -1
-        self.parent_hashes[block_ids] = 0
-        self.child_counts[block_ids] = 0
-        self.hashes[block_ids] = -1
-        return set(hashes), parents[self.hashes[parents] != -1]
 
     # --- eviction order -----------------------------------------------------------------
 

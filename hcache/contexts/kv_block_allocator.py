@@ -371,14 +371,14 @@ class KVBlockAllocator:
         ``(ids_list, hashes_set)``; the caller notifies once its call has committed."""
         if self.deregistering is not None:
             self.deregistering(ids)
-        hashes, parents = self._forest.unlink(ids)
+        hashes, childless = self._forest.unlink(ids)
         self.block_ref_counts[ids] = self.block_timestamps[ids] = 0
         self._free.push(ids)
         if self.caches_released_blocks:     # parents left childless at ref count 0: leaves
             self._leaves.discard(ids)
-            self._leaves.add(parents[(self._forest.child_counts[parents] == 0)
-                                     & (self.block_ref_counts[parents] == 0)],
-                             self.block_timestamps)
+            if len(childless):
+                self._leaves.add(childless[self.block_ref_counts[childless] == 0],
+                                 self.block_timestamps)
         return ids.tolist(), hashes
 
     def _notify(self, observers: list, *args) -> None:
