@@ -501,7 +501,7 @@ def unlink_cases(draw):
     return f, np.array(gone, np.int64)
 
 
-@pytest.mark.parametrize("limits", [(64, 8), (64, -1), (200, 200)])
+@pytest.mark.parametrize("limits", [(24, 8), (64, -1), (200, 200)])
 @given(case=unlink_cases())
 def test_unlink_of_few_blocks_equals_the_vectorised_unlink(limits, case):
     """``unlink`` counts the parents of up to ``_FEW`` ids in Python and unlinks up to

@@ -31,7 +31,7 @@ __all__ = ["BlockForest"]
 
 # Up to _FEW ids, unlink counts the parents in Python; up to _SCALAR, it does all element by
 # element (cheaper than NumPy calls on tiny arrays).
-_FEW, _SCALAR = 64, 8
+_FEW, _SCALAR = 24, 8
 
 
 class BlockForest:
