@@ -114,10 +114,7 @@ class KVBlockAllocator:
     block_child_counts = property(attrgetter("_forest.child_counts"),
                                   doc="Registered children per block.")
 
-    @property
-    def clock(self) -> int:
-        """The LRU clock; stamps allocations and retains."""
-        return self._clock
+    clock = property(attrgetter("_clock"), doc="The LRU clock; stamps allocations and retains.")
 
     @property
     def caches_released_blocks(self) -> bool:
@@ -150,8 +147,7 @@ class KVBlockAllocator:
 
     def get_allocatable_count(self) -> int:
         """Free blocks plus, under lru, evictable cached blocks."""
-        return self._free.top + (self.get_evictable_block_count()
-                                 if self.caches_released_blocks else 0)
+        return self._free.top + (self.caches_released_blocks and self.get_evictable_block_count())
 
     def is_memory_available(self, n: int, potential_matched_count: int = 0) -> bool:
         """Whether :meth:`allocate_memory_blocks` ``(n)`` would succeed after pinning
@@ -268,7 +264,11 @@ class KVBlockAllocator:
             raise ValueError(f"block_ids: expected at most {int(self.block_ref_counts[bad])} "
                              f"releases of block {bad}, got "
                              f"{int(counts[after < 0][0])}")
-        self.block_ref_counts[uniq] = after.astype(np.int32)
+        self._release(uniq, after)
+
+    def _release(self, uniq: np.ndarray, after: np.ndarray) -> None:
+        """Lower the ref counts of distinct ``uniq`` to ``after`` (>= 0), as a release does."""
+        self.block_ref_counts[uniq] = after
         zero = uniq[after == 0]
         registered = self.block_hashes[zero] != -1
         self._free.push(zero[~registered])
