@@ -336,7 +336,7 @@ class RequestTable:
             self.keys[row] = {}
             self._pending_keys -= int(self.pending_key_cols[row] >= 0)
             self.pending_key_cols[row] = -1
-        rows = np.array(rows, np.intp)      # one conversion for the ten scatters below
+        rows = rows[0] if len(rows) == 1 else np.array(rows, np.intp)   # for the ten writes
         self.request_to_kv_block_ids[rows] = -1
         self.request_to_mamba_state_idx[rows] = -1
         self.pending_end[rows] = -1
