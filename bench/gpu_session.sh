@@ -14,7 +14,8 @@
 #   suite.txt      the whole test suite with 12 workers (issue 29), beside the sanitizers
 #   (probe)        into bench.txt: Nsight Compute's device time of each decode write launch
 #                  (bench/probe_decode.py), free of host gaps
-#   ab.txt         with .ab/hcache_base carried: the serving loop's in-process A/B against it
+#   ab.txt         the serving loop's in-process A/B against a carried .ab/hcache_base, and
+#                  at pool x4 against x1 (bench/ab/)
 # The benches run alone (their timings); the sanitizers (one process) and the suite overlap.
 # ONLY="stage ..." runs those stages alone (a follow-up call); PROFILE_HOST=1 runs the host
 # bench under cProfile into host.prof.
@@ -81,10 +82,13 @@ fi
 # ab.txt: the in-process A/B of the serving loop (bench/ab/serving_inprocess.py) against an older
 # hcache carried as .ab/hcache_base (see that script), on the GPU machine's quiet host CPU
 if [ -d .ab/hcache_base ]; then
-    for case in "16 1 200" "256 1 200" "16 4 100"; do
+    for case in "16 1 200" "256 1 200"; do
         stage ab 60 "$OUT/ab.txt" env HCACHE_BASE=.ab python3 bench/ab/serving_inprocess.py $case
     done
 fi
+for block in 16 256; do     # and the pool's size: x4 against x1 of this checkout, interleaved
+    stage ab 60 "$OUT/ab.txt" python3 bench/ab/pool_scale_inprocess.py $block 4 150
+done
 HOST=(python3 -m hcache bench --host --quick --out "$OUT")
 [ "${PROFILE_HOST:-0}" = 1 ] && HOST=(python3 -m cProfile -o "$OUT/host.prof" -m hcache bench \
                                      --host --quick --out "$OUT")
