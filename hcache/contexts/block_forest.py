@@ -191,6 +191,42 @@ class BlockForest:
         linked, counts = counted(parents[has_parent])     # siblings in the batch count each
         self.child_counts[linked] += counts.astype(np.int32)
 
+    def link_new(self, block_ids: list, hashes: list, parent_hashes: list) -> tuple[int, list]:
+        """:meth:`link` of lists, for the few blocks of a serving step, leaving out each entry
+        whose hash a block holds (before this call or earlier in the lists: the first holder
+        keeps it, the others stay private). ``block_ids``: distinct unregistered blocks.
+        Returns how many it registered and the parents that gained a child (a parent once per
+        child)."""
+        held, holder = self.hash_to_block, self.hash_to_block.get
+        ids, hs, parents, phs = [], [], [], []
+        for b, h, ph in zip(block_ids, hashes, parent_hashes):
+            if h not in held:       # its parent: held before it, or by no block (-1)
+                parents.append(holder(ph, -1))
+                held[h] = b
+                ids.append(b)
+                hs.append(h)
+                phs.append(ph)
+        if not ids:
+            return 0, ids
+        linked = [p for p in parents if p >= 0]
+        if len(linked) < len(ids):
+            dangling = [b for b, p, ph in zip(ids, parents, phs) if p < 0 and ph > 0]
+            phs = [ph if p >= 0 else 0 for p, ph in zip(parents, phs)]
+        else:
+            dangling = ()
+        at = np.array(ids)
+        self.hashes[at] = hs
+        self.parent_ids[at] = parents
+        self.parent_hashes[at] = phs
+        if len(set(linked)) == len(linked):
+            self.child_counts[np.array(linked, np.int64)] += 1
+        else:       # siblings count each
+            np.add.at(self.child_counts, linked, 1)
+        if dangling:
+            self.dangling[dangling] = True
+            self.num_dangling += len(dangling)
+        return len(ids), linked
+
     def unlink(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """Unregister unique registered ``block_ids``, orphaning their children; returns their
         former hashes and the registered blocks that lost a child (int64, unique)."""
