@@ -191,40 +191,46 @@ class BlockForest:
         linked, counts = counted(parents[has_parent])     # siblings in the batch count each
         self.child_counts[linked] += counts.astype(np.int32)
 
-    def link_new(self, block_ids: list, hashes: list, parent_hashes: list) -> tuple[int, list]:
+    def link_new(self, block_ids: list, hashes: list, parent_hashes: list):
         """:meth:`link` of lists, for the few blocks of a serving step, leaving out each entry
         whose hash a block holds (before this call or earlier in the lists: the first holder
         keeps it, the others stay private). ``block_ids``: distinct unregistered blocks.
-        Returns how many it registered and the parents that gained a child (a parent once per
-        child)."""
-        held, holder = self.hash_to_block, self.hash_to_block.get
-        ids, hs, parents, phs = [], [], [], []
-        for b, h, ph in zip(block_ids, hashes, parent_hashes):
-            if h not in held:       # its parent: held before it, or by no block (-1)
-                parents.append(holder(ph, -1))
-                held[h] = b
-                ids.append(b)
-                hs.append(h)
-                phs.append(ph)
-        if not ids:
-            return 0, ids
-        linked = [p for p in parents if p >= 0]
-        if len(linked) < len(ids):
-            dangling = [b for b, p, ph in zip(ids, parents, phs) if p < 0 and ph > 0]
-            phs = [ph if p >= 0 else 0 for p, ph in zip(parents, phs)]
+        Returns how many it registered and the parents that gained a child (int64, a parent
+        once per child)."""
+        held = self.hash_to_block
+        # The first holder keeps a hash: each entry claims its hash unless held (one lookup).
+        holders = list(map(held.setdefault, hashes, block_ids))
+        if holders == block_ids:      # every hash new (the usual step)
+            ids, hs, phs = block_ids, hashes, parent_hashes
         else:
-            dangling = ()
-        at = np.array(ids)
+            kept = [i for i, (b, h) in enumerate(zip(block_ids, holders)) if b == h]
+            if not kept:
+                return 0, np.zeros(0, np.int64)
+            ids, hs, phs = ([x[i] for i in kept] for x in (block_ids, hashes, parent_hashes))
+        # A parent held before this call, or by an earlier entry (links point backwards only).
+        parents = list(map(held.get, phs, repeat(-1)))
+        distinct = set(parents)
+        if not distinct.isdisjoint(ids):
+            at = dict(zip(ids, range(len(ids))))
+            parents = [-1 if at.get(p, -1) >= i else p for i, p in enumerate(parents)]
+            distinct = set(parents)
+        at = np.array(ids, np.int64)
         self.hashes[at] = hs
         self.parent_ids[at] = parents
-        self.parent_hashes[at] = phs
-        if len(set(linked)) == len(linked):
-            self.child_counts[np.array(linked, np.int64)] += 1
-        else:       # siblings count each
-            np.add.at(self.child_counts, linked, 1)
-        if dangling:
+        linked, orphans = np.array(parents, np.int64), -1 in parents
+        if orphans:
+            orphan = linked < 0
+            phs = np.array(phs, np.int64)
+            dangling = at[orphan & (phs > 0)]
+            phs[orphan] = 0
             self.dangling[dangling] = True
             self.num_dangling += len(dangling)
+            linked = linked[~orphan]
+        self.parent_hashes[at] = phs
+        if len(distinct) - orphans == len(linked):
+            self.child_counts[linked] += 1
+        else:       # siblings count each
+            np.add.at(self.child_counts, linked, 1)
         return len(ids), linked
 
     def unlink(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:

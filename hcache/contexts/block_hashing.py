@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import struct
 from collections.abc import Mapping
 
 import numpy as np
@@ -284,15 +285,19 @@ def chain_listed(roots: bytes, raw: bytes, step: int, keys: dict | None):
     hashes : list of int [num_chains]
     digests : bytes [num_chains * 32]
         The new blocks' digests, concatenated.
+    parent_hashes : list of int [num_chains]
+        The hashes of ``roots`` (a chain root's is no block's).
     """
-    sha, width = hashlib.sha256, DIGEST_BYTES
+    sha, width, m = hashlib.sha256, DIGEST_BYTES, len(roots) // DIGEST_BYTES
     if keys:
-        digests = [sha(roots[i * width:(i + 1) * width] + raw[i * step:(i + 1) * step]
-                       + keys.get(i, b"")).digest() for i in range(len(roots) // width)]
+        digests = b"".join([sha(roots[i * width:(i + 1) * width] + raw[i * step:(i + 1) * step]
+                                + keys.get(i, b"")).digest() for i in range(m)])
     else:
-        digests = [sha(roots[i * width:(i + 1) * width] + raw[i * step:(i + 1) * step]).digest()
-                   for i in range(len(roots) // width)]
-    return [int.from_bytes(d[:8], "little") % _MOD + 1 for d in digests], b"".join(digests)
+        digests = b"".join([sha(roots[i * width:(i + 1) * width] + raw[i * step:(i + 1) * step])
+                            .digest() for i in range(m)])
+    first_words = "<" + "Q24x" * m      # the little-endian uint64 opening each digest
+    return ([h % _MOD + 1 for h in struct.unpack(first_words, digests)], digests,
+            [h % _MOD + 1 for h in struct.unpack(first_words, roots)])
 
 
 def _hashes_of(joined: bytes) -> np.ndarray:

@@ -277,17 +277,17 @@ class RequestTable:
         self._hash_new_blocks(rows, first, None if counts.max() == 1 else counts)
         self.hashed[rows] = upto
 
-    def hash_next(self, rows: np.ndarray, cols: np.ndarray) -> list:
-        """Hash block ``cols[i] == hashed`` of each of distinct ``rows`` (complete, one each)
-        in one pass over bytes, a serving step's few blocks; returns the hashes (a list)."""
+    def hash_next(self, rows: np.ndarray, cols: np.ndarray) -> tuple[list, list]:
+        """Hash block ``cols[i] == hashed`` of distinct ``rows`` (complete) in one pass over
+        bytes; returns the hashes and the previous blocks' (lists; column 0: no block's)."""
         blocks = self.tokens.reshape(self.max_requests, -1, self.block_size)[rows, cols]
         keys = self._pending_keys and self._take_pending_keys(rows, cols)
-        hashes, lasts = chain_listed(self.digests[rows].tobytes(), blocks.tobytes(),
-                                     8 * self.block_size, keys)
+        hashes, lasts, parents = chain_listed(self.digests[rows].tobytes(), blocks.tobytes(),
+                                              8 * self.block_size, keys)
         self.hashes[rows, cols] = hashes
         self.digests[rows] = np.frombuffer(lasts, np.uint8).reshape(-1, DIGEST_BYTES)
-        self.hashed[rows] += 1
-        return hashes
+        self.hashed[rows] = cols + 1
+        return hashes, parents
 
     def _hash_new_blocks(self, rows, first, counts) -> np.ndarray:
         """Hash blocks ``[first[i], first[i] + counts[i])`` (one each when ``counts`` is

@@ -45,15 +45,18 @@ def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None
     if not len(grew):
         return 0
     rows, first, upto = rows[grew], first[grew], upto[grew]
-    first_l, upto_l = first.tolist(), upto.tolist()
+    first_l, upto_l, hashed_l = first.tolist(), upto.tolist(), requests.hashed[rows].tolist()
     now, later = [], []     # prompt rows (hashed), rows completing their next block
-    for i, (f, h, u) in enumerate(zip(first_l, requests.hashed[rows].tolist(), upto_l)):
-        if h >= u:
-            now.append(i)
-        elif h == f == u - 1:
-            later.append(i)
-        else:
-            return None
+    if hashed_l == first_l and upto_l == [f + 1 for f in first_l]:
+        later = first_l     # (all)
+    else:
+        for i, (f, h, u) in enumerate(zip(first_l, hashed_l, upto_l)):
+            if h >= u:
+                now.append(i)
+            elif h == f == u - 1:
+                later.append(i)
+            else:
+                return None
     if limit is not None and len(later) > limit:
         return None
     table, chained = requests.request_to_kv_block_ids, requests.hashes
@@ -74,9 +77,10 @@ def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None
             lrows, cols, first_l = rows[later], first[later], first[later].tolist()
         else:
             lrows, cols = rows, first
-        parents += [h if c else 0 for h, c in zip(chained[lrows, cols - 1].tolist(), first_l)]
         ids += table[lrows, cols].tolist()
-        hashes += requests.hash_next(lrows, cols)
+        listed, roots = requests.hash_next(lrows, cols)     # roots: the previous blocks'
+        hashes += listed
+        parents += roots if all(first_l) else [p if c else 0 for p, c in zip(roots, first_l)]
     registered = kv_block_allocator._register_listed(ids, hashes, parents)
     requests.registered[rows] = upto
     return registered
