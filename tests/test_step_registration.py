@@ -22,6 +22,7 @@ from test_decode_fast_paths import forest_state, link_cases, outcome, plan_tuple
 from test_dynamic_context import make_ctx
 
 from hcache.contexts import block_registration, step_registration
+from hcache.contexts import request_handoff as handoff
 from hcache.contexts.block_forest import BlockForest
 
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5], [1, 2, 3, 4, 7, 7, 7], [5, 5]]
@@ -151,8 +152,8 @@ def test_steps_with_repeated_held_dangling_and_sibling_blocks_register_as_the_ge
     ``"ref_zero"`` (the duplicate row's next block links to no parent: a dangling root),
     two rows whose first private blocks share a parent (siblings), a prompt and decode
     blocks in one step, an extra key waiting for a decoded block, a first block completed
-    by decode in a reused row, multi-block steps and a step over the budget's share
-    (declined)."""
+    by decode in a reused row, multi-block steps, a transferred request made live and a
+    step over the budget's share (declined)."""
     seen = dict.fromkeys(["repeated", "held", "dangling", "siblings", "prompt and decode",
                           "keys", "declined"], 0)
     register, link_new = step_registration.register_step, BlockForest.link_new
@@ -194,6 +195,8 @@ def test_steps_with_repeated_held_dangling_and_sibling_blocks_register_as_the_ge
                 add("f", [5, 5, 5], extra_keys={1: b"img"}), extend(["d"], [[2, 3]]), commit,
                 extend(["f"], [5]), commit,                            # the key's block
                 extend(["d", "e"], [[3, 4, 5, 6], [3]]), commit,       # multi-block
+                lambda c: handoff.admit_parked(c, "p", [1, 2, 3, 4, 5, 6, 7]).row, commit,
+                lambda c: handoff.complete(c, "p"), extend(["p"], [8]), commit,  # a transfer's
             ])
         scripted("lru", [add("g", list(range(24))), commit, release("g"),   # row 0 reused:
                          add("h", [7]), commit, extend(["h"], [7]), commit])  # a stale tail hash

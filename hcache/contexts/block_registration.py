@@ -6,7 +6,8 @@ entries (register each row through block column ``upto``). A :meth:`commit` regi
 step at once (with the backlog, at most ``budget / 4`` blocks: the backlog first), else queues
 it, and works on entries queued two commits ago or earlier, on ``max(budget, ceil(backlog /
 8))`` blocks: it registers the hashed front or hashes that many. A prompt's blocks (hashed at
-admission) register at their step, first. The :meth:`flush` family, :meth:`pending_parents`
+admission) register at their step, first (with no backlog, the usual step on Python lists:
+:func:`~.step_registration.register_step`). The :meth:`flush` family, :meth:`pending_parents`
 and :meth:`private_blocks` keep every outcome that of registering at once
 (``tests/test_block_registration.py`` runs budgets against ``budget=None``).
 
