@@ -207,13 +207,21 @@ class BlockForest:
             if not kept:
                 return 0, np.zeros(0, np.int64)
             ids, hs, phs = ([x[i] for i in kept] for x in (block_ids, hashes, parent_hashes))
-        # A parent held before this call, or by an earlier entry (links point backwards only).
-        parents = list(map(held.get, phs, repeat(-1)))
-        distinct = set(parents)
-        if not distinct.isdisjoint(ids):
+        # A parent held before this call, or by an earlier entry (links point backwards only):
+        # the previous entry when it holds the parent hash (a prompt's chain), else by hash.
+        parents = [ids[i - 1] if i and ph == hs[i - 1] else -2 for i, ph in enumerate(phs)]
+        looked = [i for i, p in enumerate(parents) if p == -2]
+        every = len(looked) == len(parents)
+        found = list(map(held.get, phs if every else [phs[i] for i in looked], repeat(-1)))
+        if not set(found).isdisjoint(ids):
             at = dict(zip(ids, range(len(ids))))
-            parents = [-1 if at.get(p, -1) >= i else p for i, p in enumerate(parents)]
-            distinct = set(parents)
+            found = [-1 if at.get(p, -1) >= i else p for i, p in zip(looked, found)]
+        if every:
+            parents = found
+        else:
+            for i, p in zip(looked, found):
+                parents[i] = p
+        distinct = set(parents)
         at = np.array(ids, np.int64)
         self.hashes[at] = hs
         self.parent_ids[at] = parents
