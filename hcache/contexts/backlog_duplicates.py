@@ -13,7 +13,7 @@ import numpy as np
 
 from .token_batches import ragged_columns
 
-__all__ = ["PendingParents", "entangled_rows", "backlog_blocks", "mark_rows_of"]
+__all__ = ["PendingParents", "entangled_rows", "backlog_blocks", "mark_rows_of", "prune_dropped"]
 
 
 class PendingParents:
@@ -151,3 +151,23 @@ def backlog_blocks(queue, requests, kv_hash_to_block_id: dict, dropped: dict,
                           bool, len(listed))
     blocks = requests.request_to_kv_block_ids[owners, cols].astype(np.int64)
     return owners, cols, blocks, hashes, private
+
+
+def prune_dropped(log, dropped: dict, oldest: int) -> None:
+    """Forget the hashes last deregistered before commit ``oldest``, the oldest queued entry's:
+    a drop counts only for blocks that completed at or before it, and no block queued now or
+    later completed earlier (tested against ``prune_dropped=False``).
+
+    Parameters
+    ----------
+    log : deque of (int, list of int)
+        ``(commit count, hashes)`` of each deregistration, oldest first; pruned in place.
+    dropped : dict[int, int]
+        Hash -> the commit count when it was last deregistered; pruned in place.
+    oldest : int
+    """
+    while log and log[0][0] < oldest:
+        commit, hashes = log.popleft()
+        for h in hashes:
+            if dropped.get(h) == commit:     # not deregistered again since
+                del dropped[h]

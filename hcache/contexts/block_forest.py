@@ -195,6 +195,56 @@ class BlockForest:
         linked, counts = counted(parents[has_parent])     # siblings in the batch count each
         self.child_counts[linked] += counts.astype(np.int32)
 
+    def link_new(self, block_ids: list, hashes: list, parent_hashes: list):
+        """:meth:`link` of lists, for the few blocks of a serving step, leaving out each entry
+        whose hash a block holds (before this call or earlier in the lists: the first holder
+        keeps it, the others stay private). ``block_ids``: distinct unregistered blocks.
+        Returns how many it registered and the parents that gained a child (int64, a parent
+        once per child)."""
+        held = self.hash_to_block
+        # The first holder keeps a hash: each entry claims its hash unless held (one lookup).
+        holders = list(map(held.setdefault, hashes, block_ids))
+        if holders == block_ids:      # every hash new (the usual step)
+            ids, hs, phs = block_ids, hashes, parent_hashes
+        else:
+            kept = [i for i, (b, h) in enumerate(zip(block_ids, holders)) if b == h]
+            if not kept:
+                return 0, np.zeros(0, np.int64)
+            ids, hs, phs = ([x[i] for i in kept] for x in (block_ids, hashes, parent_hashes))
+        # A parent held before this call, or by an earlier entry (links point backwards only):
+        # the previous entry when it holds the parent hash (a prompt's chain), else by hash.
+        parents = [ids[i - 1] if i and ph == hs[i - 1] else -2 for i, ph in enumerate(phs)]
+        looked = [i for i, p in enumerate(parents) if p == -2]
+        every = len(looked) == len(parents)
+        found = list(map(held.get, phs if every else [phs[i] for i in looked], repeat(-1)))
+        if not set(found).isdisjoint(ids):
+            at = dict(zip(ids, range(len(ids))))
+            found = [-1 if at.get(p, -1) >= i else p for i, p in zip(looked, found)]
+        if every:
+            parents = found
+        else:
+            for i, p in zip(looked, found):
+                parents[i] = p
+        distinct = set(parents)
+        at = np.array(ids, np.int64)
+        self.hashes[at] = hs
+        self.parent_ids[at] = parents
+        linked, orphans = np.array(parents, np.int64), -1 in parents
+        if orphans:
+            orphan = linked < 0
+            phs = np.array(phs, np.int64)
+            dangling = at[orphan & (phs > 0)]
+            phs[orphan] = 0
+            self.dangling[dangling] = True
+            self.num_dangling += len(dangling)
+            linked = linked[~orphan]
+        self.parent_hashes[at] = phs
+        if len(distinct) - orphans == len(linked):
+            self.child_counts[linked] += 1
+        else:       # siblings count each
+            np.add.at(self.child_counts, linked, 1)
+        return len(ids), linked
+
     def unlink(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """Unregister unique registered ``block_ids``, orphaning their children; returns their
         former hashes and the registered blocks they left childless (int64, ascending)."""

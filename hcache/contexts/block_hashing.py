@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import struct
 from collections.abc import Mapping
 
 import numpy as np
@@ -31,7 +32,7 @@ from .._checks import as_int, host_array
 from ..runtime.device import array_module_of
 
 __all__ = ["compute_block_hashes", "chain_block_hashes", "prompt_block_hashes", "DIGEST_BYTES",
-           "cache_salt", "block_keys", "chain_root"]
+           "cache_salt", "block_keys", "chain_root", "chain_listed"]
 
 _MOD = (1 << 63) - 1
 _MOD_U64 = np.uint64(_MOD)
@@ -262,6 +263,41 @@ def prompt_block_hashes(root: bytes, tokens: np.ndarray, block_size: int, keys: 
     else:
         digests = [digest := sha(digest + raw[pos:pos + step]).digest() for pos in starts]
     return _hashes_of(b"".join(digests)), digest
+
+
+def chain_listed(roots: bytes, raw: bytes, step: int, keys: dict | None):
+    """:func:`chain_block_hashes` of one new block per chain on bytes and lists, for the few
+    blocks of a serving step (no array made per block).
+
+    Parameters
+    ----------
+    roots : bytes [num_chains * 32]
+        Each chain's parent digest, concatenated.
+    raw : bytes [num_chains * step]
+        Each chain's new block's tokens as little-endian int64, concatenated.
+    step : int
+        Bytes per block (``8 * block_size``).
+    keys : dict of int to bytes, optional
+        Encoded extra keys (:func:`block_keys`) by chain.
+
+    Returns
+    -------
+    hashes : list of int [num_chains]
+    digests : bytes [num_chains * 32]
+        The new blocks' digests, concatenated.
+    parent_hashes : list of int [num_chains]
+        The hashes of ``roots`` (a chain root's is no block's).
+    """
+    sha, width, m = hashlib.sha256, DIGEST_BYTES, len(roots) // DIGEST_BYTES
+    if keys:
+        digests = b"".join([sha(roots[i * width:(i + 1) * width] + raw[i * step:(i + 1) * step]
+                                + keys.get(i, b"")).digest() for i in range(m)])
+    else:
+        digests = b"".join([sha(roots[i * width:(i + 1) * width] + raw[i * step:(i + 1) * step])
+                            .digest() for i in range(m)])
+    first_words = "<" + "Q24x" * m      # the little-endian uint64 opening each digest
+    return ([h % _MOD + 1 for h in struct.unpack(first_words, digests)], digests,
+            [h % _MOD + 1 for h in struct.unpack(first_words, roots)])
 
 
 def _hashes_of(joined: bytes) -> np.ndarray:

@@ -6,7 +6,8 @@ entries (register each row through block column ``upto``). A :meth:`commit` regi
 step at once (with the backlog, at most ``budget / 4`` blocks: the backlog first), else queues
 it, and works on entries queued two commits ago or earlier, on ``max(budget, ceil(backlog /
 8))`` blocks: it registers the hashed front or hashes that many. A prompt's blocks (hashed at
-admission) register at their step, first. The :meth:`flush` family, :meth:`pending_parents`
+admission) register at their step, first (with no backlog, the usual step on Python lists:
+:func:`~.step_registration.register_step`). The :meth:`flush` family, :meth:`pending_parents`
 and :meth:`private_blocks` keep every outcome that of registering at once
 (``tests/test_block_registration.py`` runs budgets against ``budget=None``).
 
@@ -22,8 +23,15 @@ from itertools import repeat
 
 import numpy as np
 
-from .backlog_duplicates import PendingParents, backlog_blocks, entangled_rows, mark_rows_of
+from .backlog_duplicates import (
+    PendingParents,
+    backlog_blocks,
+    entangled_rows,
+    mark_rows_of,
+    prune_dropped,
+)
 from .prefix_match import blocks_to_register, pending_blocks_overlap
+from .step_registration import register_step
 from .token_batches import ragged_columns
 
 __all__ = ["BlockRegistration", "PendingParents"]
@@ -93,8 +101,7 @@ class BlockRegistration:
         """Forget the backlog (the requests are gone)."""
         self._queue.clear()
         self.deferred.fill(False)
-        self.queued = 0
-        self._commits = 0
+        self.queued = self._commits = 0
         self._dropped.clear()
         self._drop_log.clear()
         self.marked.fill(False)
@@ -106,11 +113,16 @@ class BlockRegistration:
         requests, bs = self.requests, self.requests.block_size
         if self.window is not None and len(rows):
             requests.hash_through(rows, ends // bs)
-            self.window.commit(requests, rows, requests.registered[rows].copy(), ends,
+            self.window.commit(requests, rows, requests.registered[rows], ends,
                                register=requests.hashing)
         if not requests.hashing:
             return 0
         self._commits += 1
+        if not (self.queued or self._dropped):      # no backlog: the usual serving step
+            done = register_step(requests, self.kv, rows, ends,
+                                 self.budget and self.budget // AT_ONCE_FRACTION)
+            if done is not None:
+                return done
         # Only entries of two steps ago and older: the step that completes blocks keeps their
         # Mamba states, the next one opens the rows' next blocks; neither registers them too.
         registered = 0 if not self.queued else self._advance(
@@ -251,8 +263,7 @@ class BlockRegistration:
         """Register queued entries from the front, at most ``limit`` blocks (None: all) but at
         least the first row's, and only those queued by commit ``last_commit`` or earlier
         (None: any); ``hashed_only``: stop at the first row not hashed yet."""
-        taken = 0
-        registered = 0
+        taken = registered = 0
         while self._queue and (limit is None or taken < limit):
             rows, upto, counts, commit = self._queue[0]
             if last_commit is not None and commit > last_commit:
@@ -285,19 +296,8 @@ class BlockRegistration:
             self._drop_log.clear()
             self.marked.fill(False)
         elif self.prune_dropped:
-            self._prune_dropped(self._queue[0][3])
+            prune_dropped(self._drop_log, self._dropped, self._queue[0][3])
         return registered
-
-    def _prune_dropped(self, oldest: int) -> None:
-        """Forget the hashes last deregistered before commit ``oldest``, the oldest queued
-        entry's: a drop counts only for blocks that completed at or before it, and no block
-        queued now or later completed earlier (tested against ``prune_dropped=False``)."""
-        log, dropped = self._drop_log, self._dropped
-        while log and log[0][0] < oldest:
-            commit, hashes = log.popleft()
-            for h in hashes:
-                if dropped.get(h) == commit:     # not deregistered again since
-                    del dropped[h]
 
     def _advance(self, limit, last_commit) -> int:
         """One commit's share of the backlog queued by commit ``last_commit`` or earlier:
@@ -306,7 +306,8 @@ class BlockRegistration:
         cost, so a step does one or the other. Returns the number registered."""
         queued = self.queued
         registered = self._drain(limit, last_commit, hashed_only=True)
-        if self.queued < queued or not self._queue or self._front_hashed():
+        if self.queued < queued or not self._queue \
+                or self.requests.hashed[self._queue[0][0][0]] >= self._queue[0][1][0]:
             return registered      # registered, or nothing to do (the front is too young)
         requests, hashed = self.requests, 0
         for rows, upto, _, commit in self._queue:
@@ -322,10 +323,6 @@ class BlockRegistration:
             hashed += int(todo.sum())
         return 0
 
-    def _front_hashed(self) -> bool:
-        rows, upto, _, _ = self._queue[0]
-        return bool(self.requests.hashed[rows[0]] >= upto[0])
-
     def _register(self, rows: np.ndarray, upto: np.ndarray, single=False, commit=None,
                   deferred=True) -> int:
         """Hash and register blocks ``[registered, upto)`` of distinct ``rows`` (``single``: one
@@ -333,8 +330,10 @@ class BlockRegistration:
         requests, kv = self.requests, self.kv
         if single:     # a decode step's: one new block each
             cols, done = upto - 1, requests.hashed[rows]
-            hashes = requests.hash_next(rows, cols) if not np.count_nonzero(done != cols) else \
-                requests.hashes[rows, cols] if not np.count_nonzero(done < upto) else None
+            if not np.count_nonzero(done != cols):      # each hashed through the one before
+                requests.hash_through(rows, upto)
+                done = upto
+            hashes = requests.hashes[rows, cols] if not np.count_nonzero(done < upto) else None
             if hashes is not None:
                 table = requests.request_to_kv_block_ids
                 parents = np.where(cols > 0, requests.hashes[rows, cols - 1], 0)

@@ -311,17 +311,21 @@ class KVBlockAllocator:
         hs = hash_array("hashes", hashes, ids.shape[0])
         ps = np.zeros_like(hs) if parent_hashes is None else \
             hash_array("parent_hashes", parent_hashes, ids.shape[0])
-        pending = self._forest.plan_registration(ids, hs, ps, self.block_ref_counts)
-        if self.enable_prefix_caching:
-            self._forest.link(*pending)
-            self._drop_linked_parents(pending[0])
+        self._register_new_blocks(*self._forest.plan_registration(ids, hs, ps,
+                                                                  self.block_ref_counts))
 
     def _register_new_blocks(self, block_ids, hashes, parent_hashes, likely_parents=None) -> None:
         """:meth:`register_kv_block_hashes` unchecked (distinct used unregistered blocks, distinct
         new positive hashes; int64 arrays); ``likely_parents``: see :meth:`BlockForest.link`."""
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching:      # the parents gained a child: no leaves
             self._forest.link(block_ids, hashes, parent_hashes, likely_parents)
-            self._drop_linked_parents(block_ids)
+            self._leaves.discard((parents := self._forest.parent_ids[block_ids])[parents >= 0])
+
+    def _register_listed(self, block_ids: list, hashes: list, parent_hashes: list) -> int:
+        """:meth:`BlockForest.link_new` (prefix caching on); returns how many it registered."""
+        registered, parents = self._forest.link_new(block_ids, hashes, parent_hashes)
+        self._leaves.discard(parents)       # they gained a child: no leaves
+        return registered
 
     def evict_lru_blocks(self, n: int) -> bool:
         """Deregister and free ``n`` cached blocks, peeling leaves oldest first (ties by id).
@@ -348,10 +352,6 @@ class KVBlockAllocator:
         self._notify(self._released_observers, np.arange(self._num_blocks), self.block_timestamps)
 
     # --- internals ----------------------------------------------------------------------
-
-    def _drop_linked_parents(self, block_ids: np.ndarray) -> None:
-        parents = self._forest.parent_ids[block_ids]    # they gained a child: no leaves
-        self._leaves.discard(parents[parents >= 0])
 
     def _kept(self, retained) -> tuple:
         return () if retained is None else tuple(block_id_array(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import host_array, is_array
-from .block_hashing import DIGEST_BYTES, chain_block_hashes, chain_root
+from .block_hashing import DIGEST_BYTES, chain_block_hashes, chain_listed, chain_root
 from .step_plans import PrefixCacheStats
 from .token_batches import ragged_columns
 
@@ -277,12 +277,17 @@ class RequestTable:
         self._hash_new_blocks(rows, first, None if counts.max() == 1 else counts)
         self.hashed[rows] = upto
 
-    def hash_next(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-        """Hash block ``cols[i] == hashed`` of each of distinct ``rows`` (complete, one each);
-        returns the hashes (int64)."""
-        hashes = self._hash_new_blocks(rows, cols, None)
+    def hash_next(self, rows: np.ndarray, cols: np.ndarray) -> tuple[list, list]:
+        """Hash block ``cols[i] == hashed`` of distinct ``rows`` (complete) in one pass over
+        bytes; returns the hashes and the previous blocks' (lists; column 0: no block's)."""
+        blocks = self.tokens.reshape(self.max_requests, -1, self.block_size)[rows, cols]
+        keys = self._pending_keys and self._take_pending_keys(rows, cols)
+        hashes, lasts, parents = chain_listed(self.digests[rows].tobytes(), blocks.tobytes(),
+                                              8 * self.block_size, keys)
+        self.hashes[rows, cols] = hashes
+        self.digests[rows] = np.frombuffer(lasts, np.uint8).reshape(-1, DIGEST_BYTES)
         self.hashed[rows] = cols + 1
-        return hashes
+        return hashes, parents
 
     def _hash_new_blocks(self, rows, first, counts) -> np.ndarray:
         """Hash blocks ``[first[i], first[i] + counts[i])`` (one each when ``counts`` is
@@ -304,21 +309,17 @@ class RequestTable:
         """The encoded keys of the blocks ``(owners[i], cols[i])`` that wait for one, by
         ``i`` (they stop waiting: :attr:`pending_key_cols` -1)."""
         hits = np.flatnonzero(self.pending_key_cols[owners] == cols)
-        if not len(hits):
-            return {}
-        taken = owners[hits]
-        self.pending_key_cols[taken] = -1
+        self.pending_key_cols[(taken := owners[hits])] = -1
         self._pending_keys -= len(hits)
-        return {i: self.keys[row][col]
-                for i, row, col in zip(hits.tolist(), taken.tolist(), cols[hits].tolist())}
+        return dict(zip(hits.tolist(), map(lambda r, c: self.keys[r][c], taken.tolist(),
+                                           cols[hits].tolist())))
 
     def complete_steps(self):
         """Mark every scheduled step but a parked row's computed; returns its ``rows``
         (ascending) and their computed tokens before and after, int64 arrays."""
         rows = ((self.pending_end >= 0) & ~self.parked).nonzero()[0]
-        ends, before = self.pending_end[rows], self.computed[rows].copy()
-        self.computed[rows] = ends
-        self.pending_end[rows] = -1
+        ends, before = self.pending_end[rows], self.computed[rows]    # (copies)
+        self.computed[rows], self.pending_end[rows] = ends, -1
         return rows, before, ends
 
     def schedule(self, rows, ends) -> None:
