@@ -351,11 +351,21 @@ class IntermediateStates:
         hashes = np.asarray(kv_block_hashes)[np.concatenate([inter, eos])].astype(np.int64)
         return inter, np.arange(len(inter), dtype=np.int64), eos, eos_rows, hashes
 
-    def clear(self, rows=None) -> None:
-        """Forget the pending entries of ``rows`` (default: every row).
+    def entries(self, limit: int):
+        """:meth:`collect` as lists, no hashes: ``(block_ids, eos_rows, num_scratch)``, None
+        when over ``limit`` entries may be pending (scratch entry ``i``: scratch index ``i``)."""
+        rows = self.counts.nonzero()[0].tolist()
+        eos_rows = (self.eos_block_ids >= 0).nonzero()[0].tolist()
+        if _K * len(rows) + len(eos_rows) > limit:
+            return None
+        block_ids = []
+        for row in rows:
+            block_ids += self.block_ids[row, :self.counts[row]].tolist()
+        return block_ids + self.eos_block_ids[eos_rows].tolist(), eos_rows, len(block_ids)
 
-        Raises ``IndexError`` (nothing changes) when a row is out of range.
-        """
+    def clear(self, rows=None) -> None:
+        """Forget the pending entries of ``rows`` (default: every row). Raises ``IndexError``
+        (nothing changes) when a row is out of range."""
         sel = slice(None) if rows is None else index_array("rows", rows, self.max_requests)
         if not self.pending:
             return      # nothing pending: every row is clear already
