@@ -92,7 +92,7 @@ def commit_lean(m, stream) -> int | None:
         inter.clear()
         return 0
     ids = np.array(bids)
-    if m.deferred_blocks is not None and m.deferred_blocks[ids].any():
+    if m.deferred_blocks is not None and np.count_nonzero(m.deferred_blocks[ids]):
         return None     # a deferred block: its state awaits its hash (general rule)
     kv, pool, mamba_map = m._kv, m._pool, m._hashes.hash_to_block_id
     hashes = kv.block_hashes[ids].tolist()

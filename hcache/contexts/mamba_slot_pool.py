@@ -181,6 +181,8 @@ class MambaSlotPool:
     def take_free(self, n: int) -> list:
         """Pop ``n`` (<= :attr:`free_count`) slots off the free stack, top first, as
         :meth:`allocate` does."""
+        if not n:
+            return []
         slots = self.free_slots[self.free_count - n:self.free_count][::-1].tolist()
         self.free_count -= n
         return slots
