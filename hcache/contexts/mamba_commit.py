@@ -87,11 +87,10 @@ def commit_lean(m, stream) -> int | None:
     entries = inter.entries(LEAN_MAX_ENTRIES)
     if entries is None:
         return None
-    bids, eos_rows, num_inter = entries
+    bids, eos_rows, num_inter, ids = entries
     if not bids:
         inter.clear()
         return 0
-    ids = np.array(bids)
     if m.deferred_blocks is not None and np.count_nonzero(m.deferred_blocks[ids]):
         return None     # a deferred block: its state awaits its hash (general rule)
     kv, pool, mamba_map = m._kv, m._pool, m._hashes.hash_to_block_id
