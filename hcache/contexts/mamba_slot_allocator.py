@@ -66,6 +66,9 @@ class MambaSlotAllocator:
         the scratch states: see each property.
     deferred_blocks, private_deferred : bool [num_blocks] and callable, or None
         A deferring context's backlog and its blocks to stay private (docs/design.md §6.8).
+    lean_commit : bool
+        Whether :meth:`commit_intermediate_states` may take its plain-Python path (True; False
+        runs the general one, the oracle, every time).
 
     Raises
     ------
