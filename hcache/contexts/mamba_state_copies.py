@@ -156,7 +156,7 @@ class MambaStateCopies:
         if not self.device.is_cuda:   # host arrays: the op reads the indices where they are
             if stream is not None:
                 stream_handle(stream)
-            ops.slot_copy(slotset, np.array(src, np.int32), np.array(dst, np.int32))
+            ops.slot_copy(slotset, np.array(src, np.int32), np.array(dst, np.int32), stream=stream)
             return
         src_dev, dst_dev = self._idx_dev[2 * lane], self._idx_dev[2 * lane + 1]
         with launch_scope(self.device, stream, self.order):
