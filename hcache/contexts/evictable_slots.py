@@ -39,14 +39,14 @@ class EvictableSlots:
         self._heap.clear()
         self._limit = _SLACK
 
-    def push(self, block_ids: np.ndarray, timestamps) -> None:
-        """Enter ``block_ids`` (evictable now, or not: an entry is checked when met) with their
-        ``timestamps`` (None: all 0)."""
+    def push(self, block_ids, timestamps) -> None:
+        """Enter ``block_ids`` (int64 array or list of ints; evictable now, or not: an entry is
+        checked when met) with their ``timestamps`` (None: all 0)."""
         if not len(block_ids):
             return
         stamps = [0] * len(block_ids) if timestamps is None else timestamps[block_ids].tolist()
         push, heap = heapq.heappush, self._heap
-        for entry in zip(stamps, block_ids.tolist()):
+        for entry in zip(stamps, block_ids if type(block_ids) is list else block_ids.tolist()):
             push(heap, entry)
 
     def oldest(self, n: int, owned, ref_counts: np.ndarray, timestamps,

@@ -48,6 +48,7 @@ class MambaHashMap:
         self.hash_to_block_id: dict[int, int] = {}
         self._kv_map, self._owned = kv_hash_to_block_id, slot_owned
         self.awaiting = np.zeros(num_blocks, bool)
+        self._maybe_awaiting = False     # False: no block awaits (True: one may)
 
     def __len__(self) -> int:
         return len(self.hash_to_block_id)
@@ -56,6 +57,20 @@ class MambaHashMap:
         """Empty the map."""
         self.hash_to_block_id.clear()
         self.awaiting.fill(False)
+        self._maybe_awaiting = False
+
+    def mark_awaiting(self, block_ids: np.ndarray) -> None:
+        """Mark checked ``block_ids`` as awaiting their hash."""
+        if len(block_ids):
+            self.awaiting[block_ids] = True
+            self._maybe_awaiting = True
+
+    def has_awaiting(self) -> bool:
+        """Whether some block awaits its hash: O(1) while none has since the last answer of
+        False, a scan of :attr:`awaiting` otherwise."""
+        if self._maybe_awaiting and not self.awaiting.any():
+            self._maybe_awaiting = False
+        return self._maybe_awaiting
 
     def settle(self, block_ids: np.ndarray, hashes: np.ndarray, kv_block_hashes: np.ndarray,
                block_to_slot: np.ndarray) -> tuple[np.ndarray, int]:
@@ -96,8 +111,8 @@ class MambaHashMap:
         return out
 
     def drop_blocks(self, block_ids: np.ndarray, kv_block_hashes: np.ndarray) -> None:
-        """Remove the entries of checked ``block_ids`` (blocks not in the map are skipped),
-        found under their ``kv_block_hashes``."""
+        """Remove the entries of checked ``block_ids`` (an array or list; blocks not in the map
+        are skipped), found under their ``kv_block_hashes``."""
         m = self.hash_to_block_id
         if m:   # a block is in the map under its KV hash only, and none other is under that hash
             for h in kv_block_hashes[block_ids].tolist():
@@ -186,6 +201,8 @@ class MambaHashMap:
                 problems.append(f"Mamba hash {h} -> block {b}, which owns no slot")
         if len(set(self.hash_to_block_id.values())) != len(self.hash_to_block_id):
             problems.append("a block is in the Mamba map under two hashes")
+        if self.awaiting.any() and not self._maybe_awaiting:
+            problems.append("blocks await their hash while none is flagged")
         if self.awaiting.any() and set(self.hash_to_block_id.values()).intersection(
                 np.flatnonzero(self.awaiting).tolist()):
             problems.append("a block awaiting its hash is in the Mamba map")

@@ -351,11 +351,23 @@ class IntermediateStates:
         hashes = np.asarray(kv_block_hashes)[np.concatenate([inter, eos])].astype(np.int64)
         return inter, np.arange(len(inter), dtype=np.int64), eos, eos_rows, hashes
 
-    def clear(self, rows=None) -> None:
-        """Forget the pending entries of ``rows`` (default: every row).
+    def entries(self, limit: int):
+        """:meth:`collect` as lists: ``(block_ids, eos_rows, num_scratch, ids)`` (``ids``: an
+        int array of ``block_ids``), None when over ``limit`` entries may be pending."""
+        rows = self.counts.nonzero()[0].tolist()
+        eos_rows = (self.eos_block_ids >= 0).nonzero()[0]
+        if _K * len(rows) + len(eos_rows) > limit:
+            return None
+        ids, block_ids = self.eos_block_ids[eos_rows], []
+        for row in rows:
+            block_ids += self.block_ids[row, :self.counts[row]].tolist()
+        if block_ids:
+            ids = np.concatenate([np.array(block_ids, ids.dtype), ids])
+        return block_ids + ids[len(block_ids):].tolist(), eos_rows.tolist(), len(block_ids), ids
 
-        Raises ``IndexError`` (nothing changes) when a row is out of range.
-        """
+    def clear(self, rows=None) -> None:
+        """Forget the pending entries of ``rows`` (default: every row). Raises ``IndexError``
+        (nothing changes) when a row is out of range."""
         sel = slice(None) if rows is None else index_array("rows", rows, self.max_requests)
         if not self.pending:
             return      # nothing pending: every row is clear already
@@ -375,8 +387,7 @@ class IntermediateStates:
         self.clear()
 
     def broken_invariants(self) -> list[str]:
-        """Every broken invariant of the tracking (see the module docstring); empty when all
-        hold."""
+        """Every broken invariant of the tracking (module docstring); empty when all hold."""
         problems = []
         if ((self.counts < 0) | (self.counts > _K)).any():
             problems.append(f"intermediate counts outside [0, {_K}]")

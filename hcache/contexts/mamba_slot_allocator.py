@@ -30,6 +30,7 @@ from .._checks import as_int, check_index, host_ints, index_array
 from .._copying import refuse_copy, refuse_deepcopy, refuse_pickle
 from ..dtypes import resolve_dtype, storage_dtype
 from ..runtime.device import Device, array_device, array_module_of, settle, stream_handle
+from .mamba_commit import commit_general, commit_lean
 from .mamba_hash_map import MambaHashMap
 from .mamba_intermediate import MAX_INTERMEDIATE_OFFSETS_PER_REQUEST, IntermediateStates
 from .mamba_slot_pool import MambaSlotCapacityError, MambaSlotPool
@@ -65,6 +66,9 @@ class MambaSlotAllocator:
         the scratch states: see each property.
     deferred_blocks, private_deferred : bool [num_blocks] and callable, or None
         A deferring context's backlog and its blocks to stay private (docs/design.md §6.8).
+    lean_commit : bool
+        Whether :meth:`commit_intermediate_states` may take its plain-Python path (True; False
+        runs the general one, the oracle, every time).
 
     Raises
     ------
@@ -95,6 +99,7 @@ class MambaSlotAllocator:
         self.xp = xp
         self.device = Device("cuda", array_device(live)) if xp is not np else Device("cpu")
         self.deferred_blocks = self.private_deferred = None
+        self.lean_commit = True
         self._intermediate = inter = IntermediateStates(
             self.device, self.num_mamba_layers, self.max_requests, self.conv_states_shape,
             self.ssm_states_shape, conv_dt, ssm_dt)
@@ -322,50 +327,13 @@ class MambaSlotAllocator:
         (after the forward pass, before rows are reordered). Best effort: skips entries whose KV
         block is unregistered and not in :attr:`deferred_blocks` (their states await it), cached
         under its hash, or repeated; short of slots, keeps owners and as many new ones as fit.
-        Returns the states made reachable (bad ``stream``: ``TypeError``, ``ValueError``)."""
-        stream_handle(stream)
-        data = self._collect_commit_data()
-        if data is None:
-            self._clear_intermediate_state()
-            return 0
-        inter, src, eos, eos_rows, hashes = data
-        bids = np.concatenate([inter, eos]) if len(inter) else eos
-        deferred = self.deferred_blocks
-        waiting = np.zeros(len(bids), bool) if deferred is None else deferred[bids]
-        if not len(inter) and np.count_nonzero(waiting) == len(bids):   # a decode step's, queued
-            idx = np.arange(len(bids))
-        else:
-            idx = (((hashes > 0) & ~self._hashes.cached(bids, hashes)) | waiting).nonzero()[0]
-            if len(idx) > 1:       # a repeated block keeps its first entry
-                idx = idx[self._pool.first_occurrences(bids[idx])]
-        refs, stamps, pool, awaiting = (self._kv.block_ref_counts, self._timestamps(), self._pool,
-                                        self._hashes.awaiting)
-        short = pool.shortfall(bids[idx], refs, stamps, distinct=True)
-        if short[1] is not None and np.count_nonzero(waiting) + np.count_nonzero(awaiting):
-            private = self.private_deferred()   # duplicates: registering at once keeps none
-            if len(private):
-                pool.release(self._hashes.forget_awaiting(private))
-                idx = idx[~np.isin(bids[idx], private)]
-                short = pool.shortfall(bids[idx], refs, stamps, distinct=True)
-        new, available = short[0], self.free_count + len(() if short[1] is None else short[1])
-        if len(new) > available:    # keep owners and the first `available` new (distinct) blocks
-            owned = self.block_to_slot[bids[idx]] >= 0
-            idx = idx[owned | (np.cumsum(~owned) <= available)]
-        ids = bids[idx]     # the blocks left out own no slot: the candidates stand
-        slots, victims = pool.allocate(ids, refs, stamps, distinct=True, shortfall=short)
-        self._hashes.drop_blocks(victims, self._kv.block_hashes)
-        is_inter = idx < len(inter)
-        if inters := np.count_nonzero(is_inter):
-            self._copies.scratch_to_cache_unchecked(src[idx[is_inter]], slots[is_inter], stream)
-        if inters < len(idx):      # checked by construction: owned distinct slots, live rows
-            self._copies.store_live_unchecked(slots[~is_inter],
-                                              eos_rows[idx[~is_inter] - len(inter)], stream)
-        # Registered unchecked: the hashes are these blocks' own KV hashes, just read.
-        waiting = waiting[idx]
-        awaiting[ids[waiting]] = True
-        self.hash_to_block_id.update(zip(hashes[idx[~waiting]].tolist(), ids[~waiting].tolist()))
-        self._clear_intermediate_state()
-        return int(len(idx) - np.count_nonzero(waiting))
+        Returns the states made reachable (bad ``stream``: ``TypeError``, ``ValueError``).
+        A step's few entries take :func:`~.mamba_commit.commit_lean`, any other case (or a
+        lean path turned off by :attr:`lean_commit`) :func:`~.mamba_commit.commit_general`."""
+        if stream is not None:
+            stream_handle(stream)
+        done = commit_lean(self, stream) if self.lean_commit else None
+        return commit_general(self, stream) if done is None else done
 
     def _settle_deferred(self, block_ids: np.ndarray, hashes: np.ndarray) -> int:
         """The context registered ``block_ids`` (int64, ``hashes``): awaiting states become

@@ -178,12 +178,35 @@ class MambaSlotPool:
             self._evictable.rebuild_if_large(self._owners, timestamps)
         return self.block_to_slot[block_ids].astype(np.int64), victims
 
+    def take_free(self, n: int) -> list:
+        """Pop ``n`` (<= :attr:`free_count`) slots off the free stack, top first, as
+        :meth:`allocate` does."""
+        if not n:
+            return []
+        slots = self.free_slots[self.free_count - n:self.free_count][::-1].tolist()
+        self.free_count -= n
+        return slots
+
+    def assign(self, new: list, slots: list, ref_counts, timestamps) -> None:
+        """:meth:`allocate`'s last step for distinct blocks ``new`` owning no slot (Python
+        ints): each takes its slot of ``slots`` (taken off the free stack or evicted)."""
+        block_to_slot, slot_to_block, owned = self.block_to_slot, self.slot_to_block, self.owned
+        for b, s in zip(new, slots, strict=True):
+            block_to_slot[b], slot_to_block[s] = s, b
+            owned[b] = 1
+        refs = ref_counts.item
+        evictable = [b for b in new if refs(b) == 0]
+        if evictable:
+            self._evictable.push(evictable, timestamps)
+            self._evictable.rebuild_if_large(self._owners, timestamps)
+
     def evict(self, n: int, ref_counts, timestamps, *, exclude=None, candidates=None):
         """Take the slots of the ``n`` least recently used evictable blocks: oldest
         ``timestamps`` first (all 0 when None), ties by block id, never a block of
         ``exclude``. The slots are **not** returned to the free stack. ``candidates``: what
         :meth:`shortfall` gave for that ``exclude`` with nothing changed since (trusted: the
-        oldest evictable blocks, at least ``n`` of them unless there are fewer).
+        oldest evictable blocks, at least ``n`` of them unless there are fewer); a list (of
+        :meth:`EvictableSlots.oldest`, for a few) is in LRU order already: its first ``n`` go.
 
         Returns
         -------
@@ -199,12 +222,25 @@ class MambaSlotPool:
             candidates = self._oldest_evictable(n, ref_counts, timestamps, exclude)
         if len(candidates) < n:
             raise MambaSlotCapacityError(n, len(candidates))
+        if type(candidates) is list:
+            return self._evict_listed(candidates[:n])
         victims = candidates[_oldest(candidates, timestamps, n, len(self.block_to_slot))]
         slots = self.block_to_slot[victims].copy()
         self.block_to_slot[victims] = -1
         self.slot_to_block[slots] = -1
         self._owned[victims] = False
         return slots, victims
+
+    def _evict_listed(self, victims: list):
+        """:meth:`evict` of the blocks ``victims`` (Python ints), item by item."""
+        block_to_slot, slot_to_block, owned, slots = (self.block_to_slot, self.slot_to_block,
+                                                      self.owned, [])
+        for b in victims:
+            s = int(block_to_slot[b])
+            block_to_slot[b] = slot_to_block[s] = -1
+            owned[b] = 0
+            slots.append(s)
+        return np.array(slots, np.int32), np.array(victims, np.int64)
 
     def release(self, block_ids: np.ndarray) -> None:
         """Push the slots of unique ``block_ids`` onto the free stack (blocks without one are

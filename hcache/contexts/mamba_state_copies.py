@@ -22,6 +22,7 @@ from ..runtime.arrays import as_array, host_array, on_device
 from ..runtime.device import (
     array_module_of,
     launch_scope,
+    stream_handle,
     to_host,
     upload,
     upload_ints,
@@ -151,6 +152,11 @@ class MambaStateCopies:
         staged in lanes ``2 * lane`` and ``2 * lane + 1`` of the index buffer."""
         n = len(src)
         if n == 0:
+            return
+        if not self.device.is_cuda:   # host arrays: the op reads the indices where they are
+            if stream is not None:
+                stream_handle(stream)
+            ops.slot_copy(slotset, np.array(src, np.int32), np.array(dst, np.int32), stream=stream)
             return
         src_dev, dst_dev = self._idx_dev[2 * lane], self._idx_dev[2 * lane + 1]
         with launch_scope(self.device, stream, self.order):

@@ -184,13 +184,18 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
     else:
         low, top = min(s.min(), d.min()), (int(s.max()), int(d.max()))
     nonnegative = low >= 0
+    records, fewest = _slot_records(slots)
     if len(s) == 1 and nonnegative:     # one pair (a restore): scalar indices, no masks
         i, j = top
         src0, dst0 = slots.pairs[0]
         _bump(status, int(i >= src0.shape[0] or j >= dst0.shape[0]))
-        for src, dst in _slot_records(slots):
+        for src, dst in records:
             if i < src.shape[0] and j < dst.shape[0]:
                 dst[j] = src[i]
+        return
+    if nonnegative and top[0] < fewest[0] and top[1] < fewest[1]:
+        for src, dst in records:      # every pair in range of every tensor: copy all
+            dst[d] = src[s]
         return
     rows: dict = {}   # (src slots, dst slots) -> (out-of-range count, rows to copy or None: all)
 
@@ -208,7 +213,7 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
 
     src0, dst0 = slots.pairs[0]
     _bump(status, copied(src0.shape[0], dst0.shape[0])[0])
-    for src, dst in _slot_records(slots):
+    for src, dst in records:
         good = copied(src.shape[0], dst.shape[0])[1]
         if good is None:
             dst[d] = src[s]
@@ -219,10 +224,10 @@ def slot_copy(slots, src_idx, dst_idx, *, status=None):
 _records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _slot_records(slots) -> list:
+def _slot_records(slots) -> tuple:
     """The pairs of ``slots`` as 1-D arrays of one opaque record per slot (views, cached until
     the set is rebound): a gather of whole records costs one copy per slot, not one per
-    element."""
+    element; and the fewest source and destination slots of any pair."""
     cached = _records.get(slots)
     if cached is None or cached[0] is not slots.pairs:
         def record(a):
@@ -230,9 +235,11 @@ def _slot_records(slots) -> list:
                 return a
             n = a.shape[0]
             return a.reshape(n, -1).view(np.dtype((np.void, a.nbytes // n))).reshape(n)
-        cached = (slots.pairs, [(record(src), record(dst)) for src, dst in slots.pairs])
+        cached = (slots.pairs, [(record(src), record(dst)) for src, dst in slots.pairs],
+                  (min(len(src) for src, _ in slots.pairs),
+                   min(len(dst) for _, dst in slots.pairs)))
         _records[slots] = cached
-    return cached[1]
+    return cached[1], cached[2]
 
 
 # --- kv_capture: kernels/kv_capture.cu ------------------------------------------------------------
