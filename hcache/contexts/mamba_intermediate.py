@@ -288,7 +288,7 @@ class IntermediateStates:
 
     def plan_eos(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
         """:meth:`plan_batch` of one-token chunks that each end on a block boundary: the EOS
-        entries ``block_ids`` of distinct checked ``rows`` (int64), nothing else."""
+        entries ``block_ids`` (any int dtype) of distinct checked ``rows``, nothing else."""
         if self.pending:     # rows may hold entries of an uncommitted step: replace them
             self.offsets[rows] = 0
             self.block_ids[rows] = -1

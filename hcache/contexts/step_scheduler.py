@@ -235,7 +235,7 @@ class StepScheduler:
         if closing is not None:     # one token each: the closing rows' EOS entries only
             rows = rows[closing]
             self.mamba._plan_eos(rows, self.requests.request_to_kv_block_ids[
-                rows, ends[closing] // bs - 1].astype(np.int64))
+                rows, ends[closing] // bs - 1])
             return
         eos = ends % bs == 0
         single = counts is None or counts.max() == 1
