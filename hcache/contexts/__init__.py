@@ -12,9 +12,12 @@ One concept per module; each owner composes its collaborators:
   (slots, free stack, LRU eviction), a ``mamba_hash_map.MambaHashMap``, a
   ``mamba_intermediate.IntermediateStates`` (mid-prefill snapshots) and a
   ``mamba_state_copies.MambaStateCopies`` (cache arrays and every copy into or out of them);
+  ``mamba_commit`` keeps a step's boundary states (a lean path for a step's few entries, the
+  general one as its oracle);
 - ``dynamic_context`` (:class:`DynamicInferenceContext`) owns a ``requests.RequestTable`` (per-row
   tokens, counters and block hashes), a ``block_registration.BlockRegistration`` (when completed
-  blocks are hashed and registered; ``backlog_duplicates`` finds which will stay private), a
+  blocks are hashed and registered; ``backlog_duplicates`` finds which will stay private;
+  ``step_registration`` registers a serving step's blocks on lists), a
   ``step_scheduler.StepScheduler`` (admissions and batched extensions, applying the policy of
   ``prefix_match``, functions of explicit inputs), a
   ``live_states.LiveMambaStates`` and a ``step_kv_writer.StepKVWriter``; it answers with the
