@@ -137,6 +137,33 @@ def plan_tuple(p):
     return (p.starts.tolist(), p.ends.tolist(), p.rows.tolist(), p.tokens.tolist())
 
 
+def ready_ids(ctx) -> list:
+    """The requests of ``ctx`` without a scheduled step (those a step may extend)."""
+    t = ctx._requests
+    return [r for r in ctx.request_ids if t.pending_end[t.row(r)] < 0]
+
+
+def random_prompt(rng, stems=STEMS) -> list:
+    """A prompt: a random head of one of ``stems``, then up to 3 random tokens."""
+    stem = stems[int(rng.integers(len(stems)))]
+    return stem[:int(rng.integers(1, len(stem) + 1))] + \
+        rng.integers(0, 3, int(rng.integers(0, 4))).tolist()
+
+
+def random_extension(rng, ready, chunked_one_in=4, longest=3) -> tuple:
+    """Some of ``ready`` (all of them two times in three) and their tokens: one each, or one
+    time in ``chunked_one_in`` 1..``longest`` each."""
+    ids = ready if rng.integers(3) else ready[:int(rng.integers(1, len(ready) + 1))]
+    toks = rng.integers(0, 3, len(ids)) if rng.integers(chunked_one_in) else \
+        [rng.integers(0, 3, int(rng.integers(1, longest + 1))).tolist() for _ in ids]
+    return ids, toks
+
+
+def random_release(rng, live) -> list:
+    """Up to two of ``live``, each drawn with chance 1/3 (the first when none is)."""
+    return [r for r in live if rng.integers(3) == 0][:2] or live[:1]
+
+
 def drive_twins(seed, steps):
     rng = np.random.default_rng(seed)
     bs = int(rng.choice([1, 2, 3]))
@@ -154,25 +181,19 @@ def drive_twins(seed, steps):
 
     for _ in range(steps):
         op = rng.integers(10)
-        t = new._requests
-        ready = [r for r in new.request_ids if t.pending_end[t.row(r)] < 0]
+        ready = ready_ids(new)
         if op < 2 or not new.request_ids:
-            stem = STEMS[int(rng.integers(len(STEMS)))]
-            tokens = stem[:int(rng.integers(1, len(stem) + 1))] + \
-                rng.integers(0, 3, int(rng.integers(0, 4))).tolist()
+            tokens = random_prompt(rng)
             rid, next_id = next_id, next_id + 1
             both(lambda c, r=rid, t=tokens: c.add_request(r, t).row)
         elif op < 7 and ready:
-            ids = ready if rng.integers(3) else ready[:int(rng.integers(1, len(ready) + 1))]
-            toks = rng.integers(0, 3, len(ids)) if rng.integers(4) else \
-                [rng.integers(0, 3, int(rng.integers(1, 4))).tolist() for _ in ids]
+            ids, toks = random_extension(rng, ready)
             both(lambda c, i=ids, t=toks: plan_tuple(c.extend_requests(i, t)))
             both(lambda c: c.commit_step())
         elif op < 8:
             both(lambda c: c.commit_step())
         elif op < 9:
-            live = new.request_ids
-            gone = [r for r in live if rng.integers(3) == 0][:2] or live[:1]
+            gone = random_release(rng, new.request_ids)
             both(lambda c, g=gone: c.release_requests(g))
         else:
             both(lambda c: c.register_completed_blocks())

@@ -21,7 +21,7 @@ import hypothesis.strategies as st
 import numpy as np
 from hypothesis import event, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from test_decode_fast_paths import STEMS, outcome, plan_tuple
+from test_decode_fast_paths import outcome, plan_tuple, random_prompt, random_release, ready_ids
 from test_dynamic_context import make_ctx, state
 
 from hcache.contexts import KVBlockAllocator
@@ -248,12 +248,9 @@ def drive_full_scan_twins(seed) -> int:
     next_id = 0
     for _ in range(120):
         op = rng.integers(10)
-        t = new._requests
-        ready = [r for r in new.request_ids if t.pending_end[t.row(r)] < 0]
+        ready = ready_ids(new)
         if op < 2 or not new.request_ids:
-            stem = STEMS[int(rng.integers(len(STEMS)))]
-            tokens = stem[:int(rng.integers(1, len(stem) + 1))] + \
-                rng.integers(0, 3, int(rng.integers(0, 4))).tolist()
+            tokens = random_prompt(rng)
             next_id += 1
             both(lambda c, r=next_id, t=tokens: c.add_request(r, t).row)
         elif op < 8 and ready:
@@ -264,8 +261,7 @@ def drive_full_scan_twins(seed) -> int:
         elif op < 9:
             both(lambda c: c.commit_step() and None)
         else:
-            live = new.request_ids
-            gone = [r for r in live if rng.integers(3) == 0][:2] or live[:1]
+            gone = random_release(rng, new.request_ids)
             both(lambda c, g=gone: c.release_requests(g))
     # Caught up, every table and map agrees. Which Mamba slot holds a state may not: the full
     # scan's twin asks for the backlog's parents between per-request allocations, which hashes

@@ -16,7 +16,15 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from test_decode_fast_paths import STEMS, outcome, plan_tuple, snapshot
+from test_decode_fast_paths import (
+    outcome,
+    plan_tuple,
+    random_extension,
+    random_prompt,
+    random_release,
+    ready_ids,
+    snapshot,
+)
 from test_dynamic_context import make_ctx
 
 from hcache.contexts import mamba_commit
@@ -64,27 +72,21 @@ def drive(seed, steps, *, lean=True):
 
     for _ in range(steps):
         op = rng.integers(10)
-        t = fast._requests
-        ready = [r for r in fast.request_ids if t.pending_end[t.row(r)] < 0]
+        ready = ready_ids(fast)
         if op < 3 or not fast.request_ids:
-            stem = STEMS[int(rng.integers(len(STEMS)))]
-            tokens = stem[:int(rng.integers(1, len(stem) + 1))] + \
-                rng.integers(0, 3, int(rng.integers(0, 4))).tolist()
+            tokens = random_prompt(rng)
             rid, next_id = next_id, next_id + 1
             both(lambda c, r=rid, t=tokens: c.add_request(r, t).row)
             if rng.integers(2):
                 commit()
         elif op < 7 and ready:
-            ids = ready if rng.integers(3) else ready[:int(rng.integers(1, len(ready) + 1))]
-            toks = rng.integers(0, 3, len(ids)) if rng.integers(3) else \
-                [rng.integers(0, 3, int(rng.integers(1, 2 * bs + 2))).tolist() for _ in ids]
+            ids, toks = random_extension(rng, ready, 3, 2 * bs + 1)
             both(lambda c, i=ids, t=toks: plan_tuple(c.extend_requests(i, t)))
             commit()
         elif op < 8:
             commit()
         elif op < 9:
-            live = fast.request_ids
-            gone = [r for r in live if rng.integers(3) == 0][:2] or live[:1]
+            gone = random_release(rng, fast.request_ids)
             both(lambda c, g=gone: c.release_requests(g))
         else:
             both(lambda c: c.register_completed_blocks())

@@ -18,7 +18,17 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from test_decode_fast_paths import forest_state, link_cases, outcome, plan_tuple, snapshot
+from test_decode_fast_paths import (
+    forest_state,
+    link_cases,
+    outcome,
+    plan_tuple,
+    random_extension,
+    random_prompt,
+    random_release,
+    ready_ids,
+    snapshot,
+)
 from test_dynamic_context import make_ctx
 
 from hcache.contexts import block_registration, step_registration
@@ -74,28 +84,22 @@ def drive(seed, steps, *, stems=STEMS):
 
     for _ in range(steps):
         op = rng.integers(13)
-        t = fast._requests
-        ready = [r for r in fast.request_ids if t.pending_end[t.row(r)] < 0]
+        ready = ready_ids(fast)
         if op < 3 or not fast.request_ids:
-            stem = stems[int(rng.integers(len(stems)))]
-            tokens = stem[:int(rng.integers(1, len(stem) + 1))] + \
-                rng.integers(0, 3, int(rng.integers(0, 4))).tolist()
+            tokens = random_prompt(rng, stems)
             salt, keys = SALTS[int(rng.integers(len(SALTS)))], KEYS[int(rng.integers(len(KEYS)))]
             keys = keys if keys is None or max(keys) < -(-len(tokens) // bs) else None
             rid, next_id = next_id, next_id + 1
             both(lambda c, r=rid, t=tokens, s=salt, k=keys: c.add_request(
                 r, t, salt=s, extra_keys=k).row)
         elif op < 8 and ready:
-            ids = ready if rng.integers(3) else ready[:int(rng.integers(1, len(ready) + 1))]
-            toks = rng.integers(0, 3, len(ids)) if rng.integers(4) else \
-                [rng.integers(0, 3, int(rng.integers(1, 4))).tolist() for _ in ids]
+            ids, toks = random_extension(rng, ready)
             both(lambda c, i=ids, t=toks: plan_tuple(c.extend_requests(i, t)))
             both(lambda c: c.commit_step())
         elif op < 9:
             both(lambda c: c.commit_step())
         elif op < 11:
-            live = fast.request_ids
-            gone = [r for r in live if rng.integers(3) == 0][:2] or live[:1]
+            gone = random_release(rng, fast.request_ids)
             both(lambda c, g=gone: c.release_requests(g))
         elif op < 12:
             stem = stems[int(rng.integers(len(stems)))]
