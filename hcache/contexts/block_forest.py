@@ -29,9 +29,8 @@ from .block_id_sets import counted
 
 __all__ = ["BlockForest"]
 
-# Up to _FEW ids, unlink counts the parents in Python; up to _SCALAR, it does all element by
-# element (cheaper than NumPy calls on tiny arrays).
-_FEW, _SCALAR = 24, 8
+# Up to this many ids, unlink works element by element (cheaper than NumPy calls on tiny arrays).
+_SCALAR = 8
 
 
 class BlockForest:
@@ -253,19 +252,9 @@ class BlockForest:
         hashes = self.hashes[block_ids].tolist()
         for h in hashes:
             del self.hash_to_block[h]
-        if len(block_ids) <= _FEW:      # a step's victims: counted in Python, not NumPy calls
-            lost: dict[int, int] = {}
-            for p in self.parent_ids[block_ids].tolist():
-                if p >= 0:
-                    lost[p] = lost.get(p, 0) + 1
-            counts = self.child_counts
-            for p, k in lost.items():
-                counts[p] -= k
-            parents = np.array(sorted(lost), dtype=np.int64)
-        else:
-            parents = self.parent_ids[block_ids]
-            parents, lost = counted(parents[parents >= 0].astype(np.int64))
-            self.child_counts[parents] -= lost.astype(np.int32)
+        parents = self.parent_ids[block_ids]
+        parents, lost = counted(parents[parents >= 0].astype(np.int64))
+        self.child_counts[parents] -= lost.astype(np.int32)
         # Children outside the batch exist only under a block still counting some: a peel
         # unlinks whole subtrees, so the scan of every link is for other deregistrations.
         if self.num_dangling or np.count_nonzero(self.child_counts[block_ids]):
