@@ -362,12 +362,11 @@ class DynamicInferenceContext(ContextConstructors, ContextViews):
         # Their blocks stay cached, registered first; a release that deregisters catches up all
         # (a block duplicating one it drops stays private, as registered at once: §6.8).
         self._registration.flush(rows if self.kv_block_allocator.caches_released_blocks else None)
-        kv = self.kv_block_allocator
         if len(rows) == 1:      # a request's blocks are distinct and held: nothing to check
-            ids = requests.blocks(rows[0]).astype(np.int64)
-            kv._release(ids, kv.block_ref_counts[ids] - 1)
+            self.kv_block_allocator._release(requests.blocks(rows[0]).astype(np.int64))
         else:
-            kv.release_memory_blocks(np.concatenate([requests.blocks(row) for row in rows]))
+            self.kv_block_allocator.release_memory_blocks(
+                np.concatenate([requests.blocks(row) for row in rows]))
         if self.window_blocks is not None:
             self.window_blocks.release(rows)
         if self.mamba_slot_allocator is not None:

@@ -128,7 +128,6 @@ class KVBlockAllocator:
     num_cached_blocks = property(lambda self: int(np.count_nonzero(
         (self.block_ref_counts == 0) & (self.block_hashes != -1))),
         doc="Registered blocks no request holds (a prefix match may reuse them).")
-
     free_block_ids = property(attrgetter("_free.free_block_ids"),
                               doc="Copy of the free stack, int32 [num_free_blocks], bottom first.")
 
@@ -266,8 +265,9 @@ class KVBlockAllocator:
                              f"{int(counts[after < 0][0])}")
         self._release(uniq, after)
 
-    def _release(self, uniq: np.ndarray, after: np.ndarray) -> None:
-        """Lower the ref counts of distinct ``uniq`` to ``after`` (>= 0), as a release does."""
+    def _release(self, uniq: np.ndarray, after=None) -> None:
+        """Lower the ref counts of distinct held ``uniq`` to ``after`` (default: one less)."""
+        after = self.block_ref_counts[uniq] - 1 if after is None else after
         self.block_ref_counts[uniq] = after
         zero = uniq[after == 0]
         registered = self.block_hashes[zero] != -1
@@ -341,8 +341,8 @@ class KVBlockAllocator:
         return True
 
     def reset(self) -> None:
-        """Free every block, clear hashes, ref counts, timestamps and the clock. Observers are
-        kept; release observers learn every block is at ref count 0, no other is called."""
+        """Free every block, clear hashes, counts and the clock; observers stay (only release
+        observers are called: every block is at ref count 0)."""
         self._free.reset()
         self.block_ref_counts.fill(0)
         self.block_timestamps.fill(0)
