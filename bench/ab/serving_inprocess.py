@@ -15,15 +15,13 @@ JSON line: medians, means and the median per-step ratio (this checkout / base) o
 step, ``add_request`` and ``release``.
 """
 
-import gc
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.environ.get("HCACHE_BASE", "/tmp/ab"))
 import hcache_base.bench.host_serving as base  # noqa: E402
+from interleaved import interleaved_steps, summary  # noqa: E402
 
 import hcache.bench.host_serving as this  # noqa: E402
 
@@ -34,31 +32,8 @@ class Ctx:
 
 def main(block: int, scale: int, steps: int) -> dict:
     old, new = (m._Server(Ctx, block, scale, seed=block) for m in (base, this))
-    for _ in range(300):
-        old.step()
-        new.step()
-    times = {k: ([], []) for k in ("decode", "add", "release")}
-    gc.collect()
-    gc.disable()
-    for i in range(steps):
-        out = {}
-        for server in ((new, old) if i % 2 else (old, new)):
-            out[server] = server.step(time.thread_time_ns)
-        for j, server in enumerate((old, new)):
-            decode, adds, releases = out[server]
-            times["decode"][j].append(decode / 1e3)
-            times["add"][j].extend(x / 1e3 for x in adds)
-            times["release"][j].extend(x / 1e3 for x in releases)
-    gc.enable()
-    row = {"block": block, "scale": scale, "steps": steps}
-    for name, (b, a) in times.items():
-        ratios = [x / y for x, y in zip(a, b, strict=True)]
-        row[name] = {"base_median": round(statistics.median(b), 1),
-                     "main_median": round(statistics.median(a), 1),
-                     "base_mean": round(statistics.fmean(b), 1),
-                     "main_mean": round(statistics.fmean(a), 1),
-                     "median_ratio": round(statistics.median(ratios), 3), "n": len(a)}
-    return row
+    times = interleaved_steps(old, new, steps)
+    return {"block": block, "scale": scale, "steps": steps, **summary(times, ("base", "main"))}
 
 
 if __name__ == "__main__":
