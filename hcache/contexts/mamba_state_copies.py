@@ -6,9 +6,11 @@ its live slot through ``request_to_mamba_state_idx``. Storing copies a request's
 a scratch state the model emitted mid-prefill) into a cache slot owned by a block; restoring
 copies a block's cached state back into a live slot. Every batch of copies is a single
 :func:`hcache.ops.slot_copy` launch over conv and SSM of all Mamba layers, with its index arrays
-staged in buffers allocated once, and every call validates all of its arguments before copying
-anything. A kind of state the layers do not have (short convolutions have no SSM state,
-lightning attention no conv state) has ``None`` for its shape and its arrays, everywhere.
+staged in buffers allocated once (on the host, one NumPy gather per kind of state over all
+layers, the op's result for the valid indices the callers pass), and every call validates all of
+its arguments before copying anything. A kind of state the layers do not have (short
+convolutions have no SSM state, lightning attention no conv state) has ``None`` for its shape
+and its arrays, everywhere.
 """
 
 from __future__ import annotations
@@ -141,6 +143,14 @@ class MambaStateCopies:
                                                  live_ssm)
             self._scratch_to_cache = self._slot_set(scratch_conv, scratch_ssm, self.conv_states,
                                                     self.ssm_states)
+        # On the host, a copy direction is one gather per kind of state over all layers at once
+        # (the op's result for the valid, distinct indices every caller passes).
+        self._whole = {id(self._live_to_cache): _pairs(live_conv, live_ssm, self.conv_states,
+                                                       self.ssm_states),
+                       id(self._cache_to_live): _pairs(self.conv_states, self.ssm_states,
+                                                       live_conv, live_ssm),
+                       id(self._scratch_to_cache): _pairs(scratch_conv, scratch_ssm,
+                                                          self.conv_states, self.ssm_states)}
 
     def _slot_set(self, src_conv, src_ssm, dst_conv, dst_ssm) -> SlotSet:
         mamba_indices = range(self.num_mamba_layers)
@@ -153,10 +163,13 @@ class MambaStateCopies:
         n = len(src)
         if n == 0:
             return
-        if not self.device.is_cuda:   # host arrays: the op reads the indices where they are
+        if not self.device.is_cuda:   # host arrays: whole-state gathers (see __init__)
             if stream is not None:
                 stream_handle(stream)
-            ops.slot_copy(slotset, np.array(src, np.int32), np.array(dst, np.int32), stream=stream)
+            if n == 1:
+                src, dst = int(src[0]), int(dst[0])
+            for src_states, dst_states in self._whole[id(slotset)]:
+                dst_states[:, dst] = src_states[:, src]
             return
         src_dev, dst_dev = self._idx_dev[2 * lane], self._idx_dev[2 * lane + 1]
         with launch_scope(self.device, stream, self.order):
@@ -324,3 +337,10 @@ class MambaStateCopies:
 def _no_live_slot(name: str, row: int, live: int) -> ValueError:
     return ValueError(f"{name}: expected requests with a live Mamba slot, got request {row} -> "
                       f"{live}")
+
+
+def _pairs(src_conv, src_ssm, dst_conv, dst_ssm) -> list:
+    """The (source, destination) state arrays ``[num_mamba_layers, slots, *shape]`` of a copy
+    direction, for the kinds of state that exist."""
+    return [(src, dst) for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm))
+            if src is not None]
