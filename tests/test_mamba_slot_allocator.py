@@ -520,9 +520,9 @@ def test_host_copies_match_the_slot_copy_op(data):
     copies = alloc._copies
     for state in (copies.conv_states, copies.ssm_states):
         state[...] = np.arange(state.size).reshape(state.shape) % 97
-    slotset = data.draw(st.sampled_from(["_live_to_cache", "_cache_to_live",
-                                         "_scratch_to_cache"]))
-    pairs = getattr(copies, slotset)
+    direction = data.draw(st.sampled_from(["live_to_cache", "cache_to_live",
+                                           "scratch_to_cache"]))
+    pairs = getattr(copies, "_" + direction)
     src_n, dst_n = pairs.pairs[0][0].shape[0], pairs.pairs[0][1].shape[0]
     n = data.draw(st.integers(1, min(src_n, dst_n)))
     src = data.draw(st.lists(st.integers(0, src_n - 1), min_size=n, max_size=n))
@@ -530,7 +530,7 @@ def test_host_copies_match_the_slot_copy_op(data):
     expected = [d.copy() for _, d in pairs.pairs]
     twin = SlotSet([(s, e) for (s, _), e in zip(pairs.pairs, expected)])
     ref.slot_copy(twin, np.array(src, np.int32), np.array(dst, np.int32))
-    copies._copy(pairs, src, dst, 0, None)
+    copies._copy(direction, src, dst, 0, None)
     for (_, got), want in zip(pairs.pairs, expected):
         np.testing.assert_array_equal(got, want)
 

@@ -145,37 +145,42 @@ class MambaStateCopies:
                                                     self.ssm_states)
         # On the host, a copy direction is one gather per kind of state over all layers at once
         # (the op's result for the valid, distinct indices every caller passes).
-        self._whole = {id(self._live_to_cache): _pairs(live_conv, live_ssm, self.conv_states,
-                                                       self.ssm_states),
-                       id(self._cache_to_live): _pairs(self.conv_states, self.ssm_states,
-                                                       live_conv, live_ssm),
-                       id(self._scratch_to_cache): _pairs(scratch_conv, scratch_ssm,
-                                                          self.conv_states, self.ssm_states)}
+        cache = (self.conv_states, self.ssm_states)
+        self._whole = {} if device.is_cuda else {
+            "live_to_cache": _pairs(live_conv, live_ssm, *cache),
+            "cache_to_live": _pairs(*cache, live_conv, live_ssm),
+            "scratch_to_cache": _pairs(scratch_conv, scratch_ssm, *cache)}
 
     def _slot_set(self, src_conv, src_ssm, dst_conv, dst_ssm) -> SlotSet:
         mamba_indices = range(self.num_mamba_layers)
         return SlotSet([(src[m], dst[m]) for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm))
                         if src is not None for m in mamba_indices])
 
-    def _copy(self, slotset, src, dst, lane, stream) -> None:
-        """One ``slot_copy`` launch of ``slotset`` for host index arrays ``src`` -> ``dst``,
-        staged in lanes ``2 * lane`` and ``2 * lane + 1`` of the index buffer."""
+    def _copy(self, direction: str, src, dst, lane, stream) -> None:
+        """One ``slot_copy`` launch of the SlotSet of ``direction`` (``"live_to_cache"``,
+        ``"cache_to_live"`` or ``"scratch_to_cache"``) for host index arrays ``src`` ->
+        ``dst``, staged in lanes ``2 * lane`` and ``2 * lane + 1`` of the index buffer."""
         n = len(src)
         if n == 0:
             return
         if not self.device.is_cuda:   # host arrays: whole-state gathers (see __init__)
             if stream is not None:
                 stream_handle(stream)
+            pairs = self._whole[direction]
             if n == 1:
                 src, dst = int(src[0]), int(dst[0])
-            for src_states, dst_states in self._whole[id(slotset)]:
-                dst_states[:, dst] = src_states[:, src]
+                for src_states, dst_states in pairs:
+                    dst_states[:, dst] = src_states[:, src]
+                return
+            src, dst = np.asarray(src, np.intp), np.asarray(dst, np.intp)
+            for src_states, dst_states in pairs:
+                dst_states[:, dst] = src_states.take(src, axis=1)
             return
         src_dev, dst_dev = self._idx_dev[2 * lane], self._idx_dev[2 * lane + 1]
         with launch_scope(self.device, stream, self.order):
             upload_ints(src_dev, np.asarray(src))
             upload_ints(dst_dev, np.asarray(dst))
-            ops.slot_copy(slotset, src_dev[:n], dst_dev[:n], stream=stream)
+            ops.slot_copy(getattr(self, "_" + direction), src_dev[:n], dst_dev[:n], stream=stream)
 
     def _rows(self, name, values) -> np.ndarray:
         return index_array(name, values, len(self.context.request_to_mamba_state_idx))
@@ -249,13 +254,13 @@ class MambaStateCopies:
         if len(free):
             raise ValueError(f"slots: expected slots owned by a block, got free slot "
                              f"{int(free[0])}")
-        self._copy(self._live_to_cache, self._live_slots(rows), dst, 0, stream)
+        self._copy("live_to_cache", self._live_slots(rows), dst, 0, stream)
 
     def store_live_unchecked(self, slots: np.ndarray, rows: np.ndarray, stream) -> None:
         """:meth:`store_from_live` of arguments the caller built valid (distinct owned slots,
         rows with a live slot)."""
         live = to_host(self.context.request_to_mamba_state_idx)[rows]
-        self._copy(self._live_to_cache, live, slots, 0, stream)
+        self._copy("live_to_cache", live, slots, 0, stream)
 
     def restore_to_live(self, request_indices, block_ids, *, stream=None,
                         rows_name: str = "request_indices") -> list[bool]:
@@ -280,7 +285,7 @@ class MambaStateCopies:
             raise ValueError(f"{rows_name}: expected distinct live slots, got a repeat")
         src = block_to_slot[ids]
         found = src >= 0
-        self._copy(self._cache_to_live, src[found], live[found], 0, stream)
+        self._copy("cache_to_live", src[found], live[found], 0, stream)
         return found.tolist()
 
     def restore_one(self, row: int, block_id: int, *, stream=None,
@@ -299,7 +304,7 @@ class MambaStateCopies:
         src = int(self._pool.block_to_slot[block_id])
         if src < 0:
             return False
-        self._copy(self._cache_to_live, (src,), (live,), 0, stream)
+        self._copy("cache_to_live", (src,), (live,), 0, stream)
         return True
 
     def scratch_to_cache(self, src_offsets, slots, *, stream=None) -> None:
@@ -324,7 +329,7 @@ class MambaStateCopies:
                                    stream) -> None:
         """:meth:`scratch_to_cache` of arguments the caller built valid (offsets in the
         scratch, distinct owned slots)."""
-        self._copy(self._scratch_to_cache, src_offsets, slots, 1, stream)
+        self._copy("scratch_to_cache", src_offsets, slots, 1, stream)
 
     def zero(self) -> None:
         """Zero every cache slot (device fills, no allocation)."""
@@ -340,7 +345,16 @@ def _no_live_slot(name: str, row: int, live: int) -> ValueError:
 
 
 def _pairs(src_conv, src_ssm, dst_conv, dst_ssm) -> list:
-    """The (source, destination) state arrays ``[num_mamba_layers, slots, *shape]`` of a copy
-    direction, for the kinds of state that exist."""
-    return [(src, dst) for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm))
-            if src is not None]
+    """The (source, destination) host state arrays of a copy direction, for the kinds of state
+    that exist, as ``[num_mamba_layers, slots]`` arrays of one opaque record per state (views:
+    a gather moves whole states, not elements)."""
+    return [(_records(src), _records(dst))
+            for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm)) if src is not None]
+
+
+def _records(states):
+    """Host ``states [num_mamba_layers, slots, *shape]`` (C-contiguous) as a record view
+    ``[num_mamba_layers, slots]``."""
+    layers, slots = states.shape[:2]
+    record = np.dtype((np.void, states[0, 0].nbytes))
+    return states.reshape(layers, slots, -1).view(record).reshape(layers, slots)
