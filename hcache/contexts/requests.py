@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import host_array, is_array
-from .block_hashing import DIGEST_BYTES, chain_block_hashes, chain_listed, chain_root
+from .block_hashing import DIGEST_BYTES, chain_block_hashes, chain_listed
+from .request_invariants import broken_request_invariants
 from .step_plans import PrefixCacheStats
 from .token_batches import ragged_columns
 
@@ -93,6 +94,7 @@ class RequestTable:
         self._id_of: list = [None] * R
         self._stats: list = [None] * R          # admission counters
         self._seen = np.zeros(R, dtype=np.int64)   # scratch of the duplicate check
+        self._order = np.arange(R)
         # The last distinct batch of ids looked up, valid while no request came or went.
         self._version, self._last_version, self._last_ids, self._last_rows = 0, -1, None, None
         self.reset()
@@ -165,12 +167,14 @@ class RequestTable:
         ValueError
             An id is not active, or (``distinct``) appears twice.
         """
-        if type(request_ids) is list and distinct and request_ids == self._last_ids \
-                and self._last_version == self._version:
-            return self._last_rows.copy()   # the previous batch again, no admission between
-        if is_array(request_ids):   # ids in an array of any library
+        listed = type(request_ids) is list
+        if listed:
+            if distinct and self._last_version == self._version \
+                    and request_ids == self._last_ids:
+                return self._last_rows.copy()   # the previous batch again, no admission between
+        elif is_array(request_ids):   # ids in an array of any library
             request_ids = host_array(name, request_ids)
-        if isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__len__"):
+        elif isinstance(request_ids, (str, bytes)) or not hasattr(request_ids, "__len__"):
             raise TypeError(f"{name}: expected a sequence of request ids, "
                             f"got {type(request_ids).__name__}")
         try:
@@ -181,13 +185,13 @@ class RequestTable:
                 self.row(rid, f"{name}[{i}]")
             raise
         if distinct and len(rows) > 1:
-            order = np.arange(len(rows))
-            self._seen[rows] = order
-            repeated = np.flatnonzero(self._seen[rows] != order)
-            if len(repeated):
-                rid = request_ids[int(repeated[0])]
+            n, seen = len(rows), self._seen
+            order = self._order[:n] if n <= self.max_requests else np.arange(n)
+            seen[rows] = order      # a repeated row keeps its last position only
+            if np.count_nonzero(seen[rows] != order):
+                rid = request_ids[int(np.argmax(seen[rows] != order))]
                 raise ValueError(f"{name}: expected distinct request ids, got {rid!r} twice")
-        if type(request_ids) is list and distinct:
+        if listed and distinct:
             self._last_ids, self._last_rows = list(request_ids), rows.copy()
             self._last_version = self._version
         return rows
@@ -351,50 +355,4 @@ class RequestTable:
     def broken_invariants(self) -> list[str]:
         """Every broken invariant (see the module docstring); empty when all hold. Rehashes
         every row's tokens: a check for tests, not for steps."""
-        problems = []
-        bs = self.block_size
-        active = sorted(self._row_of.values())
-        if sorted(active + self._free_rows) != list(range(self.max_requests)):
-            problems.append("active and free rows do not partition the rows")
-        slots = sorted(self.request_to_mamba_state_idx[active].tolist() + self._free_live_slots)
-        if slots != list(range(self.max_requests)):
-            problems.append("live slots of active requests and free slots do not partition")
-        for row in active:
-            n, nb = int(self.lengths[row]), int(self.num_blocks[row])
-            table = self.request_to_kv_block_ids[row]
-            if not 0 <= self.computed[row] <= n or self.pending_end[row] not in (-1, n) \
-                    or (self.pending_end[row] < 0 and self.computed[row] != n):
-                problems.append(f"row {row}: computed {self.computed[row]}, pending "
-                                f"{self.pending_end[row]}, length {n}")
-            if nb != -(-n // bs) or (table[:nb] < 0).any() or (table[nb:] != -1).any():
-                problems.append(f"row {row}: {nb} blocks for {n} tokens, table {table}")
-            h = int(self.hashed[row])
-            if not self.registered[row] <= (h if self.hashing else n // bs) <= n // bs:
-                problems.append(f"row {row}: {self.registered[row]} blocks registered, {h} "
-                                f"hashed, {n // bs} complete")
-            if self.hashing:
-                root = np.frombuffer(chain_root(self.salts[row]), np.uint8)
-                keys = self.keys[row]
-                hashes, digests = chain_block_hashes(
-                    root[None], self.tokens[row, :h * bs].reshape(-1, bs), np.array([h]),
-                    {k: v for k, v in keys.items() if k < h})
-                last = digests[-1] if h else root
-                if (self.hashes[row, :h] != hashes).any() or (self.digests[row] != last).any():
-                    problems.append(f"row {row}: block hashes disagree with its tokens, salt "
-                                    f"and extra keys")
-                waiting = [c for c in keys if c >= h]
-                if waiting != ([self.pending_key_cols[row]] if self.pending_key_cols[row] >= 0
-                               else []):
-                    problems.append(f"row {row}: extra keys of unhashed blocks {waiting}, "
-                                    f"pending column {self.pending_key_cols[row]}")
-        free = [r for r in range(self.max_requests) if r not in set(active)]
-        if any(self.salts[r] is not None or self.keys[r] for r in free) \
-                or (self.pending_key_cols[free] != -1).any():
-            problems.append("free rows with salts or extra keys")
-        if self._pending_keys != int(np.count_nonzero(self.pending_key_cols >= 0)):
-            problems.append(f"{self._pending_keys} pending keys counted, "
-                            f"{np.count_nonzero(self.pending_key_cols >= 0)} columns")
-        if (self.request_to_kv_block_ids[free] != -1).any() \
-                or (self.request_to_mamba_state_idx[free] != -1).any():
-            problems.append("free rows with table entries")
-        return problems
+        return broken_request_invariants(self)
