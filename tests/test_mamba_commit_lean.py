@@ -124,7 +124,7 @@ def test_the_twin_workload_reaches_every_case_of_the_lean_path(monkeypatch):
         finally:
             inside[0] = False
         if entries and entries[0]:
-            bids, eos_rows, num_inter, _ = entries
+            bids, eos_rows, num_inter = entries
             seen["lean" if done is not None else "declined"] += 1
             if done is not None:
                 seen["scratch and eos"] += 0 < num_inter < len(bids)

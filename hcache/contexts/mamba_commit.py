@@ -87,14 +87,14 @@ def commit_lean(m, stream) -> int | None:
     entries = inter.entries(LEAN_MAX_ENTRIES)
     if entries is None:
         return None
-    bids, eos_rows, num_inter, ids = entries
+    bids, eos_rows, num_inter = entries
     if not bids:
         inter.clear()
         return 0
-    if m.deferred_blocks is not None and np.count_nonzero(m.deferred_blocks[ids]):
+    if m.deferred_blocks is not None and any(map(m.deferred_blocks.item, bids)):
         return None     # a deferred block: its state awaits its hash (general rule)
     kv, pool, mamba_map = m._kv, m._pool, m._hashes.hash_to_block_id
-    hashes = kv.block_hashes[ids].tolist()
+    hashes = list(map(kv.block_hashes.item, bids))
     if min(hashes) > 0 and mamba_map.keys().isdisjoint(hashes) and len(set(bids)) == len(bids):
         picked = list(range(len(bids)))     # registered, uncached, distinct: all are kept
     else:

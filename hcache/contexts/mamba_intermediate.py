@@ -352,18 +352,18 @@ class IntermediateStates:
         return inter, np.arange(len(inter), dtype=np.int64), eos, eos_rows, hashes
 
     def entries(self, limit: int):
-        """:meth:`collect` as lists: ``(block_ids, eos_rows, num_scratch, ids)`` (``ids``: an
-        int array of ``block_ids``), None when over ``limit`` entries may be pending."""
+        """:meth:`collect` as lists: ``(block_ids, eos_rows, num_scratch)``, None when over
+        ``limit`` entries may be pending."""
         rows = self.counts.nonzero()[0].tolist()
-        eos_rows = (self.eos_block_ids >= 0).nonzero()[0]
+        eos_rows = (self.eos_block_ids >= 0).nonzero()[0].tolist()
         if _K * len(rows) + len(eos_rows) > limit:
             return None
-        ids, block_ids = self.eos_block_ids[eos_rows], []
+        block_ids = []
         for row in rows:
             block_ids += self.block_ids[row, :self.counts[row]].tolist()
-        if block_ids:
-            ids = np.concatenate([np.array(block_ids, ids.dtype), ids])
-        return block_ids + ids[len(block_ids):].tolist(), eos_rows.tolist(), len(block_ids), ids
+        num_scratch = len(block_ids)
+        block_ids += map(self.eos_block_ids.item, eos_rows)
+        return block_ids, eos_rows, num_scratch
 
     def clear(self, rows=None) -> None:
         """Forget the pending entries of ``rows`` (default: every row). Raises ``IndexError``

@@ -259,7 +259,8 @@ class MambaStateCopies:
     def store_live_unchecked(self, slots: np.ndarray, rows: np.ndarray, stream) -> None:
         """:meth:`store_from_live` of arguments the caller built valid (distinct owned slots,
         rows with a live slot)."""
-        live = to_host(self.context.request_to_mamba_state_idx)[rows]
+        live = to_host(self.context.request_to_mamba_state_idx)
+        live = [live.item(rows[0])] if len(rows) == 1 else live[rows]
         self._copy("live_to_cache", live, slots, 0, stream)
 
     def restore_to_live(self, request_indices, block_ids, *, stream=None,
