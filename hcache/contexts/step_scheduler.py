@@ -159,14 +159,14 @@ class StepScheduler:
         """
         requests, kv, bs = self.requests, self.kv, self.block_size
         scheduled = requests.pending_end[rows]
-        if len(rows) and scheduled.max() >= 0:
+        if len(rows) and scheduled[scheduled.argmax()] >= 0:     # (argmax: no Python wrapper)
             i = int(np.argmax(scheduled >= 0))
             raise ValueError(f"{'request_id' if single else f'request_ids[{i}]'}: expected a "
                              f"request without a scheduled step, got {ids[i]!r}")
         # No step is scheduled, so computed == lengths and num_blocks == ceil(lengths / bs).
         starts = requests.lengths[rows]
         ends = starts + (1 if counts is None else counts)
-        if len(rows) and (ends.max() > self.max_sequence_length
+        if len(rows) and (ends[ends.argmax()] > self.max_sequence_length
                           or (counts is not None and counts.min() < 1)):
             i = int(np.argmax((ends > self.max_sequence_length) | (ends == starts)))
             raise ValueError(f"{'tokens' if single else f'tokens[{i}]'}: expected "
