@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from .block_hashing import DIGEST_BYTES, chain_listed
+
 __all__ = ["register_step"]
+
+# A step growing at most this many rows is done on Python scalars, row by row (a NumPy call on
+# a few elements costs more than the Python work on them).
+FEW_ROWS = 8
 
 
 def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None:
@@ -44,6 +50,8 @@ def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None
     grew = (upto > first).nonzero()[0]
     if not len(grew):
         return 0
+    if len(grew) <= FEW_ROWS and not requests._pending_keys:
+        return _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit)
     rows, first, upto = rows[grew], first[grew], upto[grew]
     first_l, upto_l, hashed_l = first.tolist(), upto.tolist(), requests.hashed[rows].tolist()
     now, later = [], []     # prompt rows (hashed), rows completing their next block
@@ -84,3 +92,51 @@ def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None
     registered = kv_block_allocator._register_listed(ids, hashes, parents)
     requests.registered[rows] = upto
     return registered
+
+
+def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) -> int | None:
+    """:func:`register_step` of the rows ``rows[grew]`` (``first``: their registered blocks,
+    ``upto``: their complete blocks after the step) on Python scalars: the same hashes,
+    registrations and row counts, in the same order (prompt rows first, then the others)."""
+    hashed = requests.hashed
+    now, later = [], []     # prompt rows (hashed), rows completing their next block
+    for i in grew.tolist():
+        r, f, u = rows.item(i), first.item(i), upto.item(i)
+        h = hashed.item(r)
+        if h >= u:
+            now.append((r, f, u))
+        elif h == f == u - 1:
+            later.append((r, f))
+        else:
+            return None
+    if limit is not None and len(later) > limit:
+        return None
+    table, chained, registered = requests.request_to_kv_block_ids, requests.hashes, \
+        requests.registered
+    ids, hashes, parents = [], [], []
+    for r, f, u in now:
+        ids += table[r, f:u].tolist()
+        if f:
+            listed = chained[r, f - 1:u].tolist()
+            hashes += listed[1:]
+            parents += listed[:-1]
+        else:
+            hashes += chained[r, :u].tolist()
+            parents += [0] + hashes[len(hashes) - u:-1]
+        registered[r] = u
+    if later:
+        width, step = DIGEST_BYTES, 8 * requests.block_size     # bytes of a digest, a block
+        span = 8 * requests.max_sequence_length                 # bytes of a row of tokens
+        digests, tokens = (memoryview(a).cast("B") for a in (requests.digests, requests.tokens))
+        listed, lasts, roots = chain_listed(
+            b"".join([digests[r * width:(r + 1) * width] for r, _ in later]),
+            b"".join([tokens[r * span + f * step:r * span + (f + 1) * step] for r, f in later]),
+            step, None)
+        for (r, f), h, p, at in zip(later, listed, roots, range(0, len(lasts), width)):
+            ids.append(table.item(r, f))
+            hashes.append(h)
+            parents.append(p if f else 0)       # column 0: a chain root's hash is no block's
+            chained[r, f] = h
+            digests[r * width:(r + 1) * width] = lasts[at:at + width]
+            hashed[r] = registered[r] = f + 1
+    return kv_block_allocator._register_listed(ids, hashes, parents)
