@@ -34,6 +34,13 @@ from test_dynamic_context import make_ctx
 from hcache.contexts import block_forest, block_registration, step_registration
 from hcache.contexts import request_handoff as handoff
 from hcache.contexts.block_forest import BlockForest
+from hcache.contexts.block_hashing import (
+    cache_salt,
+    chain_block_hashes,
+    chain_next,
+    chain_root,
+    compute_block_hashes,
+)
 
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5], [1, 2, 3, 4, 7, 7, 7], [5, 5]]
 SALTS = [None, None, None, b"s1"]
@@ -326,3 +333,22 @@ def test_link_few_links_as_the_array_path_does(case):
     assert list(f.hash_to_block.items()) == list(twin.hash_to_block.items())
     assert f.dangling.tolist() == twin.dangling.tolist() and f.num_dangling == twin.num_dangling
     assert f.broken_invariants() == []
+
+
+@given(st.integers(1, 4), st.sampled_from([None, b"s1", "salt"]),
+       st.lists(st.integers(-2**63, 2**63 - 1), max_size=20))
+def test_chain_next_continues_a_chain_as_the_whole_sequence_hashes(block_size, salt, tokens):
+    """``chain_next`` block by block from the salt's root gives ``compute_block_hashes`` of
+    the whole sequence, each digest the one ``chain_block_hashes`` gives, and the parent hash
+    of each block after the first its predecessor's hash."""
+    whole = compute_block_hashes(tokens, block_size, salt=salt)
+    arr = np.array(tokens, np.int64)
+    digest = chain_root(cache_salt("salt", salt))
+    for k, want in enumerate(whole):
+        raw = arr[k * block_size:(k + 1) * block_size].astype("<i8").tobytes()
+        h, new, parent = chain_next(digest, memoryview(raw))
+        _, digests = chain_block_hashes(np.frombuffer(digest, np.uint8).reshape(1, -1),
+                                        arr[k * block_size:(k + 1) * block_size][None])
+        assert h == want and new == digests[0].tobytes()
+        assert k == 0 or parent == whole[k - 1]
+        digest = new
