@@ -72,12 +72,14 @@ def general(f):
         return f()
 
 
-def forced(few_rows, few_links):
+def forced(few_rows, few_links, read_rows=4):
     """A runner of ``f()`` with ``register_step``'s scalar path taken for at most ``few_rows``
-    rows and ``link_new``'s for at most ``few_links`` entries (0: the list and array paths)."""
+    rows (reading up to ``read_rows`` rows one by one) and ``link_new``'s for at most
+    ``few_links`` entries (0: the list and array paths)."""
     def run(f):
         with pytest.MonkeyPatch.context() as m:
             m.setattr(step_registration, "FEW_ROWS", few_rows)
+            m.setattr(step_registration, "READ_ROWS", read_rows)
             m.setattr(block_forest, "_FEW_LINKS", few_links)
             return f()
     return run
@@ -149,19 +151,23 @@ def test_the_list_path_registers_as_the_general_path_does(seed):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.integers(1, 8), st.sampled_from([0, 4, 24]))
-def test_scalar_steps_register_as_the_list_path_does(seed, few_rows, few_links):
-    """A step growing at most ``few_rows`` rows registered on scalars (``_register_few``),
-    the larger ones on lists, each linked entry by entry up to ``few_links`` entries, leave
-    every outcome and all state (the hash map's order, dangling roots, leaves, each row's
-    hashes, digests, ``hashed`` and ``registered``) as the list and array paths do."""
-    drive(seed, 60, run=forced(few_rows, few_links), oracle=forced(0, 0))
+@given(st.integers(0, 2**32 - 1), st.integers(1, 8), st.sampled_from([0, 4, 24]),
+       st.sampled_from([0, 1, 4, 8]))
+def test_scalar_steps_register_as_the_list_path_does(seed, few_rows, few_links, read_rows):
+    """A step growing at most ``few_rows`` rows registered on scalars (``_register_few``;
+    up to ``read_rows`` rows read one by one, more gathered), the larger ones on lists, each
+    linked entry by entry up to ``few_links`` entries, leave every outcome and all state (the
+    hash map's order, dangling roots, leaves, each row's hashes, digests, ``hashed`` and
+    ``registered``) as the list and array paths do."""
+    drive(seed, 60, run=forced(few_rows, few_links, read_rows), oracle=forced(0, 0))
 
 
 def test_the_scalar_paths_are_taken():
     """``drive``'s steps reach the paths the twin tests compare: ``_register_few`` with prompt
-    rows and decoded blocks, ``_link_few``, and ``link_new``'s array path."""
-    calls = {"few": 0, "few prompt": 0, "few decode": 0, "link few": 0, "link array": 0}
+    rows and decoded blocks, rows read one by one and gathered, ``_link_few``, and
+    ``link_new``'s array path."""
+    calls = {"few": 0, "few prompt": 0, "few decode": 0, "link few": 0, "link array": 0,
+             "read": 0, "gathered": 0}
     few, link_few, link_new = (step_registration._register_few, BlockForest._link_few,
                                BlockForest.link_new)
 
@@ -171,6 +177,7 @@ def test_the_scalar_paths_are_taken():
         calls["few"] += out is not None
         calls["few prompt"] += out is not None and bool(hashed.any())
         calls["few decode"] += out is not None and not bool(hashed.all())
+        calls["read" if len(grew) <= step_registration.READ_ROWS else "gathered"] += 1
         return out
 
     def counted_link_few(self, *a):
@@ -186,7 +193,7 @@ def test_the_scalar_paths_are_taken():
         m.setattr(BlockForest, "_link_few", counted_link_few)
         m.setattr(BlockForest, "link_new", counted_link_new)
         for seed in range(3):
-            drive(seed, 60, run=forced(3, 4), oracle=forced(0, 0))
+            drive(seed, 60, run=forced(3, 4, 1), oracle=forced(0, 0))
     assert all(calls.values()), calls
 
 

@@ -29,6 +29,9 @@ __all__ = ["register_step"]
 # call on the step's few elements costs more than the Python work on them (measured in-process
 # against the list path at blocks 16 to 256).
 FEW_ROWS = 32
+# Up to this many rows, their row, counts and hashed count are read one by one (``.item()``);
+# more are gathered (four gathers and lists).
+READ_ROWS = 4
 
 
 def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None:
@@ -108,9 +111,7 @@ def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) 
     registrations and row counts, in the same order (prompt rows first, then the others)."""
     hashed = requests.hashed
     now, later = [], []     # prompt rows (hashed), rows completing their next block
-    for i in grew.tolist():
-        r, f, u = rows.item(i), first.item(i), upto.item(i)
-        h = hashed.item(r)
+    for r, f, u, h in _grown(rows, first, upto, grew, hashed):
         if h >= u:
             now.append((r, f, u))
         elif h == f == u - 1:
@@ -147,3 +148,16 @@ def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) 
             digests[at:at + width] = digest
             hashed[r] = registered[r] = f + 1
     return kv_block_allocator._register_listed(ids, hashes, parents)
+
+
+def _grown(rows, first, upto, grew, hashed) -> list:
+    """``(row, first, upto, hashed)`` of each row ``rows[grew]``, as Python ints."""
+    if len(grew) > READ_ROWS:
+        picked = rows[grew]
+        return list(zip(picked.tolist(), first[grew].tolist(), upto[grew].tolist(),
+                        hashed[picked].tolist()))
+    out = []
+    for i in grew.tolist():
+        r = rows.item(i)
+        out.append((r, first.item(i), upto.item(i), hashed.item(r)))
+    return out
