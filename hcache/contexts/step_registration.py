@@ -136,7 +136,8 @@ def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) 
     if later:
         width, step = DIGEST_BYTES, 8 * requests.block_size     # bytes of a digest, a block
         span = 8 * requests.max_sequence_length                 # bytes of a row of tokens
-        digests, tokens = (memoryview(a).cast("B") for a in (requests.digests, requests.tokens))
+        digests = memoryview(requests.digests).cast("B")
+        tokens = memoryview(requests.tokens).cast("B")
         for r, f in later:
             at, start = r * width, r * span + f * step
             h, digest, p = chain_next(digests[at:at + width].tobytes(),
