@@ -33,7 +33,7 @@ __all__ = ["BlockForest"]
 _SCALAR = 8
 # link_new takes up to this many entries one by one (scalar reads and writes beat building
 # arrays for them).
-_FEW_LINKS = 64
+_FEW_LINKS = 24
 
 
 class BlockForest:
