@@ -31,8 +31,7 @@ __all__ = ["BlockForest"]
 
 # Up to this many ids, unlink works element by element (cheaper than NumPy calls on tiny arrays).
 _SCALAR = 8
-# link_new takes up to this many entries one by one (scalar reads and writes beat building
-# arrays for them).
+# link_new links up to this many entries one by one (scalars beat building arrays for them).
 _FEW_LINKS = 24
 
 
@@ -253,7 +252,7 @@ class BlockForest:
         """:meth:`link_new` entry by entry: each looks its parent up before it claims its hash
         (a parent held before this call or by an earlier entry, as links point backwards)."""
         held, linked, registered = self.hash_to_block, [], 0
-        own, parent_ids, parent_hashes_of = self.hashes, self.parent_ids, self.parent_hashes
+        own, parent_ids, counts = self.hashes, self.parent_ids, self.child_counts
         for b, h, ph in zip(block_ids, hashes, parent_hashes):
             p = held.get(ph, -1)
             if held.setdefault(h, b) != b:
@@ -261,11 +260,11 @@ class BlockForest:
             registered += 1
             own[b], parent_ids[b] = h, p
             if p >= 0:
-                parent_hashes_of[b] = ph
-                self.child_counts[p] += 1
+                self.parent_hashes[b] = ph
+                counts[p] += 1
                 linked.append(p)
             else:
-                parent_hashes_of[b] = 0
+                self.parent_hashes[b] = 0
                 if ph > 0:
                     self.dangling[b] = True
                     self.num_dangling += 1
