@@ -200,8 +200,8 @@ class BlockForest:
         """:meth:`link` of lists, for the few blocks of a serving step, leaving out each entry
         whose hash a block holds (before this call or earlier in the lists: the first holder
         keeps it, the others stay private). ``block_ids``: distinct unregistered blocks.
-        Returns how many it registered and the parents that gained a child (int64, a parent
-        once per child: a list for up to ``_FEW_LINKS`` entries)."""
+        Returns how many it registered and the parents that gained a child, a parent once per
+        child in entry order (int64; a list of int for up to ``_FEW_LINKS`` entries)."""
         if len(block_ids) <= _FEW_LINKS:
             return self._link_few(block_ids, hashes, parent_hashes)
         held = self.hash_to_block

@@ -108,7 +108,8 @@ def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None
 def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) -> int | None:
     """:func:`register_step` of the rows ``rows[grew]`` (``first``: their registered blocks,
     ``upto``: their complete blocks after the step) on Python scalars: the same hashes,
-    registrations and row counts, in the same order (prompt rows first, then the others)."""
+    registrations and row counts, in the same order (prompt rows first, then the others), or
+    None, having changed nothing, for a step it leaves to the general path."""
     hashed = requests.hashed
     now, later = [], []     # prompt rows (hashed), rows completing their next block
     for r, f, u, h in _grown(rows, first, upto, grew, hashed):
