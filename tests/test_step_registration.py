@@ -31,9 +31,16 @@ from test_decode_fast_paths import (
 )
 from test_dynamic_context import make_ctx
 
-from hcache.contexts import block_registration, step_registration
+from hcache.contexts import block_forest, block_registration, step_registration
 from hcache.contexts import request_handoff as handoff
 from hcache.contexts.block_forest import BlockForest
+from hcache.contexts.block_hashing import (
+    cache_salt,
+    chain_block_hashes,
+    chain_next,
+    chain_root,
+    compute_block_hashes,
+)
 
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6, 5], [1, 2, 3, 4, 7, 7, 7], [5, 5]]
 SALTS = [None, None, None, b"s1"]
@@ -65,7 +72,22 @@ def general(f):
         return f()
 
 
-def drive(seed, steps, *, stems=STEMS):
+def forced(few_rows, few_links, read_rows=4):
+    """A runner of ``f()`` with ``register_step``'s scalar path taken for at most ``few_rows``
+    rows (reading up to ``read_rows`` rows one by one) and ``link_new``'s for at most
+    ``few_links`` entries (0: the list and array paths)."""
+    def run(f):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(step_registration, "FEW_ROWS", few_rows)
+            m.setattr(step_registration, "READ_ROWS", read_rows)
+            m.setattr(block_forest, "_FEW_LINKS", few_links)
+            return f()
+    return run
+
+
+def drive(seed, steps, *, stems=STEMS, run=lambda f: f(), oracle=general):
+    """``steps`` random operations on two twin contexts, one run by ``run``, the other by
+    ``oracle``: every outcome and all state agree after each."""
     rng = np.random.default_rng(seed)
     bs = int(rng.choice([1, 2, 3, 4]))
     kw = dict(bs=bs, mamba=int(rng.integers(2)), slots=int(rng.integers(2, 9)),
@@ -77,7 +99,8 @@ def drive(seed, steps, *, stems=STEMS):
     next_id = 0
 
     def both(f):
-        got = outcome(lambda f=f: f(fast)), general(lambda f=f: outcome(lambda: f(slow)))
+        got = (run(lambda f=f: outcome(lambda: f(fast))),
+               oracle(lambda f=f: outcome(lambda: f(slow))))
         assert got[0] == got[1]
         assert full_state(fast) == full_state(slow)
         return got[0]
@@ -117,6 +140,61 @@ def test_a_context_registers_as_the_general_path_does(seed):
     """Every outcome and every piece of registration state equals that of a context whose
     steps all take the general path."""
     drive(seed, 60)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_the_list_path_registers_as_the_general_path_does(seed):
+    """Steps of any size on the list path and ``link_new``'s array path (the scalar paths
+    off) leave every outcome and all state as the general path."""
+    drive(seed, 60, run=forced(0, 0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 8), st.sampled_from([0, 4, 24]),
+       st.sampled_from([0, 1, 4, 8]))
+def test_scalar_steps_register_as_the_list_path_does(seed, few_rows, few_links, read_rows):
+    """A step growing at most ``few_rows`` rows registered on scalars (``_register_few``;
+    up to ``read_rows`` rows read one by one, more gathered), the larger ones on lists, each
+    linked entry by entry up to ``few_links`` entries, leave every outcome and all state (the
+    hash map's order, dangling roots, leaves, each row's hashes, digests, ``hashed`` and
+    ``registered``) as the list and array paths do."""
+    drive(seed, 60, run=forced(few_rows, few_links, read_rows), oracle=forced(0, 0))
+
+
+def test_the_scalar_paths_are_taken():
+    """``drive``'s steps reach the paths the twin tests compare: ``_register_few`` with prompt
+    rows and decoded blocks, rows read one by one and gathered, ``_link_few``, and
+    ``link_new``'s array path."""
+    calls = {"few": 0, "few prompt": 0, "few decode": 0, "link few": 0, "link array": 0,
+             "read": 0, "gathered": 0}
+    few, link_few, link_new = (step_registration._register_few, BlockForest._link_few,
+                               BlockForest.link_new)
+
+    def counted_few(requests, kv, rows, first, upto, grew, limit):
+        hashed = requests.hashed[rows[grew]] >= upto[grew]
+        out = few(requests, kv, rows, first, upto, grew, limit)
+        calls["few"] += out is not None
+        calls["few prompt"] += out is not None and bool(hashed.any())
+        calls["few decode"] += out is not None and not bool(hashed.all())
+        calls["read" if len(grew) <= step_registration.READ_ROWS else "gathered"] += 1
+        return out
+
+    def counted_link_few(self, *a):
+        calls["link few"] += 1
+        return link_few(self, *a)
+
+    def counted_link_new(self, ids, *a):
+        calls["link array"] += len(ids) > block_forest._FEW_LINKS
+        return link_new(self, ids, *a)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(step_registration, "_register_few", counted_few)
+        m.setattr(BlockForest, "_link_few", counted_link_few)
+        m.setattr(BlockForest, "link_new", counted_link_new)
+        for seed in range(3):
+            drive(seed, 60, run=forced(3, 4, 1), oracle=forced(0, 0))
+    assert all(calls.values()), calls
 
 
 def scripted(policy, calls, budget=128, bs=2):
@@ -244,3 +322,40 @@ def test_link_new_links_the_first_holders_as_link_does(case):
     linked = twin.parent_ids[ids[keep]]
     assert sorted(parents) == sorted(linked[linked >= 0].tolist())
     assert f.broken_invariants() == []
+
+
+@given(listed_cases())
+def test_link_few_links_as_the_array_path_does(case):
+    """``link_new`` entry by entry (``_link_few``) and on arrays (``_FEW_LINKS`` 0) leave the
+    same forest (the hash map in order, dangling roots) and return the same count and parents
+    (in entry order); the array path is checked against ``link`` as the scalar one is."""
+    f, ids, hs, ps = case
+    twin = copy.deepcopy(f)
+    got = f._link_few(ids.tolist(), hs.tolist(), ps.tolist())
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(block_forest, "_FEW_LINKS", 0)
+        want = twin.link_new(ids.tolist(), hs.tolist(), ps.tolist())
+    assert got[0] == want[0] and list(got[1]) == list(want[1])
+    assert forest_state(f) == forest_state(twin)
+    assert list(f.hash_to_block.items()) == list(twin.hash_to_block.items())
+    assert f.dangling.tolist() == twin.dangling.tolist() and f.num_dangling == twin.num_dangling
+    assert f.broken_invariants() == []
+
+
+@given(st.integers(1, 4), st.sampled_from([None, b"s1", "salt"]),
+       st.lists(st.integers(-2**63, 2**63 - 1), max_size=20))
+def test_chain_next_continues_a_chain_as_the_whole_sequence_hashes(block_size, salt, tokens):
+    """``chain_next`` block by block from the salt's root gives ``compute_block_hashes`` of
+    the whole sequence, each digest the one ``chain_block_hashes`` gives, and the parent hash
+    of each block after the first its predecessor's hash."""
+    whole = compute_block_hashes(tokens, block_size, salt=salt)
+    arr = np.array(tokens, np.int64)
+    digest = chain_root(cache_salt("salt", salt))
+    for k, want in enumerate(whole):
+        raw = arr[k * block_size:(k + 1) * block_size].astype("<i8").tobytes()
+        h, new, parent = chain_next(digest, memoryview(raw))
+        _, digests = chain_block_hashes(np.frombuffer(digest, np.uint8).reshape(1, -1),
+                                        arr[k * block_size:(k + 1) * block_size][None])
+        assert h == want and new == digests[0].tobytes()
+        assert k == 0 or parent == whole[k - 1]
+        digest = new

@@ -31,6 +31,8 @@ __all__ = ["BlockForest"]
 
 # Up to this many ids, unlink works element by element (cheaper than NumPy calls on tiny arrays).
 _SCALAR = 8
+# link_new links up to this many entries one by one (scalars beat building arrays for them).
+_FEW_LINKS = 24
 
 
 class BlockForest:
@@ -198,8 +200,10 @@ class BlockForest:
         """:meth:`link` of lists, for the few blocks of a serving step, leaving out each entry
         whose hash a block holds (before this call or earlier in the lists: the first holder
         keeps it, the others stay private). ``block_ids``: distinct unregistered blocks.
-        Returns how many it registered and the parents that gained a child (int64, a parent
-        once per child)."""
+        Returns how many it registered and the parents that gained a child, a parent once per
+        child in entry order (int64; a list of int for up to ``_FEW_LINKS`` entries)."""
+        if len(block_ids) <= _FEW_LINKS:
+            return self._link_few(block_ids, hashes, parent_hashes)
         held = self.hash_to_block
         # The first holder keeps a hash: each entry claims its hash unless held (one lookup).
         holders = list(map(held.setdefault, hashes, block_ids))
@@ -243,6 +247,28 @@ class BlockForest:
         else:       # siblings count each
             np.add.at(self.child_counts, linked, 1)
         return len(ids), linked
+
+    def _link_few(self, block_ids: list, hashes: list, parent_hashes: list):
+        """:meth:`link_new` entry by entry: each looks its parent up before it claims its hash
+        (a parent held before this call or by an earlier entry, as links point backwards)."""
+        held, linked, registered = self.hash_to_block, [], 0
+        own, parent_ids, counts = self.hashes, self.parent_ids, self.child_counts
+        for b, h, ph in zip(block_ids, hashes, parent_hashes):
+            p = held.get(ph, -1)
+            if held.setdefault(h, b) != b:
+                continue        # held: the block stays private
+            registered += 1
+            own[b], parent_ids[b] = h, p
+            if p >= 0:
+                self.parent_hashes[b] = ph
+                counts[p] += 1
+                linked.append(p)
+            else:
+                self.parent_hashes[b] = 0
+                if ph > 0:
+                    self.dangling[b] = True
+                    self.num_dangling += 1
+        return registered, linked
 
     def unlink(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """Unregister unique registered ``block_ids``, orphaning their children; returns their

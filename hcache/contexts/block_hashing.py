@@ -32,10 +32,11 @@ from .._checks import as_int, host_array
 from ..runtime.device import array_module_of
 
 __all__ = ["compute_block_hashes", "chain_block_hashes", "prompt_block_hashes", "DIGEST_BYTES",
-           "cache_salt", "block_keys", "chain_root", "chain_listed"]
+           "cache_salt", "block_keys", "chain_root", "chain_listed", "chain_next"]
 
 _MOD = (1 << 63) - 1
 _MOD_U64 = np.uint64(_MOD)
+_FIRST_WORD = struct.Struct("<Q").unpack_from     # the little-endian uint64 opening a digest
 DIGEST_BYTES = 32   # a SHA-256 digest; an unsalted chain starts from DIGEST_BYTES zero bytes
 # Prefix of a salt's root message: it is no block message (those start with a digest, and no
 # digest starts with these bytes but by a 2^-144 chance), so a salted root is no block's digest.
@@ -298,6 +299,28 @@ def chain_listed(roots: bytes, raw: bytes, step: int, keys: dict | None):
     first_words = "<" + "Q24x" * m      # the little-endian uint64 opening each digest
     return ([h % _MOD + 1 for h in struct.unpack(first_words, digests)], digests,
             [h % _MOD + 1 for h in struct.unpack(first_words, roots)])
+
+
+def chain_next(digest: bytes, raw) -> tuple[int, bytes, int]:
+    """:func:`chain_listed` of one chain, on scalars (a serving step's block or two).
+
+    Parameters
+    ----------
+    digest : bytes [32]
+        The chain's parent digest.
+    raw : bytes-like [8 * block_size]
+        The new block's tokens as little-endian int64.
+
+    Returns
+    -------
+    hash : int
+    digest : bytes [32]
+        The new block's.
+    parent_hash : int
+        The hash of ``digest`` (a chain root's is no block's).
+    """
+    new = hashlib.sha256(digest + raw).digest()
+    return _FIRST_WORD(new)[0] % _MOD + 1, new, _FIRST_WORD(digest)[0] % _MOD + 1
 
 
 def _hashes_of(joined: bytes) -> np.ndarray:

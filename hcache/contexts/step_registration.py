@@ -8,13 +8,30 @@ costs more than the Python work on its items, so :func:`register_step` does the 
 (prompt rows, and rows that complete one block each, hashed through the block before it) on
 lists, with one hashing pass and one registration. It declines any other step, changing nothing,
 and the general path does it (``tests/test_step_registration.py`` runs both side by side).
+
+A step that grows at most :data:`FEW_ROWS` rows (every serving step: 0-3 rows at block 256,
+~16 at block 16) is done row by row on Python scalars (:func:`_register_few`: ``.item()``
+reads, byte slices of the token and digest rows, one SHA-256 per block through
+:func:`~.block_hashing.chain_next`, scalar writes), a lockstep step's hundreds of rows on lists
+and arrays; both leave the same hashes, digests, row counts and registrations (tested against
+each other and against the general path).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .block_hashing import DIGEST_BYTES, chain_next
+
 __all__ = ["register_step"]
+
+# A step growing at most this many rows is done on Python scalars, row by row: below it a NumPy
+# call on the step's few elements costs more than the Python work on them (measured in-process
+# against the list path at blocks 16 to 256).
+FEW_ROWS = 32
+# Up to this many rows, their row, counts and hashed count are read one by one (``.item()``);
+# more are gathered (four gathers and lists).
+READ_ROWS = 4
 
 
 def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None:
@@ -44,6 +61,8 @@ def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None
     grew = (upto > first).nonzero()[0]
     if not len(grew):
         return 0
+    if len(grew) <= FEW_ROWS and not requests._pending_keys:
+        return _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit)
     rows, first, upto = rows[grew], first[grew], upto[grew]
     first_l, upto_l, hashed_l = first.tolist(), upto.tolist(), requests.hashed[rows].tolist()
     now, later = [], []     # prompt rows (hashed), rows completing their next block
@@ -84,3 +103,63 @@ def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None
     registered = kv_block_allocator._register_listed(ids, hashes, parents)
     requests.registered[rows] = upto
     return registered
+
+
+def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) -> int | None:
+    """:func:`register_step` of the rows ``rows[grew]`` (``first``: their registered blocks,
+    ``upto``: their complete blocks after the step) on Python scalars: the same hashes,
+    registrations and row counts, in the same order (prompt rows first, then the others), or
+    None, having changed nothing, for a step it leaves to the general path."""
+    hashed = requests.hashed
+    now, later = [], []     # prompt rows (hashed), rows completing their next block
+    for r, f, u, h in _grown(rows, first, upto, grew, hashed):
+        if h >= u:
+            now.append((r, f, u))
+        elif h == f == u - 1:
+            later.append((r, f))
+        else:
+            return None
+    if limit is not None and len(later) > limit:
+        return None
+    table, chained, registered = requests.request_to_kv_block_ids, requests.hashes, \
+        requests.registered
+    ids, hashes, parents = [], [], []
+    for r, f, u in now:
+        ids += table[r, f:u].tolist()
+        if f:
+            listed = chained[r, f - 1:u].tolist()
+            hashes += listed[1:]
+            parents += listed[:-1]
+        else:
+            hashes += chained[r, :u].tolist()
+            parents += [0] + hashes[len(hashes) - u:-1]
+        registered[r] = u
+    if later:
+        width, step = DIGEST_BYTES, 8 * requests.block_size     # bytes of a digest, a block
+        span = 8 * requests.max_sequence_length                 # bytes of a row of tokens
+        digests = memoryview(requests.digests).cast("B")
+        tokens = memoryview(requests.tokens).cast("B")
+        for r, f in later:
+            at, start = r * width, r * span + f * step
+            h, digest, p = chain_next(digests[at:at + width].tobytes(),
+                                      tokens[start:start + step])
+            ids.append(table.item(r, f))
+            hashes.append(h)
+            parents.append(p if f else 0)       # column 0: a chain root's hash is no block's
+            chained[r, f] = h
+            digests[at:at + width] = digest
+            hashed[r] = registered[r] = f + 1
+    return kv_block_allocator._register_listed(ids, hashes, parents)
+
+
+def _grown(rows, first, upto, grew, hashed) -> list:
+    """``(row, first, upto, hashed)`` of each row ``rows[grew]``, as Python ints."""
+    if len(grew) > READ_ROWS:
+        picked = rows[grew]
+        return list(zip(picked.tolist(), first[grew].tolist(), upto[grew].tolist(),
+                        hashed[picked].tolist()))
+    out = []
+    for i in grew.tolist():
+        r = rows.item(i)
+        out.append((r, first.item(i), upto.item(i), hashed.item(r)))
+    return out
