@@ -268,26 +268,47 @@ class BlockForest:
 
     def _unlink_scalar(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """:meth:`unlink` of a few blocks, element by element."""
-        ids = block_ids.tolist()
+        gone, childless = self.unlink_listed(block_ids.tolist())
+        return gone, np.array(childless, np.int64)
+
+    def unlink_listed(self, block_ids: list) -> tuple[set, list]:
+        """:meth:`unlink` of a list of ids, element by element (for the few victims of a
+        serving step): their former hashes, and the registered blocks they left childless
+        (ascending, a list)."""
         hashes, parent_ids, counts = self.hashes, self.parent_ids, self.child_counts
-        gone = [hashes.item(b) for b in ids]
+        hash_of, parent_of, children = hashes.item, parent_ids.item, counts.item
+        gone = set(map(hash_of, block_ids))
+        mapped = self.hash_to_block
         for h in gone:
-            del self.hash_to_block[h]
+            del mapped[h]
         lost: dict[int, int] = {}
-        for b in ids:
-            p = parent_ids.item(b)
+        for b in block_ids:
+            p = parent_of(b)
             if p >= 0:
                 lost[p] = lost.get(p, 0) + 1
         for p, k in lost.items():
-            counts[p] -= k
-        if any(counts.item(b) for b in ids) or self.num_dangling:
-            self._orphan(block_ids)
+            counts[p] = children(p) - k
+        if self.num_dangling or any(map(children, block_ids)):
+            self._orphan_listed(block_ids)
         parent_hashes = self.parent_hashes
-        for b in ids:
+        for b in block_ids:
             parent_ids[b] = hashes[b] = -1
             parent_hashes[b] = counts[b] = 0
-        return set(gone), np.array(sorted(p for p in lost if hashes.item(p) != -1
-                                          and not counts.item(p)), np.int64)
+        childless = [p for p in lost if not children(p) and hash_of(p) != -1]
+        if len(childless) > 1:
+            childless.sort()
+        return gone, childless
+
+    def _orphan_listed(self, block_ids: list) -> None:
+        """:meth:`_orphan` of a list of ids: element by element unless they have children."""
+        if any(map(self.child_counts.item, block_ids)):
+            self._orphan(np.array(block_ids, np.int64))
+            return
+        dangling = self.dangling
+        for b in block_ids:
+            if dangling.item(b):
+                dangling[b] = False
+                self.num_dangling -= 1
 
     def _orphan(self, block_ids: np.ndarray) -> None:
         """Cut the links of the children of ``block_ids`` outside them (a peel unlinks whole

@@ -27,8 +27,9 @@ class FreeBlockStack:
     def free_block_ids(self) -> np.ndarray:
         return self.ids[: self.top].copy()
 
-    def push(self, block_ids: np.ndarray) -> None:
-        k = block_ids.shape[0]
+    def push(self, block_ids) -> None:
+        """Push ``block_ids`` (an int array or a list of ints) in order."""
+        k = len(block_ids)
         self.ids[self.top: self.top + k] = block_ids
         self.top += k
 
