@@ -276,39 +276,39 @@ class BlockForest:
         serving step): their former hashes, and the registered blocks they left childless
         (ascending, a list)."""
         hashes, parent_ids, counts = self.hashes, self.parent_ids, self.child_counts
-        hash_of, parent_of, children = hashes.item, parent_ids.item, counts.item
-        gone = set(map(hash_of, block_ids))
+        children = counts.item
+        gone = set(map(hashes.item, block_ids))
         mapped = self.hash_to_block
         for h in gone:
             del mapped[h]
-        lost: dict[int, int] = {}
-        for b in block_ids:
-            p = parent_of(b)
-            if p >= 0:
-                lost[p] = lost.get(p, 0) + 1
-        for p, k in lost.items():
-            counts[p] = children(p) - k
-        if self.num_dangling or any(map(children, block_ids)):
-            self._orphan_listed(block_ids)
+        batch, inside, outside = set(block_ids), 0, []     # parents, once per child
+        for p in map(parent_ids.item, block_ids):
+            if p in batch:
+                inside += 1
+            elif p >= 0:
+                outside.append(p)
+        # Each block counts its children in the batch (inside, in all): any more are orphans.
+        if sum(map(children, block_ids)) != inside:
+            self._orphan(np.array(block_ids, np.int64))
+        elif self.num_dangling:
+            dangling = self.dangling
+            for b in block_ids:
+                if dangling.item(b):
+                    dangling[b] = False
+                    self.num_dangling -= 1
+        childless = []
+        for p in outside:       # (registered: a link points at a registered block)
+            left = children(p) - 1
+            counts[p] = left
+            if not left:
+                childless.append(p)
         parent_hashes = self.parent_hashes
         for b in block_ids:
             parent_ids[b] = hashes[b] = -1
             parent_hashes[b] = counts[b] = 0
-        childless = [p for p in lost if not children(p) and hash_of(p) != -1]
         if len(childless) > 1:
             childless.sort()
         return gone, childless
-
-    def _orphan_listed(self, block_ids: list) -> None:
-        """:meth:`_orphan` of a list of ids: element by element unless they have children."""
-        if any(map(self.child_counts.item, block_ids)):
-            self._orphan(np.array(block_ids, np.int64))
-            return
-        dangling = self.dangling
-        for b in block_ids:
-            if dangling.item(b):
-                dangling[b] = False
-                self.num_dangling -= 1
 
     def _orphan(self, block_ids: np.ndarray) -> None:
         """Cut the links of the children of ``block_ids`` outside them (a peel unlinks whole
