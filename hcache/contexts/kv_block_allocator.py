@@ -32,7 +32,7 @@ __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
 
 EVICTION_POLICIES = ("lru", "ref_zero")
 _INT64_MAX = 2**63 - 1
-_LISTED = 64    # victims deregistered element by element, up to this many
+_LISTED, _FEW = 64, 16      # up to this many: victims deregistered, blocks handed out, one by one
 
 
 class KVBlockAllocator:
@@ -95,8 +95,7 @@ class KVBlockAllocator:
         self._free = FreeBlockStack(n)
         self.block_ref_counts = np.empty(n, dtype=np.int32)
         self.block_timestamps = np.empty(n, dtype=np.int64)
-        self._forest = BlockForest(n)
-        self._leaves = EvictableLeaves(n)
+        self._forest, self._leaves = BlockForest(n), EvictableLeaves(n)
         self._observers, self._released_observers = [], []     # deregistered, released
         self.pending_parents = self.deregistering = None
         self.reset()
@@ -113,7 +112,6 @@ class KVBlockAllocator:
     block_parent_ids = property(attrgetter("_forest.parent_ids"), doc="Each block's parent.")
     block_child_counts = property(attrgetter("_forest.child_counts"),
                                   doc="Registered children per block.")
-
     clock = property(attrgetter("_clock"), doc="The LRU clock; stamps allocations and retains.")
 
     @property
@@ -213,8 +211,12 @@ class KVBlockAllocator:
             pending = self._deregister(evicted)     # pushed on the stack, in peel order
         ids = self._free.pop(n) if pending is None or counts is None \
             else self._free.pop_per_request(counts, top)
-        self.block_ref_counts[ids] = 1
-        self.block_timestamps[ids] = self._clock
+        if n <= _FEW:       # (a NumPy write through a few int32 ids costs more)
+            for b in ids.tolist():
+                self.block_ref_counts[b], self.block_timestamps[b] = 1, self._clock
+        else:
+            self.block_ref_counts[ids] = 1
+            self.block_timestamps[ids] = self._clock
         if pending is not None:
             notify(self._observers, *pending)
         return ids
@@ -363,9 +365,8 @@ class KVBlockAllocator:
                                  self.block_timestamps, keep, commit)
 
     def _deregister(self, ids):
-        """Unregister and free unique registered ``ids`` (a list, or int64) and return the
-        observer arguments ``(ids_list, hashes_set)``; the caller notifies once its call has
-        committed."""
+        """Unregister and free unique registered ``ids`` (a list, or int64); returns the observer
+        arguments ``(ids_list, hashes_set)``, to pass once the caller's call has committed."""
         if self.deregistering is not None:
             self.deregistering(ids)
         if type(ids) is list and len(ids) <= _LISTED:   # a step's few victims: one by one
