@@ -70,21 +70,6 @@ class EvictableLeaves:
         if len(heap) > self._limit:
             self._rebuild(timestamps)
 
-    def unlinked(self, block_ids: list, parents: list, ref_counts: np.ndarray,
-                 timestamps: np.ndarray) -> None:
-        """``block_ids`` left the forest and ``parents`` (registered) lost their last child:
-        element by element (the few victims of a serving step), the blocks leave the set and
-        the parents no one holds join it."""
-        member, heap, push, held = self.member, self._heap, heapq.heappush, ref_counts.item
-        for b in block_ids:
-            member[b] = False
-        for p in parents:
-            if not (member.item(p) or held(p)):
-                member[p] = True
-                push(heap, timestamps.item(p) << _SHIFT | p)
-        if len(heap) > self._limit:
-            self._rebuild(timestamps)
-
     def discard(self, block_ids: np.ndarray) -> None:
         """Drop ``block_ids`` (any, repeats allowed): they gained a holder or a child."""
         self.member[block_ids] = False

@@ -365,18 +365,18 @@ class KVBlockAllocator:
                                  self.block_timestamps, keep, commit)
 
     def _deregister(self, ids):
-        """Unregister and free unique registered ``ids`` (a list, or int64); returns the observer
-        arguments ``(ids_list, hashes_set)``, to pass once the caller's call has committed."""
+        """Unregister and free unique registered ``ids`` (a peel's list, or int64); returns the
+        observer arguments ``(ids_list, hashes_set)``, to pass once the caller's call commits."""
         if self.deregistering is not None:
             self.deregistering(ids)
         if type(ids) is list and len(ids) <= _LISTED:   # a step's few victims: one by one
-            hashes, childless = self._forest.unlink_listed(ids)
+            # A committed peel's: cached (ref count 0), out of the leaves, and the parents it
+            # left childless are leaves already.
+            hashes, _ = self._forest.unlink_listed(ids)
             stamps = self.block_timestamps
-            for b in ids:       # (cached, or released under ref_zero: ref count 0 already)
+            for b in ids:
                 stamps[b] = 0
             self._free.push(ids)
-            if self.caches_released_blocks:
-                self._leaves.unlinked(ids, childless, self.block_ref_counts, stamps)
             return ids, hashes
         ids = np.asarray(ids, dtype=np.int64)
         hashes, childless = self._forest.unlink(ids)
