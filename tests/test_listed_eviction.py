@@ -3,12 +3,12 @@ not behaviour.
 
 Oracles: the general NumPy paths they stand beside, forced by the thresholds set to nothing
 (``kv_block_allocator._LISTED`` / ``_FEW``, ``block_forest._SCALAR``,
-``mamba_slot_allocator._LISTED``): ``BlockForest.unlink`` against ``unlink_listed``;
-``MambaSlotPool.release`` of the sorted ids against the Mamba observer's slot pushes; and twin
-allocators, and twin contexts, one on each path, driven side by side (victims and their order,
-free stack, ids handed out, ref counts, timestamps, forest, leaves, observer calls, Mamba slots
-and hashes equal after every operation). Observers that mutate their arguments check that no
-observer sees another's changes.
+``mamba_slot_allocator._LISTED``, ``free_block_stack._FEW``): ``BlockForest.unlink`` against
+``unlink_listed``; ``MambaSlotPool.release`` of the sorted ids against the Mamba observer's slot
+pushes; and twin allocators, and twin contexts, one on each path, driven side by side (victims
+and their order, free stack, ids handed out, ref counts, timestamps, forest, leaves, observer
+calls, Mamba slots and hashes equal after every operation). Observers that mutate their
+arguments check that no observer sees another's changes.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from test_dynamic_context import make_ctx
 
 from hcache.contexts import KVBlockAllocator
 from hcache.contexts import block_forest as forest_module
+from hcache.contexts import free_block_stack as stack_module
 from hcache.contexts import kv_block_allocator as allocator_module
 from hcache.contexts import mamba_slot_allocator as mamba_module
 from hcache.contexts.mamba_slot_allocator import MambaSlotAllocator
@@ -46,15 +47,16 @@ from hcache.contexts.mamba_slot_allocator import MambaSlotAllocator
 @contextlib.contextmanager
 def general_paths():
     """Every threshold of the element-by-element paths set to nothing: the NumPy paths run."""
-    saved = (allocator_module._LISTED, allocator_module._FEW, forest_module._SCALAR,
-             mamba_module._LISTED)
-    allocator_module._LISTED = allocator_module._FEW = forest_module._SCALAR = -1
-    mamba_module._LISTED = -1
+    modules = ((allocator_module, "_LISTED"), (allocator_module, "_FEW"),
+               (forest_module, "_SCALAR"), (mamba_module, "_LISTED"), (stack_module, "_FEW"))
+    saved = [getattr(m, name) for m, name in modules]
+    for m, name in modules:
+        setattr(m, name, -1)
     try:
         yield
     finally:
-        (allocator_module._LISTED, allocator_module._FEW, forest_module._SCALAR,
-         mamba_module._LISTED) = saved
+        for (m, name), value in zip(modules, saved, strict=True):
+            setattr(m, name, value)
 
 
 # --- BlockForest.unlink_listed ----------------------------------------------------------------
