@@ -168,6 +168,15 @@ class TwinAllocators(RuleBasedStateMachine):
 
     @precondition(lambda self: self.held)
     @rule(data=st.data())
+    def release_one_request(self, data):
+        """What the context does for one finished request: its distinct held blocks, unchecked
+        (element by element up to ``_FEW`` blocks)."""
+        i = data.draw(st.integers(0, len(self.held) - 1))
+        blocks = np.array(self.held.pop(i), np.int64)
+        self.both(lambda a: a._release(blocks.copy()))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
     def retain_cached(self, data):
         cached = np.flatnonzero((self.pair[0].block_ref_counts == 0)
                                 & (self.pair[0].block_hashes != -1)).tolist()

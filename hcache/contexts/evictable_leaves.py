@@ -70,6 +70,16 @@ class EvictableLeaves:
         if len(heap) > self._limit:
             self._rebuild(timestamps)
 
+    def add_listed(self, block_ids: list, timestamps: np.ndarray) -> None:
+        """:meth:`add` of a list of ids, element by element (a request's few blocks)."""
+        member, heap, push = self.member, self._heap, heapq.heappush
+        for b in block_ids:
+            if not member.item(b):
+                member[b] = True
+                push(heap, timestamps.item(b) << _SHIFT | b)
+        if len(heap) > self._limit:
+            self._rebuild(timestamps)
+
     def discard(self, block_ids: np.ndarray) -> None:
         """Drop ``block_ids`` (any, repeats allowed): they gained a holder or a child."""
         self.member[block_ids] = False

@@ -25,6 +25,7 @@ from .block_forest import BlockForest
 from .block_id_sets import counted
 from .block_observers import checked_observer, notify
 from .evictable_leaves import EvictableLeaves
+from .few_blocks import deregister_peeled, release_one_each
 from .free_block_stack import FreeBlockStack
 from .kv_block_invariants import broken_kv_block_invariants
 
@@ -265,16 +266,22 @@ class KVBlockAllocator:
 
     def _release(self, uniq: np.ndarray, after=None) -> None:
         """Lower the ref counts of distinct held ``uniq`` to ``after`` (default: one less)."""
-        after = self.block_ref_counts[uniq] - 1 if after is None else after
-        self.block_ref_counts[uniq] = after
-        zero = uniq[after == 0]
-        registered = self.block_hashes[zero] != -1
-        self._free.push(zero[~registered])
-        if not self.caches_released_blocks and registered.any():
-            notify(self._observers, *self._deregister(zero[registered]))
-        elif self.caches_released_blocks:
-            cached = zero[registered]
-            self._leaves.add(cached[self._forest.child_counts[cached] == 0], self.block_timestamps)
+        if after is None and len(uniq) <= _FEW and self.caches_released_blocks:
+            zero = np.array(release_one_each(uniq.tolist(), self.block_ref_counts, self._forest,
+                                             self._free, self._leaves, self.block_timestamps),
+                            dtype=np.int64)
+        else:
+            after = self.block_ref_counts[uniq] - 1 if after is None else after
+            self.block_ref_counts[uniq] = after
+            zero = uniq[after == 0]
+            registered = self.block_hashes[zero] != -1
+            self._free.push(zero[~registered])
+            if not self.caches_released_blocks and registered.any():
+                notify(self._observers, *self._deregister(zero[registered]))
+            elif self.caches_released_blocks:
+                cached = zero[registered]
+                self._leaves.add(cached[self._forest.child_counts[cached] == 0],
+                                 self.block_timestamps)
         if len(zero):
             notify(self._released_observers, zero, self.block_timestamps)
 
@@ -370,14 +377,7 @@ class KVBlockAllocator:
         if self.deregistering is not None:
             self.deregistering(ids)
         if type(ids) is list and len(ids) <= _LISTED:   # a step's few victims: one by one
-            # A committed peel's: cached (ref count 0), out of the leaves, and the parents it
-            # left childless are leaves already.
-            hashes, _ = self._forest.unlink_listed(ids)
-            stamps = self.block_timestamps
-            for b in ids:
-                stamps[b] = 0
-            self._free.push(ids)
-            return ids, hashes
+            return ids, deregister_peeled(ids, self._forest, self._free, self.block_timestamps)
         ids = np.asarray(ids, dtype=np.int64)
         hashes, childless = self._forest.unlink(ids)
         self.block_ref_counts[ids] = self.block_timestamps[ids] = 0
