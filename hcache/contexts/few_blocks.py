@@ -28,14 +28,15 @@ def release_one_each(block_ids: list, ref_counts, forest, free, leaves, timestam
     """Drop one reference of each of distinct held ``block_ids`` (prefix caching under lru):
     a block reaching 0 is freed when unregistered and joins the leaves when registered and
     childless. Returns the blocks that reached 0, in the order given."""
-    hash_of, children = forest.hashes.item, forest.child_counts.item
     zero = []
-    for b in block_ids:
-        left = ref_counts.item(b) - 1
-        ref_counts[b] = left
-        if not left:
+    for b, held in zip(block_ids, map(ref_counts.item, block_ids)):
+        ref_counts[b] = held - 1
+        if held == 1:
             zero.append(b)
     if zero:
-        free.push([b for b in zero if hash_of(b) == -1])
-        leaves.add_listed([b for b in zero if hash_of(b) != -1 and not children(b)], timestamps)
+        hashes = list(map(forest.hashes.item, zero))     # -1: unregistered
+        free.push([b for b, h in zip(zero, hashes) if h == -1])
+        children = forest.child_counts.item
+        leaves.add_listed([b for b, h in zip(zero, hashes) if h != -1 and not children(b)],
+                          timestamps)
     return zero
