@@ -15,23 +15,30 @@ from .token_batches import ragged_columns
 
 __all__ = ["PendingParents", "entangled_rows", "backlog_blocks", "mark_rows_of", "prune_dropped"]
 
+_NONE = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
 
 class PendingParents:
-    """What :attr:`KVBlockAllocator.pending_parents` calls: ``registration.pending_parents()``;
-    its :meth:`deregistering` is the allocator's ``deregistering``. A copy of the allocator
-    (``copy.deepcopy``, pickle) keeps a snapshot of them, detached from the context."""
+    """What :attr:`KVBlockAllocator.pending_parents` calls: ``registration.pending_parents()``
+    (a shared empty array, read only, while nothing is queued); its :meth:`deregistering` is the
+    allocator's ``deregistering``. A copy of the allocator (``copy.deepcopy``, pickle) keeps a
+    snapshot of them, detached from the context."""
 
     def __init__(self, registration=None, snapshot=None):
         self._registration, self._snapshot = registration, snapshot
 
     def __call__(self) -> np.ndarray:
-        if self._registration is None:
+        registration = self._registration
+        if registration is None:
             return self._snapshot
-        return self._registration.pending_parents()
+        return registration.pending_parents() if registration.queued else _NONE
 
-    def deregistering(self, block_ids: np.ndarray) -> None:
-        if self._registration is not None:
-            self._registration.deregistering(block_ids)
+    def deregistering(self, block_ids) -> None:
+        """``registration.deregistering`` of ``block_ids`` (a list or int64), while queued."""
+        registration = self._registration
+        if registration is not None and registration.queued:
+            registration.deregistering(np.asarray(block_ids, dtype=np.int64))
 
     def __reduce__(self):
         return (PendingParents, (None, self()))

@@ -26,6 +26,7 @@ from itertools import repeat
 import numpy as np
 
 from .block_id_sets import counted
+from .forest_invariants import broken_forest_invariants
 
 __all__ = ["BlockForest"]
 
@@ -294,26 +295,47 @@ class BlockForest:
 
     def _unlink_scalar(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """:meth:`unlink` of a few blocks, element by element."""
-        ids = block_ids.tolist()
+        gone, childless = self.unlink_listed(block_ids.tolist())
+        return gone, np.array(childless, np.int64)
+
+    def unlink_listed(self, block_ids: list) -> tuple[set, list]:
+        """:meth:`unlink` of a list of ids, element by element (for the few victims of a
+        serving step): their former hashes, and the registered blocks they left childless
+        (ascending, a list)."""
         hashes, parent_ids, counts = self.hashes, self.parent_ids, self.child_counts
-        gone = [hashes.item(b) for b in ids]
+        children = counts.item
+        gone = set(map(hashes.item, block_ids))
+        mapped = self.hash_to_block
         for h in gone:
-            del self.hash_to_block[h]
-        lost: dict[int, int] = {}
-        for b in ids:
-            p = parent_ids.item(b)
-            if p >= 0:
-                lost[p] = lost.get(p, 0) + 1
-        for p, k in lost.items():
-            counts[p] -= k
-        if any(counts.item(b) for b in ids) or self.num_dangling:
-            self._orphan(block_ids)
+            del mapped[h]
+        batch, inside, outside = set(block_ids), 0, []     # parents, once per child
+        for p in map(parent_ids.item, block_ids):
+            if p in batch:
+                inside += 1
+            elif p >= 0:
+                outside.append(p)
+        # Each block counts its children in the batch (inside, in all): any more are orphans.
+        if sum(map(children, block_ids)) != inside:
+            self._orphan(np.array(block_ids, np.int64))
+        elif self.num_dangling:
+            dangling = self.dangling
+            for b in block_ids:
+                if dangling.item(b):
+                    dangling[b] = False
+                    self.num_dangling -= 1
+        childless = []
+        for p in outside:       # (registered: a link points at a registered block)
+            left = children(p) - 1
+            counts[p] = left
+            if not left:
+                childless.append(p)
         parent_hashes = self.parent_hashes
-        for b in ids:
+        for b in block_ids:
             parent_ids[b] = hashes[b] = -1
             parent_hashes[b] = counts[b] = 0
-        return set(gone), np.array(sorted(p for p in lost if hashes.item(p) != -1
-                                          and not counts.item(p)), np.int64)
+        if len(childless) > 1:
+            childless.sort()
+        return gone, childless
 
     def _orphan(self, block_ids: np.ndarray) -> None:
         """Cut the links of the children of ``block_ids`` outside them (a peel unlinks whole
@@ -359,40 +381,5 @@ class BlockForest:
 
     def broken_invariants(self) -> list[str]:
         """Every broken invariant of the hashes, the hash map and the forest (see the module
-        docstring); empty when all hold. Reads only."""
-        errors: list[str] = []
-        n, hashes = self.num_blocks, self.hashes
-        registered = self.registered
-        if (hashes[registered] <= 0).any() or (hashes[~registered] != -1).any():
-            errors.append("hashes must be positive or -1")
-        if len(self.hash_to_block) != int(registered.sum()):
-            errors.append(f"hash map has {len(self.hash_to_block)} entries, "
-                          f"{int(registered.sum())} blocks are registered")
-        for h, b in self.hash_to_block.items():
-            if not 0 <= b < n or int(hashes[b]) != h:
-                errors.append(f"hash map entry {h} -> {b} disagrees with block_hashes")
-        pid, phash = self.parent_ids.astype(np.int64), self.parent_hashes
-        if ((pid < -1) | (pid >= n)).any():
-            errors.append("parent ids out of range")
-            return errors
-        if (pid[~registered] != -1).any() or (phash[~registered] != 0).any() \
-                or (self.child_counts[~registered] != 0).any():
-            errors.append("unregistered blocks with a parent or children")
-        linked = registered & (pid >= 0)
-        if not registered[pid[linked]].all():
-            errors.append("a registered block's parent hash is no longer registered")
-        if (phash[linked] != hashes[pid[linked]]).any() \
-                or (phash[registered & (pid < 0)] != 0).any():
-            errors.append("block_parent_hashes disagree with block_parent_ids")
-        if (self.dangling & ~(registered & (pid < 0))).any() \
-                or self.num_dangling != int(np.count_nonzero(self.dangling)):
-            errors.append("dangling roots must be registered roots, counted")
-        counts = np.bincount(pid[linked], minlength=n)
-        if (counts != self.child_counts).any():
-            errors.append("block_child_counts disagree with the parent links")
-        up = np.where(linked, pid, -1)
-        for _ in range(max(1, n.bit_length())):
-            up = np.where(up >= 0, up[np.maximum(up, 0)], -1)
-        if (up >= 0).any():
-            errors.append("the parent links contain a cycle")
-        return errors
+        docstring); empty when all hold. Reads only (:mod:`~.forest_invariants`)."""
+        return broken_forest_invariants(self)

@@ -11,8 +11,10 @@ the pinned block as a child, so the peel reaches exactly the evictable blocks.
 :class:`EvictableLeaves` keeps the leaves incrementally: the allocator reports every change of
 a block's leaf status (ref count to or from 0, a child registered or unregistered) and the set
 answers a peel of ``n`` blocks in O(n log leaves), whatever the pool size. The order is a binary
-heap of ``(timestamp, block)`` with lazy deletion: an entry is live while its block is a member
-and still has that timestamp (a cached block's timestamp does not change while it is cached).
+heap of ``(timestamp, block)`` pairs, each one Python int ``timestamp << 31 | block`` (ordered as
+the pairs: block ids are below ``2**31``; an int compares faster than a tuple), with lazy
+deletion: an entry is live while its block is a member and still has that timestamp (a cached
+block's timestamp does not change while it is cached).
 
 Invariants (:meth:`EvictableLeaves.broken_invariants`): ``member`` marks exactly the leaves;
 every member has a live heap entry.
@@ -29,6 +31,8 @@ __all__ = ["EvictableLeaves"]
 # The heap is rebuilt from the members when it outgrows twice its size after the last rebuild
 # plus this many entries, so stale entries cost O(1) amortised each.
 _SLACK = 1024
+_SHIFT = 31     # a heap entry: timestamp << _SHIFT | block
+_BLOCK = (1 << _SHIFT) - 1
 
 
 class EvictableLeaves:
@@ -42,7 +46,7 @@ class EvictableLeaves:
 
     def __init__(self, num_blocks: int):
         self.member = np.zeros(num_blocks, dtype=bool)
-        self._heap: list[tuple[int, int]] = []
+        self._heap: list[int] = []
         self._limit = _SLACK
 
     def reset(self) -> None:
@@ -61,8 +65,18 @@ class EvictableLeaves:
             return
         self.member[ids] = True
         push, heap = heapq.heappush, self._heap
-        for entry in zip(timestamps[ids].tolist(), ids.tolist()):
-            push(heap, entry)     # a repeat pushes twice: the second entry is stale once taken
+        for t, b in zip(timestamps[ids].tolist(), ids.tolist()):
+            push(heap, t << _SHIFT | b)     # a repeat pushes twice: one is stale once taken
+        if len(heap) > self._limit:
+            self._rebuild(timestamps)
+
+    def add_listed(self, block_ids: list, timestamps: np.ndarray) -> None:
+        """:meth:`add` of a list of ids, element by element (a request's few blocks)."""
+        member, heap, push = self.member, self._heap, heapq.heappush
+        for b in block_ids:
+            if not member.item(b):
+                member[b] = True
+                push(heap, timestamps.item(b) << _SHIFT | b)
         if len(heap) > self._limit:
             self._rebuild(timestamps)
 
@@ -90,9 +104,9 @@ class EvictableLeaves:
         pop, push = heapq.heappop, heapq.heappush
         stamp, parent_of, children, refs, is_member = (
             timestamps.item, parent_ids.item, child_counts.item, ref_counts.item, member.item)
-        out: list[int] = []     # (their heap entries are (timestamps[b], b))
+        out: list[int] = []     # (their heap entries are timestamps[b] << _SHIFT | b)
         promoted: list[int] = []
-        aside: list[tuple[int, int]] = []
+        aside: list[int] = []
         remaining: dict[int, int] = {}      # children left of the parents touched
         # A promoted parent that the next pop would return is taken at once (the chain walk
         # below): it never enters the heap, and is a member only if it ends the peel untaken
@@ -101,8 +115,8 @@ class EvictableLeaves:
             if not heap:
                 break
             entry = pop(heap)
-            b = entry[1]
-            if not is_member(b) or stamp(b) != entry[0]:
+            b = entry & _BLOCK
+            if not is_member(b) or stamp(b) != entry >> _SHIFT:
                 continue        # stale
             member[b] = False
             while True:         # b was just taken off the heap, or promoted ahead of its top
@@ -120,19 +134,19 @@ class EvictableLeaves:
                 if refs(p):
                     break
                 promoted.append(p)
-                entry = (stamp(p), p)
+                entry = stamp(p) << _SHIFT | p
                 if len(out) == n or heap and not entry < heap[0]:
                     member[p] = True
                     push(heap, entry)
                     break
                 b = p
         for entry in aside:
-            member[entry[1]] = True
+            member[entry & _BLOCK] = True
             push(heap, entry)
         if len(out) < n or not commit:
             for b in out:
                 member[b] = True
-                push(heap, (stamp(b), b))
+                push(heap, stamp(b) << _SHIFT | b)
             member[promoted] = False
         if len(heap) > self._limit:
             self._rebuild(timestamps)
@@ -140,7 +154,7 @@ class EvictableLeaves:
 
     def _rebuild(self, timestamps: np.ndarray) -> None:
         ids = np.flatnonzero(self.member)
-        self._heap = list(zip(timestamps[ids].tolist(), ids.tolist()))
+        self._heap = [t << _SHIFT | b for t, b in zip(timestamps[ids].tolist(), ids.tolist())]
         heapq.heapify(self._heap)
         self._limit = 2 * len(self._heap) + _SLACK
 
@@ -150,7 +164,8 @@ class EvictableLeaves:
         if (self.member != leaves).any():
             errors.append(f"evictable leaves {np.flatnonzero(self.member).tolist()}, expected "
                           f"{np.flatnonzero(leaves).tolist()}")
-        live = {b for t, b in self._heap if self.member[b] and int(timestamps[b]) == t}
+        pairs = ((entry >> _SHIFT, entry & _BLOCK) for entry in self._heap)
+        live = {b for t, b in pairs if self.member[b] and int(timestamps[b]) == t}
         if live != set(np.flatnonzero(self.member).tolist()):
             errors.append("an evictable leaf has no live heap entry")
         return errors

@@ -8,6 +8,8 @@ import numpy as np
 
 __all__ = ["FreeBlockStack"]
 
+_FEW = 16   # a list of up to this many is pushed element by element
+
 
 class FreeBlockStack:
     """The free block ids among ``num_blocks``: ``ids[:top]``, bottom first."""
@@ -27,9 +29,16 @@ class FreeBlockStack:
     def free_block_ids(self) -> np.ndarray:
         return self.ids[: self.top].copy()
 
-    def push(self, block_ids: np.ndarray) -> None:
-        k = block_ids.shape[0]
-        self.ids[self.top: self.top + k] = block_ids
+    def push(self, block_ids) -> None:
+        """Push ``block_ids`` (an int array or a list of ints) in order."""
+        k = len(block_ids)
+        if type(block_ids) is list and k <= _FEW:   # (cheaper than converting the list)
+            ids, top = self.ids, self.top
+            for b in block_ids:
+                ids[top] = b
+                top += 1
+        else:
+            self.ids[self.top: self.top + k] = block_ids
         self.top += k
 
     def pop(self, n: int) -> np.ndarray:
@@ -44,8 +53,8 @@ class FreeBlockStack:
         its own share of the victims first: ``top`` ids were free, the rest (pushed since, in
         peel order) are one eviction's victims; ``sum(counts)`` is the stack's size."""
         if counts.count(1) == len(counts):   # one each: the free ones top down, then victims
-            out = np.concatenate((self.ids[top - 1::-1] if top else self.ids[:0],
-                                  self.ids[top: self.top]))
+            out = np.concatenate((self.ids[top - 1::-1], self.ids[top: self.top])) if top \
+                else self.ids[: self.top].copy()
         else:
             out = np.asarray(per_request_order(self.ids[: self.top].tolist(), top, counts),
                              dtype=np.int32)

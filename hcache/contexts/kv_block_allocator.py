@@ -15,7 +15,6 @@ EvictableLeaves`; all on the host in NumPy arrays.
 
 from __future__ import annotations
 
-import logging
 from operator import attrgetter
 
 import numpy as np
@@ -24,15 +23,17 @@ from .._checks import as_int, block_id_array, check_int, hash_array, host_ints
 from .._copying import refuse_copy
 from .block_forest import BlockForest
 from .block_id_sets import counted
+from .block_observers import checked_observer, notify
 from .evictable_leaves import EvictableLeaves
+from .few_blocks import deregister_peeled, release_one_each
 from .free_block_stack import FreeBlockStack
 from .kv_block_invariants import broken_kv_block_invariants
 
 __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
 
 EVICTION_POLICIES = ("lru", "ref_zero")
-_log = logging.getLogger(__name__)
 _INT64_MAX = 2**63 - 1
+_LISTED, _FEW = 64, 16      # up to this many: victims deregistered, blocks handed out, one by one
 
 
 class KVBlockAllocator:
@@ -68,8 +69,8 @@ class KVBlockAllocator:
     pending_parents, deregistering : callable or None
         Set by an owner that defers registration (docs/design.md §6.8): ``pending_parents()``
         returns the registered parents (int64) of its unregistered used blocks, kept from
-        eviction as parents are; ``deregistering(ids)`` is shown the registered blocks (int64)
-        about to be deregistered, their links intact.
+        eviction as parents are; ``deregistering(ids)`` is shown the registered blocks (a list
+        of ints, or int64) about to be deregistered, their links intact.
 
     Notes
     -----
@@ -95,8 +96,7 @@ class KVBlockAllocator:
         self._free = FreeBlockStack(n)
         self.block_ref_counts = np.empty(n, dtype=np.int32)
         self.block_timestamps = np.empty(n, dtype=np.int64)
-        self._forest = BlockForest(n)
-        self._leaves = EvictableLeaves(n)
+        self._forest, self._leaves = BlockForest(n), EvictableLeaves(n)
         self._observers, self._released_observers = [], []     # deregistered, released
         self.pending_parents = self.deregistering = None
         self.reset()
@@ -113,7 +113,6 @@ class KVBlockAllocator:
     block_parent_ids = property(attrgetter("_forest.parent_ids"), doc="Each block's parent.")
     block_child_counts = property(attrgetter("_forest.child_counts"),
                                   doc="Registered children per block.")
-
     clock = property(attrgetter("_clock"), doc="The LRU clock; stamps allocations and retains.")
 
     @property
@@ -178,16 +177,12 @@ class KVBlockAllocator:
 
     def add_blocks_deregistered_observer(self, fn) -> None:
         """Call ``fn(block_ids: list[int], hashes: set[int])`` after each deregistration batch."""
-        if not callable(fn):
-            raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
-        self._observers.append(fn)
+        self._observers.append(checked_observer(fn))
 
     def add_released_observer(self, fn) -> None:
         """Call ``fn(block_ids, block_timestamps)`` (arrays, read only) after each release with
         the blocks (int64, unique) it dropped to ref count 0, and at :meth:`reset` with all."""
-        if not callable(fn):
-            raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
-        self._released_observers.append(fn)
+        self._released_observers.append(checked_observer(fn))
 
     def allocate_memory_blocks(self, n: int, retained=None) -> np.ndarray | None:
         """Pop ``n`` free blocks (ref count 1, timestamp = clock), evicting cached blocks under
@@ -217,10 +212,14 @@ class KVBlockAllocator:
             pending = self._deregister(evicted)     # pushed on the stack, in peel order
         ids = self._free.pop(n) if pending is None or counts is None \
             else self._free.pop_per_request(counts, top)
-        self.block_ref_counts[ids] = 1
-        self.block_timestamps[ids] = self._clock
+        if n <= _FEW:       # (a NumPy write through a few int32 ids costs more)
+            for b in ids.tolist():
+                self.block_ref_counts[b], self.block_timestamps[b] = 1, self._clock
+        else:
+            self.block_ref_counts[ids] = 1
+            self.block_timestamps[ids] = self._clock
         if pending is not None:
-            self._notify(self._observers, *pending)
+            notify(self._observers, *pending)
         return ids
 
     def retain_memory_blocks(self, block_ids) -> None:
@@ -267,18 +266,24 @@ class KVBlockAllocator:
 
     def _release(self, uniq: np.ndarray, after=None) -> None:
         """Lower the ref counts of distinct held ``uniq`` to ``after`` (default: one less)."""
-        after = self.block_ref_counts[uniq] - 1 if after is None else after
-        self.block_ref_counts[uniq] = after
-        zero = uniq[after == 0]
-        registered = self.block_hashes[zero] != -1
-        self._free.push(zero[~registered])
-        if not self.caches_released_blocks and registered.any():
-            self._notify(self._observers, *self._deregister(zero[registered]))
-        elif self.caches_released_blocks:
-            cached = zero[registered]
-            self._leaves.add(cached[self._forest.child_counts[cached] == 0], self.block_timestamps)
+        if after is None and len(uniq) <= _FEW and self.caches_released_blocks:
+            zero = np.array(release_one_each(uniq.tolist(), self.block_ref_counts, self._forest,
+                                             self._free, self._leaves, self.block_timestamps),
+                            dtype=np.int64)
+        else:
+            after = self.block_ref_counts[uniq] - 1 if after is None else after
+            self.block_ref_counts[uniq] = after
+            zero = uniq[after == 0]
+            registered = self.block_hashes[zero] != -1
+            self._free.push(zero[~registered])
+            if not self.caches_released_blocks and registered.any():
+                notify(self._observers, *self._deregister(zero[registered]))
+            elif self.caches_released_blocks:
+                cached = zero[registered]
+                self._leaves.add(cached[self._forest.child_counts[cached] == 0],
+                                 self.block_timestamps)
         if len(zero):
-            self._notify(self._released_observers, zero, self.block_timestamps)
+            notify(self._released_observers, zero, self.block_timestamps)
 
     def register_kv_block_hashes(self, block_ids, hashes, parent_hashes=None) -> None:
         """Record the prefix hash of each block (a batch, applied whole or not at all).
@@ -337,7 +342,7 @@ class KVBlockAllocator:
         victims = self._peel(n)
         if victims is None:
             return False
-        self._notify(self._observers, *self._deregister(victims))
+        notify(self._observers, *self._deregister(victims))
         return True
 
     def reset(self) -> None:
@@ -349,7 +354,7 @@ class KVBlockAllocator:
         self._forest.reset()
         self._leaves.reset()
         self._clock = 0
-        self._notify(self._released_observers, np.arange(self._num_blocks), self.block_timestamps)
+        notify(self._released_observers, np.arange(self._num_blocks), self.block_timestamps)
 
     # --- internals ----------------------------------------------------------------------
 
@@ -357,20 +362,23 @@ class KVBlockAllocator:
         return () if retained is None else tuple(block_id_array(
             "retained", retained, self._num_blocks).tolist())
 
-    def _peel(self, n: int, keep=(), commit: bool = True) -> np.ndarray | None:
-        """The first ``n`` victims (int64) of leaf peeling, keeping ``keep`` and the blocks the
+    def _peel(self, n: int, keep=(), commit: bool = True) -> list | None:
+        """The first ``n`` victims (a list) of leaf peeling, keeping ``keep`` and the blocks the
         backlog will link to (:meth:`EvictableLeaves.peel`), or None."""
-        pinned = () if self.pending_parents is None else self.pending_parents().tolist()
+        pinned = () if self.pending_parents is None else self.pending_parents()
+        keep = set(keep).union(pinned.tolist()) if len(pinned) else set(keep)
         f = self._forest
-        out = self._leaves.peel(n, f.parent_ids, f.child_counts, self.block_ref_counts,
-                                self.block_timestamps, set(keep).union(pinned), commit)
-        return None if out is None else np.asarray(out, dtype=np.int64)
+        return self._leaves.peel(n, f.parent_ids, f.child_counts, self.block_ref_counts,
+                                 self.block_timestamps, keep, commit)
 
-    def _deregister(self, ids: np.ndarray):
-        """Unregister and free unique registered ``ids`` and return the observer arguments
-        ``(ids_list, hashes_set)``; the caller notifies once its call has committed."""
+    def _deregister(self, ids):
+        """Unregister and free unique registered ``ids`` (a peel's list, or int64); returns the
+        observer arguments ``(ids_list, hashes_set)``, to pass once the caller's call commits."""
         if self.deregistering is not None:
             self.deregistering(ids)
+        if type(ids) is list and len(ids) <= _LISTED:   # a step's few victims: one by one
+            return ids, deregister_peeled(ids, self._forest, self._free, self.block_timestamps)
+        ids = np.asarray(ids, dtype=np.int64)
         hashes, childless = self._forest.unlink(ids)
         self.block_ref_counts[ids] = self.block_timestamps[ids] = 0
         self._free.push(ids)
@@ -380,14 +388,6 @@ class KVBlockAllocator:
                 self._leaves.add(childless[self.block_ref_counts[childless] == 0],
                                  self.block_timestamps)
         return ids.tolist(), hashes
-
-    def _notify(self, observers: list, *args) -> None:
-        """Call each of ``observers`` with ``args`` (lists and sets copied); log a raise."""
-        for fn in list(observers):
-            try:
-                fn(*(type(a)(a) if isinstance(a, (list, set)) else a for a in args))
-            except Exception:  # noqa: BLE001 - observers must not break the allocator
-                _log.exception("blocks observer %r failed", fn)
 
     # --- checks -------------------------------------------------------------------------
 
