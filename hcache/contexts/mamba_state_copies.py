@@ -6,8 +6,9 @@ its live slot through ``request_to_mamba_state_idx``. Storing copies a request's
 a scratch state the model emitted mid-prefill) into a cache slot owned by a block; restoring
 copies a block's cached state back into a live slot. Every batch of copies is a single
 :func:`hcache.ops.slot_copy` launch over conv and SSM of all Mamba layers, with its index arrays
-staged in buffers allocated once (on the host, one NumPy gather per kind of state over all
-layers, the op's result for the valid indices the callers pass), and every call validates all of
+staged in buffers allocated once (on the host, where the op is its NumPy reference, one
+NumPy gather per kind of state over all layers: the op's result for the valid indices the
+callers pass), and every call validates all of
 its arguments before copying anything. A kind of state the layers do not have (short
 convolutions have no SSM state, lightning attention no conv state) has ``None`` for its shape
 and its arrays, everywhere.
@@ -166,6 +167,10 @@ class MambaStateCopies:
         if not self.device.is_cuda:   # host arrays: whole-state gathers (see __init__)
             if stream is not None:
                 stream_handle(stream)
+            if not ops.host_runs_reference():     # the kernels' host emulation: the op runs
+                ops.slot_copy(getattr(self, "_" + direction), np.array(src, np.int32),
+                              np.array(dst, np.int32), stream=stream)
+                return
             pairs = self._whole[direction]
             if n == 1:
                 src, dst = int(src[0]), int(dst[0])

@@ -45,7 +45,7 @@ on ``stream`` (a stream of that device; ``None``: that device's current stream).
 
 from __future__ import annotations
 
-from ._launch import BLOCK, CupyLauncher, host_backend
+from ._launch import BLOCK, CupyLauncher, host_backend, host_runs_reference
 from .compact import compaction_plan, kv_compact, slots_compact
 from .draft_accept import draft_accept, draft_lengths
 from .kv_capture import kv_capture, kv_prefix_copy, kv_restore
@@ -56,4 +56,5 @@ from .tables import compaction_plan_size
 
 __all__ = ["BLOCK", "compaction_plan_size", "compaction_plan", "kv_compact", "slots_compact",
            "slot_copy", "kv_write", "kv_write_fp8", "kv_capture", "kv_restore", "kv_prefix_copy",
-           "lengths_add", "draft_accept", "draft_lengths", "CupyLauncher", "host_backend"]
+           "lengths_add", "draft_accept", "draft_lengths", "CupyLauncher", "host_backend",
+           "host_runs_reference"]

@@ -119,6 +119,12 @@ def launcher(xp, backend, stream, like=None):
 _host_backend = None
 
 
+def host_runs_reference() -> bool:
+    """Whether an op on NumPy arrays runs the NumPy reference (no :func:`host_backend` set):
+    a manager may then do a copy's NumPy work itself."""
+    return _host_backend is None
+
+
 @contextlib.contextmanager
 def host_backend(backend):
     """Run every op on NumPy arrays through ``backend`` instead of the NumPy reference.
