@@ -8,10 +8,9 @@ copies a block's cached state back into a live slot. Every batch of copies is a 
 :func:`hcache.ops.slot_copy` launch over conv and SSM of all Mamba layers, with its index arrays
 staged in buffers allocated once (on the host, where the op is its NumPy reference, one
 NumPy gather per kind of state over all layers: the op's result for the valid indices the
-callers pass), and every call validates all of
-its arguments before copying anything. A kind of state the layers do not have (short
-convolutions have no SSM state, lightning attention no conv state) has ``None`` for its shape
-and its arrays, everywhere.
+callers pass), and every call validates all of its arguments before copying anything. A kind
+of state the layers do not have (short convolutions have no SSM state, lightning attention no
+conv state) has ``None`` for its shape and its arrays, everywhere.
 """
 
 from __future__ import annotations
