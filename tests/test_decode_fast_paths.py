@@ -882,3 +882,34 @@ def test_register_refuses_a_block_without_a_slot_and_changes_nothing():
     alloc.register_block_hashes_batch([ids[1]], [hashes[1]])
     assert alloc.hash_to_block_id == {hashes[1]: ids[1]}
     alloc.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_add_blocks_of_few_rows_equals_the_scatter(data):
+    """A decode step's new blocks written row by row (up to ``_FEW_ROWS`` rows) land where the
+    NumPy scatter puts them: each marked row's next column, its block count one higher."""
+    from hcache.contexts import requests as rq
+    R, B = 20, 6
+    held = np.array(data.draw(st.lists(st.integers(0, B - 1), min_size=R, max_size=R)))
+    mask = np.array(data.draw(st.lists(st.integers(0, 1), min_size=R, max_size=R)), np.int8)
+    rows = np.array(data.draw(st.permutations(range(R))), np.int64)
+    blocks = np.array(data.draw(st.lists(st.integers(0, 999), min_size=int(mask.sum()),
+                                         max_size=int(mask.sum()), unique=True)), np.int64)
+    tables = []
+    for few in (rq._FEW_ROWS, -1):      # -1: the NumPy scatter whatever the count
+        t = rq.RequestTable(R, B, 4, hashing=False)
+        t.num_blocks[:] = held
+        t.request_to_kv_block_ids[:] = np.where(np.arange(B)[None, :] < held[:, None], 7, -1)
+        saved, rq._FEW_ROWS = rq._FEW_ROWS, few
+        try:
+            t.add_blocks(rows, mask, blocks)
+        finally:
+            rq._FEW_ROWS = saved
+        tables.append((t.request_to_kv_block_ids.copy(), t.num_blocks.copy()))
+    (fast, fast_held), (scatter, scatter_held) = tables
+    np.testing.assert_array_equal(fast, scatter)
+    np.testing.assert_array_equal(fast_held, scatter_held)
+    marked = rows[mask.view(bool)]
+    np.testing.assert_array_equal(fast[marked, held[marked]], blocks)
+    np.testing.assert_array_equal(fast_held, held + np.isin(np.arange(R), marked))

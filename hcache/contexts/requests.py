@@ -34,6 +34,10 @@ from .token_batches import ragged_columns
 
 __all__ = ["RequestTable"]
 
+# Rows a decode step's new blocks are written to one by one (a NumPy scatter through a few
+# indices costs more than the Python loop).
+_FEW_ROWS = 16
+
 
 class RequestTable:
     """The active requests of a context, one row each, and the host tables the allocators
@@ -247,8 +251,14 @@ class RequestTable:
         ``rows[i]`` (``counts`` may be a 0/1 mask of any integer type)."""
         if counts.dtype == np.int8:
             rows = rows[counts.view(bool)]
-            self.request_to_kv_block_ids[rows, self.num_blocks[rows]] = block_ids
-            self.num_blocks[rows] += 1
+            if len(rows) > _FEW_ROWS:
+                self.request_to_kv_block_ids[rows, self.num_blocks[rows]] = block_ids
+                self.num_blocks[rows] += 1
+                return
+            table, held = self.request_to_kv_block_ids, self.num_blocks
+            for row, block in zip(rows.tolist(), block_ids.tolist()):
+                n = held.item(row)
+                table[row, n], held[row] = block, n + 1
             return
         which, cols = ragged_columns(self.num_blocks[rows], counts)
         self.request_to_kv_block_ids[rows[which], cols] = block_ids
