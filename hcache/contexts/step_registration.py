@@ -81,15 +81,7 @@ def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None
     table, chained = requests.request_to_kv_block_ids, requests.hashes
     ids, hashes, parents = [], [], []
     for i in now:
-        r, f, u = int(rows[i]), first_l[i], upto_l[i]
-        ids += table[r, f:u].tolist()
-        if f:
-            listed = chained[r, f - 1:u].tolist()
-            hashes += listed[1:]
-            parents += listed[:-1]
-        else:
-            hashes += chained[r, :u].tolist()
-            parents += [0] + hashes[len(hashes) - u:-1]
+        _prompt_blocks(table, chained, int(rows[i]), first_l[i], upto_l[i], ids, hashes, parents)
     if later:
         if now:
             later = np.array(later)
@@ -125,14 +117,7 @@ def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) 
         requests.registered
     ids, hashes, parents = [], [], []
     for r, f, u in now:
-        ids += table[r, f:u].tolist()
-        if f:
-            listed = chained[r, f - 1:u].tolist()
-            hashes += listed[1:]
-            parents += listed[:-1]
-        else:
-            hashes += chained[r, :u].tolist()
-            parents += [0] + hashes[len(hashes) - u:-1]
+        _prompt_blocks(table, chained, r, f, u, ids, hashes, parents)
         registered[r] = u
     if later:
         width, step = DIGEST_BYTES, 8 * requests.block_size     # bytes of a digest, a block
@@ -150,6 +135,19 @@ def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) 
             digests[at:at + width] = digest
             hashed[r] = registered[r] = f + 1
     return kv_block_allocator._register_listed(ids, hashes, parents)
+
+
+def _prompt_blocks(table, chained, row, first, upto, ids, hashes, parents) -> None:
+    """Append to ``ids``, ``hashes`` and ``parents`` the blocks ``[first, upto)`` of ``row``,
+    hashed at admission, their hashes and their parents' (a chain root's: 0)."""
+    ids += table[row, first:upto].tolist()
+    if first:
+        listed = chained[row, first - 1:upto].tolist()
+        hashes += listed[1:]
+        parents += listed[:-1]
+    else:
+        hashes += chained[row, :upto].tolist()
+        parents += [0] + hashes[len(hashes) - upto:-1]
 
 
 def _grown(rows, first, upto, grew, hashed) -> list:
