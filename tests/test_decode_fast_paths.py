@@ -164,21 +164,21 @@ def random_release(rng, live) -> list:
     return [r for r in live if rng.integers(3) == 0][:2] or live[:1]
 
 
-def drive_twins(seed, steps):
-    rng = np.random.default_rng(seed)
+def twin_contexts(rng, before=lambda ctx: ctx):
+    """Two contexts of one random small shape under KV-block and Mamba-slot pressure, the
+    second passed through ``before``."""
     bs = int(rng.choice([1, 2, 3]))
     kw = dict(bs=bs, mamba=1, slots=int(rng.integers(2, 7)), rows=int(rng.integers(3, 7)),
               max_blocks=24 // bs, registration_budget=[None, 1, 2][int(rng.integers(3))])
     blocks = int(rng.integers(14, 40))
-    new, old = make_ctx(blocks, **kw), as_before(make_ctx(blocks, **kw))
-    twins, next_id = (new, old), 0
+    return make_ctx(blocks, **kw), before(make_ctx(blocks, **kw))
 
-    def both(f):
-        got = [outcome(lambda c=c: f(c)) for c in twins]
-        assert got[0] == got[1]
-        assert snapshot(new) == snapshot(old)
-        return got[0]
 
+def twin_steps(rng, new, both, steps) -> None:
+    """``steps`` random operations on ``new``'s requests (admissions, decode and chunked
+    extensions with their commits, commits, releases, catch-ups), each done through
+    ``both(fn)``, which applies ``fn`` to ``new`` and its twin."""
+    next_id = 0
     for _ in range(steps):
         op = rng.integers(10)
         ready = ready_ids(new)
@@ -197,7 +197,20 @@ def drive_twins(seed, steps):
             both(lambda c, g=gone: c.release_requests(g))
         else:
             both(lambda c: c.register_completed_blocks())
-    for c in twins:
+
+
+def drive_twins(seed, steps):
+    rng = np.random.default_rng(seed)
+    new, old = twin_contexts(rng, as_before)
+
+    def both(f):
+        got = [outcome(lambda c=c: f(c)) for c in (new, old)]
+        assert got[0] == got[1]
+        assert snapshot(new) == snapshot(old)
+        return got[0]
+
+    twin_steps(rng, new, both, steps)
+    for c in (new, old):
         c.check_invariants()
     return new
 

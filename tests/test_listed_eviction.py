@@ -24,17 +24,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_decode_fast_paths import (
     forest_state,
     outcome,
-    plan_tuple,
     pool_state,
     pools,
-    random_extension,
-    random_prompt,
-    random_release,
-    ready_ids,
     snapshot,
+    twin_contexts,
+    twin_steps,
     unlink_cases,
 )
-from test_dynamic_context import make_ctx
 
 from hcache.contexts import KVBlockAllocator
 from hcache.contexts import block_forest as forest_module
@@ -236,16 +232,11 @@ def drive_general_twins(seed, steps=60) -> int:
     commits, releases and catch-ups under KV-block and Mamba-slot pressure; returns the number
     of blocks the first deregistered."""
     rng = np.random.default_rng(seed)
-    bs = int(rng.choice([1, 2, 3]))
-    kw = dict(bs=bs, mamba=1, slots=int(rng.integers(2, 7)), rows=int(rng.integers(3, 7)),
-              max_blocks=24 // bs, registration_budget=[None, 1, 2][int(rng.integers(3))])
-    blocks = int(rng.integers(14, 40))
-    new, old = make_ctx(blocks, **kw), make_ctx(blocks, **kw)
+    new, old = twin_contexts(rng)
     evicted = ([], [])
     for c, log in zip((new, old), evicted, strict=True):
         c.kv_block_allocator.add_blocks_deregistered_observer(
             lambda ids, hs, g=log: g.append((list(ids), set(hs))))
-    next_id = 0
 
     def both(f):
         got = [outcome(lambda: f(new))]
@@ -255,24 +246,7 @@ def drive_general_twins(seed, steps=60) -> int:
         assert evicted[0] == evicted[1]
         assert snapshot(new) == snapshot(old)
 
-    for _ in range(steps):
-        op = rng.integers(10)
-        ready = ready_ids(new)
-        if op < 2 or not new.request_ids:
-            tokens = random_prompt(rng)
-            rid, next_id = next_id, next_id + 1
-            both(lambda c, r=rid, t=tokens: c.add_request(r, t).row)
-        elif op < 7 and ready:
-            ids, toks = random_extension(rng, ready)
-            both(lambda c, i=ids, t=toks: plan_tuple(c.extend_requests(i, t)))
-            both(lambda c: c.commit_step() and None)
-        elif op < 8:
-            both(lambda c: c.commit_step() and None)
-        elif op < 9:
-            gone = random_release(rng, new.request_ids)
-            both(lambda c, g=gone: c.release_requests(g))
-        else:
-            both(lambda c: c.register_completed_blocks())
+    twin_steps(rng, new, both, steps)
     for c in (new, old):
         c.check_invariants()
     return sum(len(ids) for ids, _ in evicted[0])
