@@ -121,9 +121,20 @@ def snapshot(ctx):
               t.digests, t.lengths, t.computed, t.registered, t.hashed, pool.block_to_slot,
               pool.slot_to_block, pool.free_slots[:pool.free_count], np.frombuffer(pool.owned,
               np.uint8), m._hashes.awaiting, inter.counts, inter.block_ids, inter.eos_block_ids]
-    return ([a.tolist() for a in arrays],
+    states = [a.tobytes() for a in (m.conv_states, m.ssm_states) if a is not None]
+    return ([a.tolist() for a in arrays], states,
             sorted(f.hash_to_block.items()), sorted(m.hash_to_block_id.items()),
             inter.pending, ctx._registration.queued, list(ctx.request_ids), vars(ctx.stats))
+
+
+def fill_states(ctx, k) -> None:
+    """Nonzero live and scratch Mamba states, distinct per slot and a function of ``k`` (the
+    same in twins), as a model would leave them before a commit."""
+    m = ctx.mamba_slot_allocator
+    for a in (ctx.mamba_conv_states, ctx.mamba_ssm_states, m.intermediate_conv_out,
+              m.intermediate_ssm_out):
+        if a is not None:
+            a[...] = (np.arange(a.size).reshape(a.shape) * 7 + k) % 89 + 1
 
 
 def outcome(f):
@@ -179,7 +190,7 @@ def twin_steps(rng, new, both, steps) -> None:
     extensions with their commits, commits, releases, catch-ups), each done through
     ``both(fn)``, which applies ``fn`` to ``new`` and its twin."""
     next_id = 0
-    for _ in range(steps):
+    for step in range(steps):
         op = rng.integers(10)
         ready = ready_ids(new)
         if op < 2 or not new.request_ids:
@@ -189,9 +200,9 @@ def twin_steps(rng, new, both, steps) -> None:
         elif op < 7 and ready:
             ids, toks = random_extension(rng, ready)
             both(lambda c, i=ids, t=toks: plan_tuple(c.extend_requests(i, t)))
-            both(lambda c: c.commit_step())
+            both(lambda c, k=step: fill_states(c, k) or c.commit_step())
         elif op < 8:
-            both(lambda c: c.commit_step())
+            both(lambda c, k=step: fill_states(c, k) or c.commit_step())
         elif op < 9:
             gone = random_release(rng, new.request_ids)
             both(lambda c, g=gone: c.release_requests(g))

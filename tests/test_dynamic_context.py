@@ -603,3 +603,33 @@ def test_write_kv_refuses_rows_other_than_the_steps_tokens_and_changes_nothing(r
             ctx.write_kv(["a"], [good, rows], [good, rows])
         assert state(ctx) == before
     ctx.write_kv(["a"], [good, good], [good, good])     # the right count is accepted
+
+
+def test_a_twin_stores_mamba_states_in_its_own_cache():
+    """``twin`` (a deep copy) is an oracle only if its copies read and write its own arrays:
+    a deep copy of a view is a new array, so the copies' views are made again."""
+    ctx = make_ctx(40, bs=4, mamba=1, slots=6, rows=4, max_blocks=6)
+    ctx.add_request("a", [1, 2, 3, 4, 5, 6, 7, 8])
+    live = ctx.mamba_slot("a")
+    loop = twin(ctx)
+    for c, value in ((ctx, 7), (loop, 5)):
+        c.mamba_conv_states[:, live] = value
+        c.commit_step()
+    for c, value in ((ctx, 7), (loop, 5)):     # the last block's state is the live one
+        m = c.mamba_slot_allocator
+        slot = int(m.block_to_slot[c.block_ids("a")[-1]])
+        assert slot >= 0 and (m.conv_states[:, slot] == value).all()
+
+
+def test_an_array_id_after_a_cached_batch_is_refused_as_unhashable():
+    """The repeated-batch shortcut of the rows lookup compares ids; one that compares
+    ambiguously (a NumPy array) falls through to the check that names it."""
+    ctx = make_ctx(40, bs=4, rows=4, max_blocks=6)
+    ctx.add_request(5, [1, 2, 3])
+    ctx.commit_step()
+    ctx.extend_requests([5], [5])
+    ctx.commit_step()
+    before = ctx.num_computed_tokens(5), ctx.block_ids(5).tolist()
+    with pytest.raises(TypeError, match=r"request_ids\[0\]: expected a hashable id"):
+        ctx.extend_requests([np.array([5, 6])], [6])
+    assert (ctx.num_computed_tokens(5), ctx.block_ids(5).tolist()) == before

@@ -518,8 +518,9 @@ def test_host_copies_match_the_slot_copy_op(data):
     # SlotSet (its NumPy reference) is the oracle, for one pair and for several.
     _, kv, alloc = make(max_slots=6)
     copies = alloc._copies
-    for state in (copies.conv_states, copies.ssm_states):
-        state[...] = np.arange(state.size).reshape(state.shape) % 97
+    for k, state in enumerate((copies.conv_states, copies.ssm_states, *copies._live,
+                               *copies._scratch)):     # every source distinct, nonzero
+        state[...] = (np.arange(state.size).reshape(state.shape) * 3 + 11 * k) % 97 + 1
     direction = data.draw(st.sampled_from(["live_to_cache", "cache_to_live",
                                            "scratch_to_cache"]))
     pairs = getattr(copies, "_" + direction)

@@ -38,7 +38,6 @@ from .mamba_state_copies import MambaStateCopies, check_live_states, context_par
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotCapacityError", "MambaSlotAllocator"]
 
-_LISTED = 32    # slots of deregistered blocks released one by one, up to this many
 
 
 class MambaSlotAllocator:
@@ -228,24 +227,9 @@ class MambaSlotAllocator:
         self._hashes.drop_hashes(hashes.tolist())
 
     def _on_kv_deregistered(self, block_ids: list, hashes: set) -> None:
-        """The subscribed observer: :meth:`on_kv_blocks_deregistered` of unregistered ids. A
-        few owners' slots are pushed one by one, in block order as
-        :meth:`MambaSlotPool.release` pushes them."""
-        pool = self._pool
-        owned = pool.owned
-        owners = [b for b in block_ids if owned[b]]
-        if len(owners) > _LISTED:
-            pool.release(np.array(sorted(owners), dtype=np.int64))
-        elif owners:
-            to_slot, to_block, free = pool.block_to_slot, pool.slot_to_block, pool.free_slots
-            top = pool.free_count
-            for b in sorted(owners) if len(owners) > 1 else owners:
-                slot = to_slot.item(b)
-                to_slot[b] = to_block[slot] = -1
-                owned[b] = 0
-                free[top] = slot
-                top += 1
-            pool.free_count = top
+        """The subscribed observer: :meth:`on_kv_blocks_deregistered` of unregistered ids
+        (their slots freed by :meth:`MambaSlotPool.release_listed`)."""
+        self._pool.release_listed(block_ids)
         self._hashes.drop_hashes(hashes)
 
     def register_block_hashes_batch(self, block_ids, hashes) -> None:

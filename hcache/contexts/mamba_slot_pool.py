@@ -28,6 +28,8 @@ _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 _NO_BLOCKS.flags.writeable = False
 
 
+_LISTED = 32    # slots of deregistered blocks released one by one, up to this many
+
 class MambaSlotCapacityError(CacheCapacityError):
     """Not enough free plus evictable Mamba cache slots for a batch; nothing was changed.
 
@@ -255,6 +257,24 @@ class MambaSlotPool:
         self._owned[blocks] = False
         self.free_slots[self.free_count:self.free_count + len(slots)] = slots
         self.free_count += len(slots)
+
+    def release_listed(self, block_ids: list) -> None:
+        """:meth:`release` of the slot owners among ``block_ids`` (distinct Python ints, any
+        order): a few are pushed one by one, in block order as :meth:`release` pushes them."""
+        owned = self.owned
+        owners = [b for b in block_ids if owned[b]]
+        if len(owners) > _LISTED:
+            self.release(np.array(sorted(owners), dtype=np.int64))
+            return
+        to_slot, to_block, free, top = (self.block_to_slot, self.slot_to_block, self.free_slots,
+                                        self.free_count)
+        for b in sorted(owners) if len(owners) > 1 else owners:
+            slot = to_slot.item(b)
+            to_slot[b] = to_block[slot] = -1
+            owned[b] = 0
+            free[top] = slot
+            top += 1
+        self.free_count = top
 
     def broken_invariants(self, ref_counts=None, timestamps=None) -> list[str]:
         """Every broken invariant of the maps and the free stack, and (given the KV

@@ -15,6 +15,8 @@ conv state) has ``None`` for its shape and its arrays, everywhere.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from .. import ops
@@ -135,21 +137,34 @@ class MambaStateCopies:
             # writes distinct destination slots, so no call needs more than this many pairs.
             self._idx_dev = xp.full((4, max(S, self.max_requests, self.max_scratch)), -1,
                                     dtype=np.int32)
-            # One SlotSet per copy direction, covering conv and SSM of every Mamba layer: each
-            # copy is a single slot_copy launch.
-            self._live_to_cache = self._slot_set(live_conv, live_ssm, self.conv_states,
-                                                 self.ssm_states)
-            self._cache_to_live = self._slot_set(self.conv_states, self.ssm_states, live_conv,
-                                                 live_ssm)
-            self._scratch_to_cache = self._slot_set(scratch_conv, scratch_ssm, self.conv_states,
-                                                    self.ssm_states)
-        # On the host, a copy direction is one gather per kind of state over all layers at once
-        # (the op's result for the valid, distinct indices every caller passes).
-        cache = (self.conv_states, self.ssm_states)
-        self._whole = {} if device.is_cuda else {
-            "live_to_cache": _pairs(live_conv, live_ssm, *cache),
-            "cache_to_live": _pairs(*cache, live_conv, live_ssm),
-            "scratch_to_cache": _pairs(scratch_conv, scratch_ssm, *cache)}
+        self._live, self._scratch = (live_conv, live_ssm), (scratch_conv, scratch_ssm)
+        self._bind()
+
+    def _bind(self) -> None:
+        """Make the views every copy goes through from the state arrays: one SlotSet per copy
+        direction (conv and SSM of every Mamba layer: each copy is a single slot_copy launch)
+        and, on the host, one gather per kind of state over all layers at once (the op's
+        result for the valid, distinct indices every caller passes)."""
+        live, scratch, cache = self._live, self._scratch, (self.conv_states, self.ssm_states)
+        with self.device.scope():
+            self._live_to_cache = self._slot_set(*live, *cache)
+            self._cache_to_live = self._slot_set(*cache, *live)
+            self._scratch_to_cache = self._slot_set(*scratch, *cache)
+        self._whole = {} if self.device.is_cuda else {
+            "live_to_cache": _pairs(*live, *cache),
+            "cache_to_live": _pairs(*cache, *live),
+            "scratch_to_cache": _pairs(*scratch, *cache)}
+
+    def __deepcopy__(self, memo):
+        """A copy over copied arrays (the owners refuse deep copies; tests lift that): the
+        views are made again from them, since a deep copy of a view is a new array."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        derived = ("_live_to_cache", "_cache_to_live", "_scratch_to_cache", "_whole")
+        twin.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()
+                              if k not in derived})
+        twin._bind()
+        return twin
 
     def _slot_set(self, src_conv, src_ssm, dst_conv, dst_ssm) -> SlotSet:
         mamba_indices = range(self.num_mamba_layers)

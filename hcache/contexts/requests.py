@@ -139,6 +139,11 @@ class RequestTable:
     def has_free_row(self) -> bool:
         return bool(self._free_rows)
 
+    @property
+    def has_pending_keys(self) -> bool:
+        """Whether a row's keyed block waits to be hashed (:attr:`pending_key_cols`)."""
+        return self._pending_keys > 0
+
     def id_of(self, row: int):
         return self._id_of[row]
 
@@ -174,7 +179,7 @@ class RequestTable:
         listed = type(request_ids) is list
         if listed:
             if distinct and self._last_version == self._version \
-                    and request_ids == self._last_ids:
+                    and self._same_as_last(request_ids):
                 return self._last_rows.copy()   # the previous batch again, no admission between
         elif is_array(request_ids):   # ids in an array of any library
             request_ids = host_array(name, request_ids)
@@ -199,6 +204,14 @@ class RequestTable:
             self._last_ids, self._last_rows = list(request_ids), rows.copy()
             self._last_version = self._version
         return rows
+
+    def _same_as_last(self, request_ids: list) -> bool:
+        """Whether ``request_ids`` are the last batch's, element by element; an id that compares
+        ambiguously (an array) is not: the full lookup checks it."""
+        try:
+            return request_ids == self._last_ids
+        except (TypeError, ValueError):
+            return False
 
     def stats(self, row: int) -> PrefixCacheStats:
         """The counters of the request in ``row`` (a copy)."""

@@ -61,7 +61,7 @@ def register_step(requests, kv_block_allocator, rows, ends, limit) -> int | None
     grew = (upto > first).nonzero()[0]
     if not len(grew):
         return 0
-    if len(grew) <= FEW_ROWS and not requests._pending_keys:
+    if len(grew) <= FEW_ROWS and not requests.has_pending_keys:
         return _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit)
     rows, first, upto = rows[grew], first[grew], upto[grew]
     first_l, upto_l, hashed_l = first.tolist(), upto.tolist(), requests.hashed[rows].tolist()
