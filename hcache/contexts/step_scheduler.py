@@ -57,7 +57,8 @@ class StepScheduler:
         Returns
         -------
         (StepPlan, PrefixCacheStats)
-            The plan and the request's counters (its computed tokens included).
+            The plan and the request's counters (its computed tokens included; the row's own,
+            not a copy: read only).
 
         Raises
         ------
@@ -117,9 +118,10 @@ class StepScheduler:
         if matched:
             kv._retain_distinct(np.array(matched, np.int64))
         restored = matched[skip // bs - 1] if skip and has_mamba else -1
-        stats = PrefixCacheStats(
-            requests=1, prompt_tokens=n, skipped_tokens=skip, kv_hit_blocks=num_matched,
-            kv_miss_blocks=len(hashes) - num_matched, mamba_hits=int(restored >= 0))
+        stats = PrefixCacheStats(     # (the row's computed tokens are read off its length)
+            requests=1, prompt_tokens=n, computed_tokens=n - skip, skipped_tokens=skip,
+            kv_hit_blocks=num_matched, kv_miss_blocks=len(hashes) - num_matched,
+            mamba_hits=int(restored >= 0))
         row = requests.admit(request_id, tokens, matched, new, hashes, digest,
                              kv_cached=num_matched * bs, registered=num_matched, computed=skip,
                              stats=stats, salt=salt, keys=keys)
@@ -140,7 +142,7 @@ class StepScheduler:
         blocks = requests.request_to_kv_block_ids[row, :num_blocks].copy()
         plan = StepPlan(request_id, row, slot, skip, n, tokens[skip:].copy(), blocks, skip,
                         num_matched, restored)
-        return plan, requests.stats(row)
+        return plan, stats
 
     def extend(self, ids: list, rows: np.ndarray, flat: np.ndarray, counts, *,
                single: bool) -> BatchStepPlan:
