@@ -127,14 +127,15 @@ def snapshot(ctx):
             inter.pending, ctx._registration.queued, list(ctx.request_ids), vars(ctx.stats))
 
 
-def fill_states(ctx, k) -> None:
-    """Nonzero live and scratch Mamba states, distinct per slot and a function of ``k`` (the
-    same in twins), as a model would leave them before a commit."""
+def write_random_states(ctx, rng_seed) -> None:
+    """The forward pass: random live and scratch Mamba states (the same for twins given the
+    same ``rng_seed``)."""
+    rng = np.random.default_rng(rng_seed)
     m = ctx.mamba_slot_allocator
     for a in (ctx.mamba_conv_states, ctx.mamba_ssm_states, m.intermediate_conv_out,
               m.intermediate_ssm_out):
         if a is not None:
-            a[...] = (np.arange(a.size).reshape(a.shape) * 7 + k) % 89 + 1
+            a[...] = rng.standard_normal(a.shape).astype(a.dtype)
 
 
 def outcome(f):
@@ -200,9 +201,9 @@ def twin_steps(rng, new, both, steps) -> None:
         elif op < 7 and ready:
             ids, toks = random_extension(rng, ready)
             both(lambda c, i=ids, t=toks: plan_tuple(c.extend_requests(i, t)))
-            both(lambda c, k=step: fill_states(c, k) or c.commit_step())
+            both(lambda c, k=step: write_random_states(c, k) or c.commit_step())
         elif op < 8:
-            both(lambda c, k=step: fill_states(c, k) or c.commit_step())
+            both(lambda c, k=step: write_random_states(c, k) or c.commit_step())
         elif op < 9:
             gone = random_release(rng, new.request_ids)
             both(lambda c, g=gone: c.release_requests(g))

@@ -24,6 +24,7 @@ from test_decode_fast_paths import (
     random_release,
     ready_ids,
     snapshot,
+    write_random_states,
 )
 from test_dynamic_context import make_ctx
 
@@ -35,15 +36,6 @@ def full_state(ctx):
     m = ctx.mamba_slot_allocator
     return snapshot(ctx), m.conv_states.tobytes(), m.ssm_states.tobytes(), \
         ctx.mamba_conv_states.tobytes(), ctx.mamba_ssm_states.tobytes()
-
-
-def write_states(ctx, rng_seed):
-    """The forward pass: random live and scratch states (the same for both twins)."""
-    rng = np.random.default_rng(rng_seed)
-    m = ctx.mamba_slot_allocator
-    for a in (ctx.mamba_conv_states, ctx.mamba_ssm_states, m.intermediate_conv_out,
-              m.intermediate_ssm_out):
-        a[...] = rng.standard_normal(a.shape).astype(a.dtype)
 
 
 def drive(seed, steps, *, lean=True):
@@ -67,7 +59,7 @@ def drive(seed, steps, *, lean=True):
     def commit():
         state_seed = int(rng.integers(2**32))
         for c in twins:
-            write_states(c, state_seed)
+            write_random_states(c, state_seed)
         both(lambda c: c.commit_step())
 
     for _ in range(steps):
