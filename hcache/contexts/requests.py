@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import host_array, is_array
-from .block_hashing import DIGEST_BYTES, chain_block_hashes, chain_listed
+from .block_hashing import DIGEST_BYTES, chain_block_hashes, chain_listed, chain_next
 from .request_invariants import broken_request_invariants
 from .step_plans import PrefixCacheStats
 from .token_batches import ragged_columns
@@ -314,6 +314,22 @@ class RequestTable:
         self.hashes[rows, cols] = hashes
         self.digests[rows] = np.frombuffer(lasts, np.uint8).reshape(-1, DIGEST_BYTES)
         self.hashed[rows] = cols + 1
+        return hashes, parents
+
+    def hash_next_listed(self, cells: list) -> tuple[list, list]:
+        """:meth:`hash_next` of a few ``(row, col)`` cells on Python scalars (no row waiting
+        for an extra key): one SHA-256 per block over byte slices of the token and digest rows."""
+        width, step = DIGEST_BYTES, 8 * self.block_size         # bytes of a digest, a block
+        span = 8 * self.max_sequence_length                     # bytes of a row of tokens
+        digests, tokens = memoryview(self.digests).cast("B"), memoryview(self.tokens).cast("B")
+        hashes, parents = [], []
+        for r, c in cells:
+            at, start = r * width, r * span + c * step
+            h, digest, p = chain_next(digests[at:at + width].tobytes(),
+                                      tokens[start:start + step])
+            self.hashes[r, c], digests[at:at + width], self.hashed[r] = h, digest, c + 1
+            hashes.append(h)
+            parents.append(p)
         return hashes, parents
 
     def _hash_new_blocks(self, rows, first, counts) -> np.ndarray:

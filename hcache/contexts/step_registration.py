@@ -11,8 +11,8 @@ and the general path does it (``tests/test_step_registration.py`` runs both side
 
 A step that grows at most :data:`FEW_ROWS` rows (every serving step: 0-3 rows at block 256,
 ~16 at block 16) is done row by row on Python scalars (:func:`_register_few`: ``.item()``
-reads, byte slices of the token and digest rows, one SHA-256 per block through
-:func:`~.block_hashing.chain_next`, scalar writes), a lockstep step's hundreds of rows on lists
+reads, one SHA-256 per block through :meth:`RequestTable.hash_next_listed`, scalar writes), a
+lockstep step's hundreds of rows on lists
 and arrays; both leave the same hashes, digests, row counts and registrations (tested against
 each other and against the general path).
 """
@@ -20,8 +20,6 @@ each other and against the general path).
 from __future__ import annotations
 
 import numpy as np
-
-from .block_hashing import DIGEST_BYTES, chain_next
 
 __all__ = ["register_step"]
 
@@ -120,20 +118,12 @@ def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) 
         _prompt_blocks(table, chained, r, f, u, ids, hashes, parents)
         registered[r] = u
     if later:
-        width, step = DIGEST_BYTES, 8 * requests.block_size     # bytes of a digest, a block
-        span = 8 * requests.max_sequence_length                 # bytes of a row of tokens
-        digests = memoryview(requests.digests).cast("B")
-        tokens = memoryview(requests.tokens).cast("B")
-        for r, f in later:
-            at, start = r * width, r * span + f * step
-            h, digest, p = chain_next(digests[at:at + width].tobytes(),
-                                      tokens[start:start + step])
+        listed, roots = requests.hash_next_listed(later)
+        for (r, f), h, p in zip(later, listed, roots):
             ids.append(table.item(r, f))
             hashes.append(h)
             parents.append(p if f else 0)       # column 0: a chain root's hash is no block's
-            chained[r, f] = h
-            digests[at:at + width] = digest
-            hashed[r] = registered[r] = f + 1
+            registered[r] = f + 1
     return kv_block_allocator._register_listed(ids, hashes, parents)
 
 
