@@ -39,7 +39,6 @@ from .mamba_state_copies import MambaStateCopies, check_live_states, context_par
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "MambaSlotCapacityError", "MambaSlotAllocator"]
 
 
-
 class MambaSlotAllocator:
     """Manages the Mamba state cache for prefix caching in hybrid models.
 

@@ -26,9 +26,8 @@ __all__ = ["MambaSlotCapacityError", "MambaSlotPool"]
 
 _NO_BLOCKS = np.zeros(0, dtype=np.int64)
 _NO_BLOCKS.flags.writeable = False
-
-
 _LISTED = 32    # slots of deregistered blocks released one by one, up to this many
+
 
 class MambaSlotCapacityError(CacheCapacityError):
     """Not enough free plus evictable Mamba cache slots for a batch; nothing was changed.

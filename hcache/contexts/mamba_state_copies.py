@@ -178,7 +178,7 @@ class MambaStateCopies:
         n = len(src)
         if n == 0:
             return
-        if not self.device.is_cuda:   # host arrays: whole-state gathers (see __init__)
+        if not self.device.is_cuda:   # host arrays: whole-state gathers (see _bind)
             if stream is not None:
                 stream_handle(stream)
             if not ops.host_runs_reference():     # the kernels' host emulation: the op runs
