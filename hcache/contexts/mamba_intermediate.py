@@ -26,54 +26,12 @@ import numpy as np
 from .._checks import as_int, host_ints, index_array
 from ..runtime.device import launch_scope, stream_handle, to_host, upload_ints, zeros
 from ..runtime.stream_order import StreamOrder
+from .mamba_plan_checks import checked_batch, prompt_length
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
 
 MAX_INTERMEDIATE_OFFSETS_PER_REQUEST = 3
 _K = MAX_INTERMEDIATE_OFFSETS_PER_REQUEST
-
-
-def _prompt_length(req) -> int:
-    if hasattr(req, "prompt_length"):
-        return int(req.prompt_length)
-    if hasattr(req, "prompt_tokens"):
-        return len(req.prompt_tokens)
-    raise TypeError(f"req: expected an object with prompt_length or prompt_tokens, "
-                    f"got {type(req).__name__}")
-
-
-def _checked_batch(rows, chunk_starts, seq_lens, boundaries, eos_columns, table_shape):
-    """The arguments of :meth:`IntermediateStates.plan_batch` as int64 arrays, checked
-    against a block table of ``table_shape``: distinct rows in range, one start, length and
-    EOS column (in ``[-1, width)``) per row, starts and lengths >= 0, boundaries ``[n, m]``."""
-    rows = index_array("rows", rows, table_shape[0])
-    n = len(rows)
-    seen = np.zeros(table_shape[0], bool)   # a mark per row: cheaper than sorting for unique
-    seen[rows] = True
-    if np.count_nonzero(seen) != n:
-        raise ValueError(f"rows: expected distinct rows, got {rows.tolist()}")
-    out = [rows]
-    for name, values, lo, hi in (("chunk_starts", chunk_starts, 0, None),
-                                 ("seq_lens", seq_lens, 0, None),
-                                 ("eos_columns", eos_columns, -1, table_shape[1] - 1)):
-        arr = host_ints(name, values, n)
-        if n and (arr.min() < lo or (hi is not None and arr.max() > hi)):
-            bad = np.flatnonzero((arr < lo) | (arr > hi if hi is not None else False))
-            raise ValueError(f"{name}[{bad[0]}]: expected a value in [{lo}, "
-                             f"{'inf' if hi is None else hi}], got {arr[bad[0]]}")
-        out.append(arr)
-    if boundaries is not None:
-        try:
-            arr = np.asarray(boundaries)
-        except ValueError:
-            raise TypeError("boundaries: expected an int array [n, m], got a ragged "
-                            "sequence") from None
-        if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-            raise TypeError(f"boundaries: expected integers, got dtype {arr.dtype}")
-        if arr.ndim != 2 or arr.shape[0] != n:
-            raise ValueError(f"boundaries: expected shape [{n}, m], got {arr.shape}")
-        boundaries = arr.astype(np.int64)
-    return out[0], out[1], out[2], boundaries, out[3]
 
 
 _PLAIN_INT = {int}
@@ -173,7 +131,7 @@ class IntermediateStates:
         """
         bs, align = block_size, chunk_size
         finished = int(getattr(req, "finished_chunk_token_count", 0))
-        prompt_len = _prompt_length(req)
+        prompt_len = prompt_length(req)
         counts = (skip_tokens, prefill_chunk_length, num_matched_blocks, overall_required_blocks)
         if set(map(type, counts)) == _PLAIN_INT and 0 <= min(counts) <= max(counts) < 2**63:
             skip, chunk, matched, required = counts   # plain ints in range: as_int's result
@@ -191,33 +149,47 @@ class IntermediateStates:
             else host_ints("extra_boundaries", extra_boundaries)
         if table[first_block:first_block + matched].tolist() != matched_ids[:matched].tolist():
             raise ValueError("matched_block_ids: expected the block table's matched blocks")
-        chunk_start, seq_len = finished + skip, chunk - skip
         boundaries = [(first_block + matched) * bs, (prompt_len // bs) * bs, (required - 1) * bs]
         boundaries += extra.tolist()
+        closes = finished + chunk >= prompt_len and prompt_len > 0 and prompt_len % bs == 0
+        self._keep(row, table, finished + skip, chunk - skip, boundaries,
+                   prompt_len // bs - 1 if closes else -1, bs, align)
+
+    def plan_prompt(self, row: int, table, skip: int, prompt_len: int, matched: int,
+                    required: int, extra: int, block_size: int, chunk_size: int) -> None:
+        """:meth:`plan` of a whole prompt in one chunk (no earlier chunk), on trusted Python
+        ints (an admission's own): ``table`` is the row's host block table, ``extra`` the one
+        extra boundary."""
+        bs = block_size
+        self._keep(row, table, skip, prompt_len - skip,
+                   [matched * bs, prompt_len // bs * bs, (required - 1) * bs, extra],
+                   prompt_len // bs - 1 if prompt_len % bs == 0 else -1, bs, chunk_size)
+
+    def _keep(self, row, table, chunk_start, seq_len, boundaries, eos_column, bs, align):
+        """Replace the entries of ``row``: the first ``K`` distinct ``boundaries`` strictly
+        inside ``[chunk_start, chunk_start + seq_len)`` on a multiple of ``align`` from it,
+        sorted, and the EOS entry of block-table column ``eos_column`` (-1: none). Raises
+        ``ValueError`` (nothing changes) when one has no block in ``table`` (the row's)."""
         kept = {}      # loops, not comprehensions: this runs once per admitted request
         for p in boundaries:
             o = p - chunk_start
             if 0 < o < seq_len and o % align == 0:
                 kept[o] = None
         offsets = sorted(list(kept)[:_K])
-        columns = []
-        for o in offsets:
-            columns.append((chunk_start + o) // bs - 1)
-        if finished + chunk >= prompt_len and prompt_len > 0 and prompt_len % bs == 0:
-            columns.append(prompt_len // bs - 1)  # the EOS entry
-        block_ids = []
-        for c in columns:
-            b = int(table[c]) if c < len(table) else -1
-            if b < 0:
-                raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary "
-                                 f"of row {row}, got {table[:max(columns) + 1].tolist()}")
-            block_ids.append(b)
+        columns = [(chunk_start + o) // bs - 1 for o in offsets]
+        if eos_column >= 0:
+            columns.append(eos_column)
+        width = len(table)
+        block_ids = [table.item(c) if c < width else -1 for c in columns]
+        if block_ids and min(block_ids) < 0:
+            raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary "
+                             f"of row {row}, got {table[:max(columns) + 1].tolist()}")
         n = len(offsets)
         self.offsets[row] = offsets + [0] * (_K - n)
         self.block_ids[row] = block_ids[:n] + [-1] * (_K - n)
         self.counts[row] = n
         self.eos_block_ids[row] = block_ids[-1] if len(columns) > n else -1
-        if len(columns):
+        if columns:
             self.pending = True
 
     def plan_batch(self, rows, chunk_starts, seq_lens, boundaries, eos_columns, *,
@@ -247,7 +219,7 @@ class IntermediateStates:
             A kept boundary or EOS entry has no block. Nothing changes.
         """
         block_table = to_host(block_table)
-        rows, chunk_starts, seq_lens, boundaries, eos_columns = _checked_batch(
+        rows, chunk_starts, seq_lens, boundaries, eos_columns = checked_batch(
             rows, chunk_starts, seq_lens, boundaries, eos_columns, block_table.shape)
         if boundaries is None:
             counts = None

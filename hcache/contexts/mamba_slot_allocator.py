@@ -304,6 +304,14 @@ class MambaSlotAllocator:
             block_table=ctx.request_to_kv_block_ids, block_size=int(ctx.block_size_tokens),
             chunk_size=int(ctx.mamba_chunk_size))
 
+    def _plan_prompt(self, row: int, skip: int, n: int, matched: int, required: int,
+                     extra: int) -> None:
+        """Unchecked :meth:`compute_and_store_offsets` of an admission's whole prompt (its own
+        row and counts, Python ints; one ``extra`` boundary)."""
+        ctx = self.context
+        self._intermediate.plan_prompt(row, ctx.request_to_kv_block_ids[row], skip, n, matched,
+                                       required, extra, ctx.block_size_tokens, ctx.mamba_chunk_size)
+
     def _plan_eos(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
         """Unchecked :meth:`compute_and_store_offsets_batch` of a decode step (own rows)."""
         self._intermediate.plan_eos(rows, block_ids)

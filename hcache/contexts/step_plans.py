@@ -5,8 +5,7 @@ counters (docs/design.md §6).
   ``extend_request``);
 - :class:`BatchStepPlan`: the work of a batch of extended requests (``extend_requests``), as
   arrays, with a :class:`StepPlan` per request on demand;
-- :class:`PrefixCacheStats`: prefix-cache counters, per request and in total;
-- ``_Chunk``: the request view that :meth:`MambaSlotAllocator.compute_and_store_offsets` reads.
+- :class:`PrefixCacheStats`: prefix-cache counters, per request and in total.
 """
 
 from __future__ import annotations
@@ -127,10 +126,3 @@ class BatchStepPlan:
     def __iter__(self):
         return (self[i] for i in range(len(self.request_ids)))
 
-
-@dataclass(frozen=True)
-class _Chunk:
-    """The request view :meth:`MambaSlotAllocator.compute_and_store_offsets` reads."""
-
-    prompt_length: int
-    finished_chunk_token_count: int

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import CacheCapacityError
 from .block_hashing import block_keys, cache_salt, chain_root, prompt_block_hashes
 from .prefix_match import match_prefix, restore_depth_tokens
-from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan, _Chunk
+from .step_plans import BatchStepPlan, PrefixCacheStats, StepPlan
 
 __all__ = ["StepScheduler"]
 
@@ -136,9 +136,7 @@ class StepScheduler:
         if mamba is not None:
             # Beyond the reference's three candidates, also keep the boundary one block before
             # the last one: the back-off point of an exact repeat of this block-aligned prefix.
-            mamba.compute_and_store_offsets(
-                _Chunk(n, 0), row, skip, n, num_matched, matched, num_blocks,
-                extra_boundaries=(n // bs * bs - bs,))
+            mamba._plan_prompt(row, skip, n, num_matched, num_blocks, n // bs * bs - bs)
         blocks = requests.request_to_kv_block_ids[row, :num_blocks].copy()
         plan = StepPlan(request_id, row, slot, skip, n, tokens[skip:].copy(), blocks, skip,
                         num_matched, restored)
