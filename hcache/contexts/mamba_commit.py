@@ -106,7 +106,8 @@ def commit_lean(m, stream) -> int | None:
         if m._hashes.has_awaiting():
             return None     # a shortage may free the slots of private awaiting states first
         kept = [bids[i] for i in picked]
-        candidates = pool._evictable.oldest(len(new) - free, owned, refs, stamps, set(kept))
+        # every candidate is evicted below: the heap drops their entries now
+        candidates = pool._evictable.take_oldest(len(new) - free, owned, refs, stamps, set(kept))
         available = free + len(candidates)
         if len(new) > available:   # keep owners and the first `available` new blocks
             picked, new = _owners_and_first(picked, bids, owned, available), new[:available]
