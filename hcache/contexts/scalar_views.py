@@ -32,7 +32,7 @@ class ScalarViews(tuple):
         C-contiguous arrays (the owner keeps them: their memory must not be replaced).
     """
 
-    def __new__(cls, raw: tuple = (), **arrays: np.ndarray):
+    def __new__(cls, raw: tuple = (), /, **arrays: np.ndarray):
         self = super().__new__(cls, arrays.values())
         self._names, self._raw = tuple(arrays), raw
         for name, array in arrays.items():
