@@ -60,7 +60,7 @@ def test_chain_cells_hash_as_chain_block_hashes(seed, block_size, rows):
 
 def admitted_table(rng, block_size):
     """A request table of a few rows hashed up to a random column each (as a serving step
-    leaves them: the next block complete, not hashed yet)."""
+    leaves them: the next block complete, not hashed yet), stale hashes past them."""
     rows, blocks = 5, 6
     t = RequestTable(rows, blocks, block_size, hashing=True)
     cells = []
@@ -79,6 +79,8 @@ def admitted_table(rng, block_size):
         row = t.admit(len(cells), tokens, [], rng.permutation(50)[:blocks_held], hashes, digest,
                       kv_cached=0, registered=hashed, computed=n, stats=None)
         cells.append((row, hashed))
+    stale = np.arange(blocks) >= t.hashed[:, None]     # no invariant holds them (a reused row)
+    t.hashes[stale] = rng.integers(1, 2**63 - 1, int(stale.sum()))
     order = rng.permutation(len(cells))
     return t, [cells[i] for i in order]
 
