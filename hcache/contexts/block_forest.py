@@ -27,13 +27,16 @@ import numpy as np
 
 from .block_id_sets import counted
 from .forest_invariants import broken_forest_invariants
+from .scalar_views import ScalarViews
 
 __all__ = ["BlockForest"]
 
 # Up to this many ids, unlink works element by element (cheaper than NumPy calls on tiny arrays).
 _SCALAR = 8
-# link_new links up to this many entries one by one (scalars beat building arrays for them).
-_FEW_LINKS = 24
+# link_new links up to this many entries one by one, through kept memoryviews: a step's decoded
+# blocks and its admitted prompts' (~40-100 each at block 16) cost less so than in arrays
+# (same-process A/B at block 16: steps with an admission 0.96x against 24).
+_FEW_LINKS = 128
 
 
 class BlockForest:
@@ -64,6 +67,9 @@ class BlockForest:
         self.parent_hashes = np.empty(num_blocks, dtype=np.int64)
         self.child_counts = np.empty(num_blocks, dtype=np.int32)
         self.dangling = np.empty(num_blocks, dtype=bool)
+        self._scalars = ScalarViews(hashes=self.hashes, parent_ids=self.parent_ids,
+                                    parent_hashes=self.parent_hashes,
+                                    child_counts=self.child_counts, dangling=self.dangling)
         self.reset()
 
     def reset(self) -> None:
@@ -252,24 +258,26 @@ class BlockForest:
     def _link_few(self, block_ids: list, hashes: list, parent_hashes: list):
         """:meth:`link_new` entry by entry: each looks its parent up before it claims its hash
         (a parent held before this call or by an earlier entry, as links point backwards)."""
-        held, linked, registered = self.hash_to_block, [], 0
-        own, parent_ids, counts = self.hashes, self.parent_ids, self.child_counts
+        held, linked, skipped = self.hash_to_block, [], 0
+        views = self._scalars
+        own, parent_ids, parents_held, counts = (views.hashes, views.parent_ids,
+                                                 views.parent_hashes, views.child_counts)
         for b, h, ph in zip(block_ids, hashes, parent_hashes):
             p = held.get(ph, -1)
             if held.setdefault(h, b) != b:
+                skipped += 1
                 continue        # held: the block stays private
-            registered += 1
             own[b], parent_ids[b] = h, p
             if p >= 0:
-                self.parent_hashes[b] = ph
+                parents_held[b] = ph
                 counts[p] += 1
                 linked.append(p)
             else:
-                self.parent_hashes[b] = 0
+                parents_held[b] = 0
                 if ph > 0:
-                    self.dangling[b] = True
+                    views.dangling[b] = True
                     self.num_dangling += 1
-        return registered, linked
+        return len(block_ids) - skipped, linked
 
     def unlink(self, block_ids: np.ndarray) -> tuple[set, np.ndarray]:
         """Unregister unique registered ``block_ids``, orphaning their children; returns their

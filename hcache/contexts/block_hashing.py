@@ -32,7 +32,7 @@ from .._checks import as_int, host_array
 from ..runtime.device import array_module_of
 
 __all__ = ["compute_block_hashes", "chain_block_hashes", "prompt_block_hashes", "DIGEST_BYTES",
-           "cache_salt", "block_keys", "chain_root", "chain_listed", "chain_next"]
+           "cache_salt", "block_keys", "chain_root", "chain_listed", "chain_next", "chain_cells"]
 
 _MOD = (1 << 63) - 1
 _MOD_U64 = np.uint64(_MOD)
@@ -296,9 +296,7 @@ def chain_listed(roots: bytes, raw: bytes, step: int, keys: dict | None):
     else:
         digests = b"".join([sha(roots[i * width:(i + 1) * width] + raw[i * step:(i + 1) * step])
                             .digest() for i in range(m)])
-    first_words = "<" + "Q24x" * m      # the little-endian uint64 opening each digest
-    return ([h % _MOD + 1 for h in struct.unpack(first_words, digests)], digests,
-            [h % _MOD + 1 for h in struct.unpack(first_words, roots)])
+    return _listed_hashes(digests, m), digests, _listed_hashes(roots, m)
 
 
 def chain_next(digest: bytes, raw) -> tuple[int, bytes, int]:
@@ -321,6 +319,41 @@ def chain_next(digest: bytes, raw) -> tuple[int, bytes, int]:
     """
     new = hashlib.sha256(digest + raw).digest()
     return _FIRST_WORD(new)[0] % _MOD + 1, new, _FIRST_WORD(digest)[0] % _MOD + 1
+
+
+def chain_cells(digests: memoryview, tokens: memoryview, cells: list, step: int,
+                span: int) -> list[int]:
+    """:func:`chain_next` of a few chains whose digests and tokens are rows of two tables,
+    in place: the digest row of each chain becomes its new block's digest.
+
+    Parameters
+    ----------
+    digests : writable bytes memoryview [num_rows * 32]
+        Row ``r``'s last digest at ``[32 * r, 32 * r + 32)``.
+    tokens : bytes memoryview [num_rows * span]
+        Row ``r``'s block ``c`` (little-endian int64 tokens) at ``r * span + c * step``.
+    cells : list of (int, int)
+        The ``(row, col)`` of each new block; distinct rows.
+    step, span : int
+        Bytes of a block, of a row of tokens.
+
+    Returns
+    -------
+    list of int
+        The new blocks' hashes, in the order of ``cells``.
+    """
+    sha, width, new = hashlib.sha256, DIGEST_BYTES, []
+    for r, c in cells:
+        at, start = r * width, r * span + c * step
+        digest = sha(digests[at:at + width].tobytes() + tokens[start:start + step]).digest()
+        digests[at:at + width] = digest
+        new.append(digest)
+    return _listed_hashes(b"".join(new), len(new))
+
+
+def _listed_hashes(joined: bytes, m: int) -> list[int]:
+    """The hashes of ``m`` concatenated digests, a list of Python ints."""
+    return [h % _MOD + 1 for h in struct.unpack("<" + "Q24x" * m, joined)]
 
 
 def _hashes_of(joined: bytes) -> np.ndarray:

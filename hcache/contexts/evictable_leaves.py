@@ -26,6 +26,8 @@ import heapq
 
 import numpy as np
 
+from .scalar_views import ScalarViews
+
 __all__ = ["EvictableLeaves"]
 
 # The heap is rebuilt from the members when it outgrows twice its size after the last rebuild
@@ -46,6 +48,7 @@ class EvictableLeaves:
 
     def __init__(self, num_blocks: int):
         self.member = np.zeros(num_blocks, dtype=bool)
+        self._scalars = ScalarViews(member=self.member)
         self._heap: list[int] = []
         self._limit = _SLACK
 
@@ -80,9 +83,15 @@ class EvictableLeaves:
         if len(heap) > self._limit:
             self._rebuild(timestamps)
 
-    def discard(self, block_ids: np.ndarray) -> None:
-        """Drop ``block_ids`` (any, repeats allowed): they gained a holder or a child."""
-        self.member[block_ids] = False
+    def discard(self, block_ids) -> None:
+        """Drop ``block_ids`` (any, repeats allowed; int64, or a list of a step's few): they
+        gained a holder or a child."""
+        if type(block_ids) is list:
+            member = self._scalars.member
+            for b in block_ids:
+                member[b] = False
+        else:
+            self.member[block_ids] = False
 
     def peel(self, n: int, parent_ids: np.ndarray, child_counts: np.ndarray,
              ref_counts: np.ndarray, timestamps: np.ndarray, keep=frozenset(),

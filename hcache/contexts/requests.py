@@ -27,8 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import host_array, is_array
-from .block_hashing import DIGEST_BYTES, chain_block_hashes, chain_listed, chain_next
+from .block_hashing import DIGEST_BYTES, chain_block_hashes, chain_cells, chain_listed
 from .request_invariants import broken_request_invariants
+from .scalar_views import ScalarViews
 from .step_plans import PrefixCacheStats
 from .token_batches import ragged_columns
 
@@ -101,6 +102,9 @@ class RequestTable:
         self._order = np.arange(R)
         # The last distinct batch of ids looked up, valid while no request came or went.
         self._version, self._last_version, self._last_ids, self._last_rows = 0, -1, None, None
+        self._scalars = ScalarViews(("tokens",), tokens=self.tokens, digests=self.digests,
+                                    hashes=self.hashes, hashed=self.hashed,
+                                    table=self.request_to_kv_block_ids)
         self.reset()
 
     def reset(self) -> None:
@@ -316,21 +320,19 @@ class RequestTable:
         self.hashed[rows] = cols + 1
         return hashes, parents
 
-    def hash_next_listed(self, cells: list) -> tuple[list, list]:
-        """:meth:`hash_next` of a few ``(row, col)`` cells on Python scalars (no row waiting
-        for an extra key): one SHA-256 per block over byte slices of the token and digest rows."""
-        width, step = DIGEST_BYTES, 8 * self.block_size         # bytes of a digest, a block
-        span = 8 * self.max_sequence_length                     # bytes of a row of tokens
-        digests, tokens = memoryview(self.digests).cast("B"), memoryview(self.tokens).cast("B")
-        hashes, parents = [], []
-        for r, c in cells:
-            at, start = r * width, r * span + c * step
-            h, digest, p = chain_next(digests[at:at + width].tobytes(),
-                                      tokens[start:start + step])
-            self.hashes[r, c], digests[at:at + width], self.hashed[r] = h, digest, c + 1
-            hashes.append(h)
-            parents.append(p)
-        return hashes, parents
+    def hash_next_listed(self, cells: list, ids: list, hashes: list, parents: list) -> None:
+        """:meth:`hash_next` of a few ``(row, col)`` cells on scalars (no row waiting for an
+        extra key), appending each block's id, hash and parent hash (0 at column 0) to ``ids``,
+        ``hashes``, ``parents``."""
+        views, width, step = self._scalars, self.hashes.shape[1], 8 * self.block_size
+        new = chain_cells(views.digests, views.tokens, cells, step, step * width)
+        table, chained, hashed = views.table, views.hashes, views.hashed
+        for (r, c), h in zip(cells, new):
+            at = r * width + c
+            chained[at], hashed[r] = h, c + 1
+            ids.append(table[at])
+            parents.append(chained[at - 1] if c else 0)     # the hash of the row's digest
+        hashes += new
 
     def _hash_new_blocks(self, rows, first, counts) -> np.ndarray:
         """Hash blocks ``[first[i], first[i] + counts[i])`` (one each when ``counts`` is

@@ -100,9 +100,14 @@ def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) 
     ``upto``: their complete blocks after the step) on Python scalars: the same hashes,
     registrations and row counts, in the same order (prompt rows first, then the others), or
     None, having changed nothing, for a step it leaves to the general path."""
-    hashed = requests.hashed
+    if len(grew) > READ_ROWS:
+        rows, upto = rows[grew], upto[grew]
+        grown = zip(rows.tolist(), first[grew].tolist(), upto.tolist(),
+                    requests.hashed[rows].tolist())
+    else:
+        grown = _read(rows, first, upto, grew.tolist(), requests.hashed)
     now, later = [], []     # prompt rows (hashed), rows completing their next block
-    for r, f, u, h in _grown(rows, first, upto, grew, hashed):
+    for r, f, u, h in grown:
         if h >= u:
             now.append((r, f, u))
         elif h == f == u - 1:
@@ -111,18 +116,19 @@ def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) 
             return None
     if limit is not None and len(later) > limit:
         return None
-    table, chained, registered = requests.request_to_kv_block_ids, requests.hashes, \
-        requests.registered
     ids, hashes, parents = [], [], []
     for r, f, u in now:
-        _prompt_blocks(table, chained, r, f, u, ids, hashes, parents)
-        registered[r] = u
+        _prompt_blocks(requests.request_to_kv_block_ids, requests.hashes, r, f, u, ids, hashes,
+                       parents)
     if later:
-        listed, roots = requests.hash_next_listed(later)
-        for (r, f), h, p in zip(later, listed, roots):
-            ids.append(table.item(r, f))
-            hashes.append(h)
-            parents.append(p if f else 0)       # column 0: a chain root's hash is no block's
+        requests.hash_next_listed(later, ids, hashes, parents)
+    registered = requests.registered
+    if len(grew) > READ_ROWS:
+        registered[rows] = upto
+    else:
+        for r, _, u in now:
+            registered[r] = u
+        for r, f in later:
             registered[r] = f + 1
     return kv_block_allocator._register_listed(ids, hashes, parents)
 
@@ -140,14 +146,11 @@ def _prompt_blocks(table, chained, row, first, upto, ids, hashes, parents) -> No
         parents += [0] + hashes[len(hashes) - upto:-1]
 
 
-def _grown(rows, first, upto, grew, hashed) -> list:
-    """``(row, first, upto, hashed)`` of each row ``rows[grew]``, as Python ints."""
-    if len(grew) > READ_ROWS:
-        picked = rows[grew]
-        return list(zip(picked.tolist(), first[grew].tolist(), upto[grew].tolist(),
-                        hashed[picked].tolist()))
+def _read(rows, first, upto, grew: list, hashed) -> list:
+    """``(row, first, upto, hashed)`` of each row ``rows[i]``, ``i`` in ``grew``, read one by
+    one as Python ints."""
     out = []
-    for i in grew.tolist():
+    for i in grew:
         r = rows.item(i)
         out.append((r, first.item(i), upto.item(i), hashed.item(r)))
     return out
