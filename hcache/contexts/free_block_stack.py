@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from .scalar_views import ScalarViews
+
 __all__ = ["FreeBlockStack"]
 
 _FEW = 16   # a list of up to this many is pushed element by element
 
 
-class FreeBlockStack:
+class FreeBlockStack(ScalarViews):
     """The free block ids among ``num_blocks``: ``ids[:top]``, bottom first."""
+    _VIEWS = (("_ids_v", "ids"),)
 
     def __init__(self, num_blocks: int):
         self.ids = np.empty(num_blocks, dtype=np.int32)
+        self._bind_views()
         self.top = 0
         self.reset()
 
@@ -33,7 +37,7 @@ class FreeBlockStack:
         """Push ``block_ids`` (an int array or a list of ints) in order."""
         k = len(block_ids)
         if type(block_ids) is list and k <= _FEW:   # (cheaper than converting the list)
-            ids, top = self.ids, self.top
+            ids, top = self._ids_v, self.top
             for b in block_ids:
                 ids[top] = b
                 top += 1

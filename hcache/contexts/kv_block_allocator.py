@@ -25,9 +25,10 @@ from .block_forest import BlockForest
 from .block_id_sets import counted
 from .block_observers import checked_observer, notify
 from .evictable_leaves import EvictableLeaves
-from .few_blocks import deregister_peeled, release_one_each
+from .few_blocks import deregister_peeled, hand_out, release_one_each
 from .free_block_stack import FreeBlockStack
 from .kv_block_invariants import broken_kv_block_invariants
+from .scalar_views import ScalarViews
 
 __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
 
@@ -36,7 +37,7 @@ _INT64_MAX = 2**63 - 1
 _LISTED, _FEW = 64, 16      # up to this many: victims deregistered, blocks handed out, one by one
 
 
-class KVBlockAllocator:
+class KVBlockAllocator(ScalarViews):
     """Block ids ``0..num_blocks-1`` of a paged KV pool, with prefix-cache bookkeeping.
 
     Parameters
@@ -79,6 +80,7 @@ class KVBlockAllocator:
     the call's state changes (an evicted block may be handed out again); a raise is logged.
     """
     __copy__ = refuse_copy   # deepcopy and pickle copy the host state (hcache/_copying.py)
+    _VIEWS = (("_refs", "block_ref_counts"), ("_stamps", "block_timestamps"))
 
     def __init__(self, num_blocks: int, *, enable_prefix_caching: bool = True,
                  eviction_policy: str = "lru"):
@@ -96,6 +98,7 @@ class KVBlockAllocator:
         self._free = FreeBlockStack(n)
         self.block_ref_counts = np.empty(n, dtype=np.int32)
         self.block_timestamps = np.empty(n, dtype=np.int64)
+        self._bind_views()
         self._forest, self._leaves = BlockForest(n), EvictableLeaves(n)
         self._observers, self._released_observers = [], []     # deregistered, released
         self.pending_parents = self.deregistering = None
@@ -213,8 +216,7 @@ class KVBlockAllocator:
         ids = self._free.pop(n) if pending is None or counts is None \
             else self._free.pop_per_request(counts, top)
         if n <= _FEW:       # (a NumPy write through a few int32 ids costs more)
-            for b in ids.tolist():
-                self.block_ref_counts[b], self.block_timestamps[b] = 1, self._clock
+            hand_out(self, ids.tolist())
         else:
             self.block_ref_counts[ids] = 1
             self.block_timestamps[ids] = self._clock
@@ -267,9 +269,7 @@ class KVBlockAllocator:
     def _release(self, uniq: np.ndarray, after=None) -> None:
         """Lower the ref counts of distinct held ``uniq`` to ``after`` (default: one less)."""
         if after is None and len(uniq) <= _FEW and self.caches_released_blocks:
-            zero = np.array(release_one_each(uniq.tolist(), self.block_ref_counts, self._forest,
-                                             self._free, self._leaves, self.block_timestamps),
-                            dtype=np.int64)
+            zero = np.array(release_one_each(self, uniq.tolist()), dtype=np.int64)
         else:
             after = self.block_ref_counts[uniq] - 1 if after is None else after
             self.block_ref_counts[uniq] = after
@@ -368,8 +368,8 @@ class KVBlockAllocator:
         pinned = () if self.pending_parents is None else self.pending_parents()
         keep = set(keep).union(pinned.tolist()) if len(pinned) else set(keep)
         f = self._forest
-        return self._leaves.peel(n, f.parent_ids, f.child_counts, self.block_ref_counts,
-                                 self.block_timestamps, keep, commit)
+        return self._leaves.peel(n, f._parent_ids_v, f._child_counts_v, self._refs, self._stamps,
+                                 keep, commit)
 
     def _deregister(self, ids):
         """Unregister and free unique registered ``ids`` (a peel's list, or int64); returns the
@@ -377,7 +377,7 @@ class KVBlockAllocator:
         if self.deregistering is not None:
             self.deregistering(ids)
         if type(ids) is list and len(ids) <= _LISTED:   # a step's few victims: one by one
-            return ids, deregister_peeled(ids, self._forest, self._free, self.block_timestamps)
+            return ids, deregister_peeled(self, ids)
         ids = np.asarray(ids, dtype=np.int64)
         hashes, childless = self._forest.unlink(ids)
         self.block_ref_counts[ids] = self.block_timestamps[ids] = 0
