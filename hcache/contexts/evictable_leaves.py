@@ -107,13 +107,13 @@ class EvictableLeaves(ScalarViews):
         """
         heap, member = self._heap, self._member_v
         pop, push = heapq.heappop, heapq.heappush
-        out: list[int] = []     # (their heap entries are timestamps[b] << _SHIFT | b)
-        promoted: list[int] = []
-        aside: list[int] = []
+        out: list[int] = []         # (their heap entries are timestamps[b] << _SHIFT | b)
+        popped: list[int] = []      # the members taken off the heap
+        promoted: list[int] = []    # parents made members (pushed) or set aside by the peel
+        aside: list[int] = []       # heap entries of kept blocks
         remaining: dict[int, int] = {}      # children left of the parents touched (2 or more)
         # A promoted parent that the next pop would return is taken at once (the chain walk
-        # below): it never enters the heap, and is a member only if it ends the peel untaken
-        # (or is set aside).
+        # below): it never enters the heap, and is a member only if it ends the peel untaken.
         while len(out) < n:
             if not heap:
                 break
@@ -122,10 +122,11 @@ class EvictableLeaves(ScalarViews):
             if not member[b] or timestamps[b] != entry >> _SHIFT:
                 continue        # stale
             member[b] = 0
+            if b in keep:
+                aside.append(entry)
+                continue
+            popped.append(b)
             while True:         # b was just taken off the heap, or promoted ahead of its top
-                if b in keep:
-                    aside.append(entry)
-                    break
                 out.append(b)
                 p = parent_ids[b]
                 if p < 0:
@@ -138,21 +139,25 @@ class EvictableLeaves(ScalarViews):
                         break
                 if ref_counts[p]:
                     break
-                promoted.append(p)
                 entry = timestamps[p] << _SHIFT | p
-                if len(out) == n or heap and not entry < heap[0]:
-                    member[p] = 1
-                    push(heap, entry)
+                if p in keep or len(out) == n or heap and not entry < heap[0]:
+                    promoted.append(p)
+                    if p in keep:
+                        aside.append(entry)
+                    else:
+                        member[p] = 1
+                        push(heap, entry)
                     break
                 b = p
         for entry in aside:
             member[entry & _BLOCK] = 1
             push(heap, entry)
-        if len(out) < n or not commit:
-            for b in out:
+        if len(out) < n or not commit:      # as before: the popped members back, no promotion
+            for b in popped:
                 member[b] = 1
                 push(heap, timestamps[b] << _SHIFT | b)
-            self.member[promoted] = False
+            for p in promoted:
+                member[p] = 0
         if len(heap) > self._limit:
             self._rebuild(timestamps)
         return None if len(out) < n else out
