@@ -438,6 +438,8 @@ def snapshot(root):
         keep.append(x)
         if isinstance(x, np.ndarray):
             return ("nd", x.dtype.str, x.shape, np.ascontiguousarray(x).tobytes())
+        if isinstance(x, memoryview):       # (a view of an array: its contents)
+            return ("mv", x.format, x.shape, x.tobytes())
         if hasattr(x, "__cuda_array_interface__") and hasattr(x, "get"):
             h = x.get()
             return ("nd", h.dtype.str, h.shape, np.ascontiguousarray(h).tobytes())

@@ -58,7 +58,6 @@ class BlockForest:
         Registered roots whose chain has a predecessor (a parent hash no block held when they
         linked, or an unlinked parent): a chain can be registered below its own head.
     """
-
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.hashes = np.empty(num_blocks, dtype=np.int64)
@@ -307,40 +306,35 @@ class BlockForest:
         return gone, np.array(childless, np.int64)
 
     def unlink_listed(self, block_ids: list) -> tuple[set, list]:
-        """:meth:`unlink` of a list of ids, element by element (for the few victims of a
-        serving step): their former hashes, and the registered blocks they left childless
+        """:meth:`unlink` of a list of ids, element by element in one pass (for the few victims
+        of a serving step): their former hashes, and the registered blocks they left childless
         (ascending, a list)."""
-        hashes, parent_ids, counts = self.hashes, self.parent_ids, self.child_counts
-        children = counts.item
-        gone = set(map(hashes.item, block_ids))
-        mapped = self.hash_to_block
-        for h in gone:
-            del mapped[h]
-        batch, inside, outside = set(block_ids), 0, []     # parents, once per child
-        for p in map(parent_ids.item, block_ids):
-            if p in batch:
-                inside += 1
-            elif p >= 0:
-                outside.append(p)
-        # Each block counts its children in the batch (inside, in all): any more are orphans.
-        if sum(map(children, block_ids)) != inside:
-            self._orphan(np.array(block_ids, np.int64))
-        elif self.num_dangling:
-            dangling = self.dangling
-            for b in block_ids:
-                if dangling.item(b):
-                    dangling[b] = False
-                    self.num_dangling -= 1
-        childless = []
-        for p in outside:       # (registered: a link points at a registered block)
-            left = children(p) - 1
-            counts[p] = left
-            if not left:
-                childless.append(p)
-        parent_hashes = self.parent_hashes
+        views, mapped = self._scalars, self.hash_to_block
+        hashes, parents, counts = views.hashes, views.parent_ids, views.child_counts
+        parent_hashes = views.parent_hashes
+        dangling = views.dangling if self.num_dangling else None
+        batch, gone, childless = set(block_ids), set(), []
+        inside = counted_children = 0       # links within the batch; children its blocks count
         for b in block_ids:
-            parent_ids[b] = hashes[b] = -1
+            h = hashes[b]
+            del mapped[h]
+            gone.add(h)
+            p = parents[b]
+            if p in batch:      # (a parent in the batch keeps its count: it is zeroed whole)
+                inside += 1
+            elif p >= 0:        # (registered: a link points at a registered block)
+                left = counts[p] - 1
+                counts[p] = left
+                if not left:
+                    childless.append(p)
+            counted_children += counts[b]
+            hashes[b] = parents[b] = -1
             parent_hashes[b] = counts[b] = 0
+            if dangling is not None and dangling[b]:
+                dangling[b] = 0
+                self.num_dangling -= 1
+        if counted_children != inside:      # children outside the batch: orphans now
+            self._orphan_children(np.array(block_ids, np.int64))
         if len(childless) > 1:
             childless.sort()
         return gone, childless
@@ -350,15 +344,19 @@ class BlockForest:
         subtrees: these are other deregistrations), making them dangling roots; the blocks
         themselves stop dangling."""
         if np.count_nonzero(self.child_counts[block_ids]):
-            orphans = np.isin(self.parent_ids, block_ids)
-            self.parent_ids[orphans] = -1
-            self.parent_hashes[orphans] = 0
-            self.dangling[orphans] = True       # linked until now: not dangling before
-            self.num_dangling += int(np.count_nonzero(orphans))
+            self._orphan_children(block_ids)
         if self.num_dangling:
             gone = self.dangling[block_ids]
             self.dangling[block_ids] = False
             self.num_dangling -= int(np.count_nonzero(gone))
+
+    def _orphan_children(self, block_ids: np.ndarray) -> None:
+        """Make the blocks linked to ``block_ids`` dangling roots."""
+        orphans = np.isin(self.parent_ids, block_ids)
+        self.parent_ids[orphans] = -1
+        self.parent_hashes[orphans] = 0
+        self.dangling[orphans] = True       # linked until now: not dangling before
+        self.num_dangling += int(np.count_nonzero(orphans))
 
     # --- eviction order -----------------------------------------------------------------
 

@@ -73,13 +73,14 @@ class EvictableLeaves:
         if len(heap) > self._limit:
             self._rebuild(timestamps)
 
-    def add_listed(self, block_ids: list, timestamps: np.ndarray) -> None:
-        """:meth:`add` of a list of ids, element by element (a request's few blocks)."""
-        member, heap, push = self.member, self._heap, heapq.heappush
+    def add_listed(self, block_ids: list, timestamps) -> None:
+        """:meth:`add` of a list of ids, element by element (a request's few blocks);
+        ``timestamps``: the allocator's memoryview (Python ints: a heap entry is one)."""
+        member, heap, push = self._scalars.member, self._heap, heapq.heappush
         for b in block_ids:
-            if not member.item(b):
-                member[b] = True
-                push(heap, timestamps.item(b) << _SHIFT | b)
+            if not member[b]:
+                member[b] = 1
+                push(heap, timestamps[b] << _SHIFT | b)
         if len(heap) > self._limit:
             self._rebuild(timestamps)
 
@@ -93,77 +94,83 @@ class EvictableLeaves:
         else:
             self.member[block_ids] = False
 
-    def peel(self, n: int, parent_ids: np.ndarray, child_counts: np.ndarray,
-             ref_counts: np.ndarray, timestamps: np.ndarray, keep=frozenset(),
-             commit: bool = True) -> list | None:
+    def peel(self, n: int, parent_ids, child_counts, ref_counts, timestamps,
+             keep=frozenset(), commit: bool = True) -> list | None:
         """The first ``n`` blocks of the leaf-peeling order, or None if fewer can be peeled.
 
         Parameters
         ----------
         n : int
-        parent_ids, child_counts, ref_counts, timestamps : arrays [num_blocks]
-            The forest's links and the allocator's counts, read only.
+        parent_ids, child_counts, ref_counts, timestamps : memoryview [num_blocks]
+            The forest's links and the allocator's counts (their owners' memoryviews: Python
+            ints, so a heap entry is one), read only.
         keep : set of int
             Blocks never taken (pinned or about to be retained); their ancestors stay.
         commit : bool
             True: the returned blocks leave the set (the caller unregisters them) and the
             parents they leave childless join it. False, or on None: nothing changes.
         """
-        heap, member = self._heap, self.member
+        heap, member = self._heap, self._scalars.member
         pop, push = heapq.heappop, heapq.heappush
-        stamp, parent_of, children, refs, is_member = (
-            timestamps.item, parent_ids.item, child_counts.item, ref_counts.item, member.item)
-        out: list[int] = []     # (their heap entries are timestamps[b] << _SHIFT | b)
-        promoted: list[int] = []
-        aside: list[int] = []
-        remaining: dict[int, int] = {}      # children left of the parents touched
+        out: list[int] = []         # (their heap entries are timestamps[b] << _SHIFT | b)
+        popped: list[int] = []      # the members taken off the heap
+        promoted: list[int] = []    # parents made members (pushed) or set aside by the peel
+        aside: list[int] = []       # heap entries of kept blocks
+        remaining: dict[int, int] = {}      # children left of the parents touched (2 or more)
         # A promoted parent that the next pop would return is taken at once (the chain walk
-        # below): it never enters the heap, and is a member only if it ends the peel untaken
-        # (or is set aside).
+        # below): it never enters the heap, and is a member only if it ends the peel untaken.
         while len(out) < n:
             if not heap:
                 break
             entry = pop(heap)
             b = entry & _BLOCK
-            if not is_member(b) or stamp(b) != entry >> _SHIFT:
+            if not member[b] or timestamps[b] != entry >> _SHIFT:
                 continue        # stale
-            member[b] = False
+            member[b] = 0
+            if b in keep:
+                aside.append(entry)
+                continue
+            popped.append(b)
             while True:         # b was just taken off the heap, or promoted ahead of its top
-                if b in keep:
-                    aside.append(entry)
-                    break
                 out.append(b)
-                p = parent_of(b)
+                p = parent_ids[b]
                 if p < 0:
                     break
-                left = remaining.get(p) or children(p)
+                left = child_counts[p]
                 if left > 1:
-                    remaining[p] = left - 1
+                    left = remaining.get(p, left)
+                    if left > 1:
+                        remaining[p] = left - 1
+                        break
+                if ref_counts[p]:
                     break
-                if refs(p):
-                    break
-                promoted.append(p)
-                entry = stamp(p) << _SHIFT | p
-                if len(out) == n or heap and not entry < heap[0]:
-                    member[p] = True
-                    push(heap, entry)
+                entry = timestamps[p] << _SHIFT | p
+                if p in keep or len(out) == n or heap and not entry < heap[0]:
+                    promoted.append(p)
+                    if p in keep:
+                        aside.append(entry)
+                    else:
+                        member[p] = 1
+                        push(heap, entry)
                     break
                 b = p
         for entry in aside:
-            member[entry & _BLOCK] = True
+            member[entry & _BLOCK] = 1
             push(heap, entry)
-        if len(out) < n or not commit:
-            for b in out:
-                member[b] = True
-                push(heap, stamp(b) << _SHIFT | b)
-            member[promoted] = False
+        if len(out) < n or not commit:      # as before: the popped members back, no promotion
+            for b in popped:
+                member[b] = 1
+                push(heap, timestamps[b] << _SHIFT | b)
+            for p in promoted:
+                member[p] = 0
         if len(heap) > self._limit:
             self._rebuild(timestamps)
         return None if len(out) < n else out
 
-    def _rebuild(self, timestamps: np.ndarray) -> None:
+    def _rebuild(self, timestamps) -> None:
         ids = np.flatnonzero(self.member)
-        self._heap = [t << _SHIFT | b for t, b in zip(timestamps[ids].tolist(), ids.tolist())]
+        stamps = np.asarray(timestamps)[ids].tolist()
+        self._heap = [t << _SHIFT | b for t, b in zip(stamps, ids.tolist())]
         heapq.heapify(self._heap)
         self._limit = 2 * len(self._heap) + _SLACK
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .scalar_views import ScalarViews
+
 __all__ = ["FreeBlockStack"]
 
 _FEW = 16   # a list of up to this many is pushed element by element
@@ -16,6 +18,7 @@ class FreeBlockStack:
 
     def __init__(self, num_blocks: int):
         self.ids = np.empty(num_blocks, dtype=np.int32)
+        self._scalars = ScalarViews(ids=self.ids)
         self.top = 0
         self.reset()
 
@@ -33,7 +36,7 @@ class FreeBlockStack:
         """Push ``block_ids`` (an int array or a list of ints) in order."""
         k = len(block_ids)
         if type(block_ids) is list and k <= _FEW:   # (cheaper than converting the list)
-            ids, top = self.ids, self.top
+            ids, top = self._scalars.ids, self.top
             for b in block_ids:
                 ids[top] = b
                 top += 1

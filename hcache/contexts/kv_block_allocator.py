@@ -25,9 +25,10 @@ from .block_forest import BlockForest
 from .block_id_sets import counted
 from .block_observers import checked_observer, notify
 from .evictable_leaves import EvictableLeaves
-from .few_blocks import deregister_peeled, release_one_each
+from .few_blocks import deregister_peeled, hand_out, release_one_each
 from .free_block_stack import FreeBlockStack
 from .kv_block_invariants import broken_kv_block_invariants
+from .scalar_views import ScalarViews
 
 __all__ = ["KVBlockAllocator", "EVICTION_POLICIES"]
 
@@ -96,6 +97,7 @@ class KVBlockAllocator:
         self._free = FreeBlockStack(n)
         self.block_ref_counts = np.empty(n, dtype=np.int32)
         self.block_timestamps = np.empty(n, dtype=np.int64)
+        self._scalars = ScalarViews(refs=self.block_ref_counts, stamps=self.block_timestamps)
         self._forest, self._leaves = BlockForest(n), EvictableLeaves(n)
         self._observers, self._released_observers = [], []     # deregistered, released
         self.pending_parents = self.deregistering = None
@@ -213,8 +215,7 @@ class KVBlockAllocator:
         ids = self._free.pop(n) if pending is None or counts is None \
             else self._free.pop_per_request(counts, top)
         if n <= _FEW:       # (a NumPy write through a few int32 ids costs more)
-            for b in ids.tolist():
-                self.block_ref_counts[b], self.block_timestamps[b] = 1, self._clock
+            hand_out(self, ids.tolist())
         else:
             self.block_ref_counts[ids] = 1
             self.block_timestamps[ids] = self._clock
@@ -267,9 +268,7 @@ class KVBlockAllocator:
     def _release(self, uniq: np.ndarray, after=None) -> None:
         """Lower the ref counts of distinct held ``uniq`` to ``after`` (default: one less)."""
         if after is None and len(uniq) <= _FEW and self.caches_released_blocks:
-            zero = np.array(release_one_each(uniq.tolist(), self.block_ref_counts, self._forest,
-                                             self._free, self._leaves, self.block_timestamps),
-                            dtype=np.int64)
+            zero = np.array(release_one_each(self, uniq.tolist()), dtype=np.int64)
         else:
             after = self.block_ref_counts[uniq] - 1 if after is None else after
             self.block_ref_counts[uniq] = after
@@ -367,9 +366,9 @@ class KVBlockAllocator:
         backlog will link to (:meth:`EvictableLeaves.peel`), or None."""
         pinned = () if self.pending_parents is None else self.pending_parents()
         keep = set(keep).union(pinned.tolist()) if len(pinned) else set(keep)
-        f = self._forest
-        return self._leaves.peel(n, f.parent_ids, f.child_counts, self.block_ref_counts,
-                                 self.block_timestamps, keep, commit)
+        forest, views = self._forest._scalars, self._scalars
+        return self._leaves.peel(n, forest.parent_ids, forest.child_counts, views.refs,
+                                 views.stamps, keep, commit)
 
     def _deregister(self, ids):
         """Unregister and free unique registered ``ids`` (a peel's list, or int64); returns the
@@ -377,7 +376,7 @@ class KVBlockAllocator:
         if self.deregistering is not None:
             self.deregistering(ids)
         if type(ids) is list and len(ids) <= _LISTED:   # a step's few victims: one by one
-            return ids, deregister_peeled(ids, self._forest, self._free, self.block_timestamps)
+            return ids, deregister_peeled(self, ids)
         ids = np.asarray(ids, dtype=np.int64)
         hashes, childless = self._forest.unlink(ids)
         self.block_ref_counts[ids] = self.block_timestamps[ids] = 0

@@ -120,8 +120,11 @@ class MambaHashMap:
 
     def drop_hashes(self, hashes) -> None:
         """Remove the entries under ``hashes`` (hashes not in the map are skipped)."""
-        pop = self.hash_to_block_id.pop
-        for h in hashes or ():
+        m = self.hash_to_block_id
+        if not hashes or m.keys().isdisjoint(hashes):   # (usually: few blocks own a slot)
+            return
+        pop = m.pop
+        for h in hashes:
             pop(h, None)
 
     def cached(self, block_ids: np.ndarray, hashes: np.ndarray) -> np.ndarray:
