@@ -103,7 +103,7 @@ class RequestTable:
         # The last distinct batch of ids looked up, valid while no request came or went.
         self._version, self._last_version, self._last_ids, self._last_rows = 0, -1, None, None
         self._scalars = ScalarViews(("tokens",), tokens=self.tokens, digests=self.digests,
-                                    hashes=self.hashes, hashed=self.hashed,
+                                    hashes=self.hashes, hashed=self.hashed, held=self.num_blocks,
                                     table=self.request_to_kv_block_ids)
         self.reset()
 
@@ -272,10 +272,11 @@ class RequestTable:
                 self.request_to_kv_block_ids[rows, self.num_blocks[rows]] = block_ids
                 self.num_blocks[rows] += 1
                 return
-            table, held = self.request_to_kv_block_ids, self.num_blocks
+            views, width = self._scalars, self.request_to_kv_block_ids.shape[1]
+            table, held = views.table, views.held
             for row, block in zip(rows.tolist(), block_ids.tolist()):
-                n = held.item(row)
-                table[row, n], held[row] = block, n + 1
+                n = held[row]
+                table[row * width + n], held[row] = block, n + 1
             return
         which, cols = ragged_columns(self.num_blocks[rows], counts)
         self.request_to_kv_block_ids[rows[which], cols] = block_ids
