@@ -24,6 +24,7 @@ from hcache.contexts.block_forest import BlockForest
 from hcache.contexts.evictable_leaves import EvictableLeaves
 from hcache.contexts.free_block_stack import FreeBlockStack
 from hcache.contexts.mamba_hash_map import MambaHashMap
+from hcache.contexts.mamba_slot_pool import MambaSlotPool
 
 CLONES = [copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))]
 
@@ -53,7 +54,7 @@ def assert_views_alias(obj) -> None:
 
 @pytest.mark.parametrize("clone", CLONES, ids=["deepcopy", "pickle"])
 @pytest.mark.parametrize("make", [BlockForest, EvictableLeaves, FreeBlockStack,
-                                  KVBlockAllocator])
+                                  KVBlockAllocator, lambda n: MambaSlotPool(n, 4)])
 def test_a_copy_views_its_own_arrays(make, clone):
     """Every view aliases its object's array, in a fresh object and in a copy (deep copy or
     pickle), and a write through the copy's view reaches the copy's array only."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import CacheCapacityError
 from .evictable_slots import EvictableSlots
+from .scalar_views import ScalarViews
 
 __all__ = ["MambaSlotCapacityError", "MambaSlotPool"]
 
@@ -67,6 +68,8 @@ class MambaSlotPool:
         self.slot_to_block = np.full(max_slots, -1, dtype=np.int32)
         self.free_slots = np.empty(max_slots, dtype=np.int32)
         self.owned = bytearray(num_blocks)
+        self._scalars = ScalarViews(block_to_slot=self.block_to_slot,
+                                    slot_to_block=self.slot_to_block, free_slots=self.free_slots)
         self._seen = np.zeros(num_blocks, dtype=np.int64)   # scratch of first_occurrences
         self._excluded = np.zeros(num_blocks, dtype=np.bool_)   # scratch of evictable_blocks
         self._evictable = EvictableSlots()
@@ -191,7 +194,8 @@ class MambaSlotPool:
     def assign(self, new: list, slots: list, ref_counts, timestamps) -> None:
         """:meth:`allocate`'s last step for distinct blocks ``new`` owning no slot (Python
         ints): each takes its slot of ``slots`` (taken off the free stack or evicted)."""
-        block_to_slot, slot_to_block, owned = self.block_to_slot, self.slot_to_block, self.owned
+        views, owned = self._scalars, self.owned
+        block_to_slot, slot_to_block = views.block_to_slot, views.slot_to_block
         for b, s in zip(new, slots, strict=True):
             block_to_slot[b], slot_to_block[s] = s, b
             owned[b] = 1
@@ -234,10 +238,10 @@ class MambaSlotPool:
 
     def _evict_listed(self, victims: list):
         """:meth:`evict` of the blocks ``victims`` (Python ints), item by item."""
-        block_to_slot, slot_to_block, owned, slots = (self.block_to_slot, self.slot_to_block,
-                                                      self.owned, [])
+        views, owned, slots = self._scalars, self.owned, []
+        block_to_slot, slot_to_block = views.block_to_slot, views.slot_to_block
         for b in victims:
-            s = int(block_to_slot[b])
+            s = block_to_slot[b]
             block_to_slot[b] = slot_to_block[s] = -1
             owned[b] = 0
             slots.append(s)
@@ -265,10 +269,10 @@ class MambaSlotPool:
         if len(owners) > _LISTED:
             self.release(np.array(sorted(owners), dtype=np.int64))
             return
-        to_slot, to_block, free, top = (self.block_to_slot, self.slot_to_block, self.free_slots,
-                                        self.free_count)
+        views, top = self._scalars, self.free_count
+        to_slot, to_block, free = views.block_to_slot, views.slot_to_block, views.free_slots
         for b in sorted(owners) if len(owners) > 1 else owners:
-            slot = to_slot.item(b)
+            slot = to_slot[b]
             to_slot[b] = to_block[slot] = -1
             owned[b] = 0
             free[top] = slot
