@@ -4,14 +4,11 @@ the checked ``plan`` it stands in for: the same entries, the same refusal."""
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from hcache.contexts.mamba_intermediate import IntermediateStates
 from hcache.runtime.device import Device
-
-pytestmark = pytest.mark.emu
 
 ROWS, WIDTH = 3, 40
 
@@ -83,3 +80,22 @@ def test_plan_prompt_hand_computed():
     assert inter.counts.tolist() == [0, 1, 0]
     assert inter.eos_block_ids.tolist() == [-1, 52, -1]
     assert inter.pending
+
+
+def test_plan_refuses_an_extra_boundary_inside_a_block_and_changes_nothing():
+    """A state belongs to the end of a block: a boundary at position 3 (block 4) would have
+    been kept as block column -1, the row's last block. It is refused, nothing changed."""
+    inter = _states()
+    table = np.full((ROWS, WIDTH), -1, np.int32)
+    table[0, :3] = [100, 101, 102]
+    before = _tracking(inter)
+    req = SimpleNamespace(prompt_length=12, finished_chunk_token_count=0)
+    try:
+        inter.plan(0, req, 0, 12, 0, [], 3, block_table=table, block_size=4, chunk_size=1,
+                   extra_boundaries=(8, 3))
+    except ValueError as e:
+        assert str(e) == "extra_boundaries: expected multiples of block_size 4, got 3"
+    else:
+        raise AssertionError("a boundary inside a block was accepted")
+    for a, b in zip(before, _tracking(inter)):
+        np.testing.assert_array_equal(a, b)

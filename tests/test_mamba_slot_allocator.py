@@ -560,9 +560,16 @@ def test_offsets_extra_boundaries():
     alloc.compute_and_store_offsets(_req(14), 0, 0, 14, 0, [], 4, extra_boundaries=(8, -4, 20))
     assert alloc.intermediate_targets() == [(0, 8, 0), (0, 12, 1)]
     assert alloc._intermediate_block_ids[0, :2].tolist() == [11, 12]
-    # Never more than MAX_INTERMEDIATE_OFFSETS_PER_REQUEST offsets.
-    alloc.compute_and_store_offsets(_req(14), 0, 0, 14, 1, [10], 4, extra_boundaries=(8, 2))
-    assert [t[1] for t in alloc.intermediate_targets()] == [4, 8, 12]
+    # A boundary inside a block is refused (its state would be kept as the block table's
+    # column -1, the row's last block), nothing changed.
+    before = alloc.intermediate_targets()
+    with pytest.raises(ValueError, match="extra_boundaries: expected multiples of block_size"):
+        alloc.compute_and_store_offsets(_req(14), 0, 0, 14, 1, [10], 4, extra_boundaries=(8, 2))
+    assert alloc.intermediate_targets() == before
+    # Never more than MAX_INTERMEDIATE_OFFSETS_PER_REQUEST offsets: 4, 16, 8 come first.
+    ctx.request_to_kv_block_ids[0, :5] = [10, 11, 12, 13, 14]
+    alloc.compute_and_store_offsets(_req(18), 0, 0, 18, 1, [10], 5, extra_boundaries=(8, 12))
+    assert [t[1] for t in alloc.intermediate_targets()] == [4, 8, 16]
 
 
 def test_offsets_validation():

@@ -126,3 +126,16 @@ def test_drop_hashes_drops_what_a_pop_of_each_drops(mapped, hashes):
         want.pop(h, None)
     m.drop_hashes(hashes)
     assert m.hash_to_block_id == want
+
+
+def test_views_of_empty_and_foreign_arrays():
+    """A zero-size array of any shape is viewed (empty), as an owner's may be; an array in the
+    other byte order is refused (its elements would read wrongly), naming it."""
+    from hcache.contexts.requests import RequestTable
+    from hcache.contexts.scalar_views import ScalarViews
+
+    views = ScalarViews(grid=np.zeros((0, 4), np.int64), flat=np.zeros(0, np.int32))
+    assert len(views.grid) == 0 and len(views.flat) == 0
+    assert RequestTable(4, 0, 16, hashing=True)._scalars.table.nbytes == 0
+    with pytest.raises(ValueError, match="swapped: expected an array in native byte order"):
+        ScalarViews(swapped=np.zeros(3, np.dtype(np.int64).newbyteorder()))

@@ -58,6 +58,7 @@ class BlockForest:
         Registered roots whose chain has a predecessor (a parent hash no block held when they
         linked, or an unlinked parent): a chain can be registered below its own head.
     """
+
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.hashes = np.empty(num_blocks, dtype=np.int64)

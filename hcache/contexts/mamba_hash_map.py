@@ -119,7 +119,8 @@ class MambaHashMap:
                 m.pop(h, None)
 
     def drop_hashes(self, hashes) -> None:
-        """Remove the entries under ``hashes`` (hashes not in the map are skipped)."""
+        """Remove the entries under ``hashes`` (a set or list, read twice; hashes not in the
+        map are skipped)."""
         m = self.hash_to_block_id
         if not hashes or m.keys().isdisjoint(hashes):   # (usually: few blocks own a slot)
             return

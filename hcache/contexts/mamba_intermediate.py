@@ -118,8 +118,9 @@ class IntermediateStates:
         block_size, chunk_size : int
             Tokens per KV block, and the granularity at which the model can emit states.
         extra_boundaries : sequence of int, optional
-            Further absolute block boundaries to snapshot, after the three above, within the
-            same filter and the limit of ``MAX_INTERMEDIATE_OFFSETS_PER_REQUEST``.
+            Further absolute block boundaries (multiples of ``block_size``) to snapshot, after
+            the three above, within the same filter and the limit of
+            ``MAX_INTERMEDIATE_OFFSETS_PER_REQUEST``.
 
         Raises
         ------
@@ -127,7 +128,8 @@ class IntermediateStates:
             ``req`` has no prompt length, or an argument is not an int.
         ValueError
             ``skip_tokens >= prefill_chunk_length``, ``matched_block_ids`` disagree with the
-            block table, or a kept boundary has no block. Nothing changes.
+            block table, an extra boundary is not a block boundary, or a kept boundary has no
+            block. Nothing changes.
         """
         bs, align = block_size, chunk_size
         finished = int(getattr(req, "finished_chunk_token_count", 0))
@@ -147,6 +149,10 @@ class IntermediateStates:
         matched_ids = host_ints("matched_block_ids", matched_block_ids)
         extra = _NO_EXTRA if type(extra_boundaries) is tuple and not extra_boundaries \
             else host_ints("extra_boundaries", extra_boundaries)
+        if len(extra) and np.count_nonzero(extra % bs):     # a state belongs to a block's end
+            bad = extra[np.flatnonzero(extra % bs)[0]]
+            raise ValueError(f"extra_boundaries: expected multiples of block_size {bs}, "
+                             f"got {bad}")
         if table[first_block:first_block + matched].tolist() != matched_ids[:matched].tolist():
             raise ValueError("matched_block_ids: expected the block table's matched blocks")
         boundaries = [(first_block + matched) * bs, (prompt_len // bs) * bs, (required - 1) * bs]

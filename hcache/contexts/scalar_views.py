@@ -29,14 +29,20 @@ class ScalarViews(tuple):
     raw : tuple of str
         Names of the arrays viewed as bytes.
     **arrays : numpy.ndarray
-        C-contiguous arrays (the owner keeps them: their memory must not be replaced).
+        C-contiguous arrays in native byte order. The owner keeps them and never rebinds
+        them (its resets write in place): a caller who assigned a new array to an owner's
+        attribute would leave the view writing the old one.
     """
 
     def __new__(cls, raw: tuple = (), /, **arrays: np.ndarray):
         self = super().__new__(cls, arrays.values())
         self._names, self._raw = tuple(arrays), raw
         for name, array in arrays.items():
-            flat = memoryview(array).cast("B")
+            if not array.dtype.isnative:
+                raise ValueError(f"{name}: expected an array in native byte order, "
+                                 f"got dtype {array.dtype.str}")
+            # (a zero-size array of several dimensions is viewed flat: it cannot be cast)
+            flat = memoryview(array if array.size else array.reshape(-1)).cast("B")
             if name not in raw and array.dtype != np.uint8:
                 flat = flat.cast(array.dtype.char)
             setattr(self, name, flat)
