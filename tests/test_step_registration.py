@@ -37,7 +37,7 @@ from hcache.contexts.block_forest import BlockForest
 from hcache.contexts.block_hashing import (
     cache_salt,
     chain_block_hashes,
-    chain_next,
+    chain_cells,
     chain_root,
     compute_block_hashes,
 )
@@ -344,18 +344,17 @@ def test_link_few_links_as_the_array_path_does(case):
 
 @given(st.integers(1, 4), st.sampled_from([None, b"s1", "salt"]),
        st.lists(st.integers(-2**63, 2**63 - 1), max_size=20))
-def test_chain_next_continues_a_chain_as_the_whole_sequence_hashes(block_size, salt, tokens):
-    """``chain_next`` block by block from the salt's root gives ``compute_block_hashes`` of
-    the whole sequence, each digest the one ``chain_block_hashes`` gives, and the parent hash
-    of each block after the first its predecessor's hash."""
+def test_chain_cells_continues_a_chain_as_the_whole_sequence_hashes(block_size, salt, tokens):
+    """``chain_cells`` block by block from the salt's root (a one-row digest table, the tokens
+    as its token row) gives ``compute_block_hashes`` of the whole sequence, and leaves in the
+    digest row each block's digest as ``chain_block_hashes`` gives it."""
     whole = compute_block_hashes(tokens, block_size, salt=salt)
     arr = np.array(tokens, np.int64)
-    digest = chain_root(cache_salt("salt", salt))
+    row = bytearray(chain_root(cache_salt("salt", salt)))
+    raw = arr.astype("<i8").tobytes()
+    step = 8 * block_size
     for k, want in enumerate(whole):
-        raw = arr[k * block_size:(k + 1) * block_size].astype("<i8").tobytes()
-        h, new, parent = chain_next(digest, memoryview(raw))
-        _, digests = chain_block_hashes(np.frombuffer(digest, np.uint8).reshape(1, -1),
-                                        arr[k * block_size:(k + 1) * block_size][None])
-        assert h == want and new == digests[0].tobytes()
-        assert k == 0 or parent == whole[k - 1]
-        digest = new
+        parent = np.frombuffer(bytes(row), np.uint8).reshape(1, -1)
+        assert chain_cells(memoryview(row), memoryview(raw), [(0, k)], step, len(raw)) == [want]
+        _, digests = chain_block_hashes(parent, arr[k * block_size:(k + 1) * block_size][None])
+        assert bytes(row) == digests[0].tobytes()

@@ -32,11 +32,10 @@ from .._checks import as_int, host_array
 from ..runtime.device import array_module_of
 
 __all__ = ["compute_block_hashes", "chain_block_hashes", "prompt_block_hashes", "DIGEST_BYTES",
-           "cache_salt", "block_keys", "chain_root", "chain_listed", "chain_next", "chain_cells"]
+           "cache_salt", "block_keys", "chain_root", "chain_listed", "chain_cells"]
 
 _MOD = (1 << 63) - 1
 _MOD_U64 = np.uint64(_MOD)
-_FIRST_WORD = struct.Struct("<Q").unpack_from     # the little-endian uint64 opening a digest
 DIGEST_BYTES = 32   # a SHA-256 digest; an unsalted chain starts from DIGEST_BYTES zero bytes
 # Prefix of a salt's root message: it is no block message (those start with a digest, and no
 # digest starts with these bytes but by a 2^-144 chance), so a salted root is no block's digest.
@@ -299,32 +298,11 @@ def chain_listed(roots: bytes, raw: bytes, step: int, keys: dict | None):
     return _listed_hashes(digests, m), digests, _listed_hashes(roots, m)
 
 
-def chain_next(digest: bytes, raw) -> tuple[int, bytes, int]:
-    """:func:`chain_listed` of one chain, on scalars (a serving step's block or two).
-
-    Parameters
-    ----------
-    digest : bytes [32]
-        The chain's parent digest.
-    raw : bytes-like [8 * block_size]
-        The new block's tokens as little-endian int64.
-
-    Returns
-    -------
-    hash : int
-    digest : bytes [32]
-        The new block's.
-    parent_hash : int
-        The hash of ``digest`` (a chain root's is no block's).
-    """
-    new = hashlib.sha256(digest + raw).digest()
-    return _FIRST_WORD(new)[0] % _MOD + 1, new, _FIRST_WORD(digest)[0] % _MOD + 1
-
-
 def chain_cells(digests: memoryview, tokens: memoryview, cells: list, step: int,
                 span: int) -> list[int]:
-    """:func:`chain_next` of a few chains whose digests and tokens are rows of two tables,
-    in place: the digest row of each chain becomes its new block's digest.
+    """:func:`chain_listed` of a few chains whose digests and tokens are rows of two tables,
+    in place: the digest row of each chain becomes its new block's digest (one SHA-256 of the
+    digest and the block's bytes per chain).
 
     Parameters
     ----------

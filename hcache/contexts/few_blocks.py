@@ -17,16 +17,13 @@ __all__ = ["deregister_peeled", "hand_out", "release_one_each"]
 def deregister_peeled(kv, victims: list) -> set:
     """Unregister and free the ``victims`` of a committed peel, in order (cached: ref count 0,
     out of the leaves, and the parents they leave childless are leaves already: see
-    :meth:`EvictableLeaves.peel`); their timestamps drop to 0 in the loop that pushes them on
-    the free stack. Returns their former hashes."""
+    :meth:`EvictableLeaves.peel`); their timestamps drop to 0 and they go on the free stack.
+    Returns their former hashes."""
     hashes, _ = kv._forest.unlink_listed(victims)
-    free, stamps = kv._free, kv._scalars.stamps
-    stack, top = free._scalars.ids, free.top
+    stamps = kv._scalars.stamps
     for b in victims:
         stamps[b] = 0
-        stack[top] = b
-        top += 1
-    free.top = top
+    kv._free.push(victims)
     return hashes
 
 

@@ -4,9 +4,9 @@
 A step touches a few elements of large host arrays: through a memoryview, reading or writing
 one costs about half of ``arr[i]`` / ``arr.item(i)``, but making the view costs as much as a
 few accesses, so an owner makes its views once and keeps them. A memoryview can be neither
-deep-copied, pickled nor compared by value: a :class:`ScalarViews` is the tuple of its arrays
-(what copies, pickles and comparisons see), and its views are made again from the arrays of a
-copy (the owner's copies, shared through the copy's memo or the pickle's).
+deep-copied nor pickled: a :class:`ScalarViews` is the tuple of its arrays (what copies and
+pickles see), and its views are made again from the arrays of a copy (the owner's copies,
+shared through the copy's memo or the pickle's).
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ lists, with one hashing pass and one registration. It declines any other step, c
 and the general path does it (``tests/test_step_registration.py`` runs both side by side).
 
 A step that grows at most :data:`FEW_ROWS` rows (every serving step: 0-3 rows at block 256,
-~16 at block 16) is done row by row on Python scalars (:func:`_register_few`: ``.item()``
-reads, one SHA-256 per block through :meth:`RequestTable.hash_next_listed`, scalar writes), a
-lockstep step's hundreds of rows on lists
-and arrays; both leave the same hashes, digests, row counts and registrations (tested against
-each other and against the general path).
+~16 at block 16) is done row by row on Python scalars (:func:`_register_few`: one SHA-256 per
+block through :meth:`RequestTable.hash_next_listed`, reads and writes through the table's kept
+memoryviews), a lockstep step's hundreds of rows on lists and arrays; both leave the same
+hashes, digests, row counts and registrations (tested against each other and against the
+general path).
 """
 
 from __future__ import annotations
