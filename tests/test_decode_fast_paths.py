@@ -928,7 +928,7 @@ def test_add_blocks_of_few_rows_equals_the_scatter(data):
         t.request_to_kv_block_ids[:] = np.where(np.arange(B)[None, :] < held[:, None], 7, -1)
         saved, rq._FEW_ROWS = rq._FEW_ROWS, few
         try:
-            t.add_blocks(rows, mask, blocks)
+            t.add_blocks(rows, mask.astype(bool), blocks)
         finally:
             rq._FEW_ROWS = saved
         tables.append((t.request_to_kv_block_ids.copy(), t.num_blocks.copy()))

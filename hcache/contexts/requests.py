@@ -35,8 +35,7 @@ from .token_batches import ragged_columns
 
 __all__ = ["RequestTable"]
 
-# Rows a decode step's new blocks are written to one by one (a NumPy scatter through a few
-# indices costs more than the Python loop).
+# Up to this many rows get a decode step's new blocks one by one (cheaper than a scatter).
 _FEW_ROWS = 16
 
 
@@ -265,9 +264,9 @@ class RequestTable:
 
     def add_blocks(self, rows: np.ndarray, counts: np.ndarray, block_ids: np.ndarray) -> None:
         """Append ``counts[i]`` blocks of ``block_ids`` (in order) to the table row of
-        ``rows[i]`` (``counts`` may be a 0/1 mask of any integer type)."""
-        if counts.dtype == np.int8:
-            rows = rows[counts.view(bool)]
+        ``rows[i]`` (``counts`` may be a bool mask: one block for each row it marks)."""
+        if counts.dtype == np.bool_:
+            rows = rows[counts]
             if len(rows) > _FEW_ROWS:
                 self.request_to_kv_block_ids[rows, self.num_blocks[rows]] = block_ids
                 self.num_blocks[rows] += 1
@@ -363,7 +362,8 @@ class RequestTable:
     def complete_steps(self):
         """Mark every scheduled step but a parked row's computed; returns its ``rows``
         (ascending) and their computed tokens before and after, int64 arrays."""
-        rows = ((self.pending_end >= 0) & ~self.parked).nonzero()[0]
+        on = self.pending_end >= 0    # (the mask of parked rows only when there are some)
+        rows = (on & ~self.parked if np.count_nonzero(self.parked) else on).nonzero()[0]
         ends, before = self.pending_end[rows], self.computed[rows]    # (copies)
         self.computed[rows], self.pending_end[rows] = ends, -1
         return rows, before, ends

@@ -31,8 +31,10 @@ class PrefixCacheStats:
     stored_states: int = 0        # Mamba states committed to the cache (totals only)
 
     def add(self, other: PrefixCacheStats) -> None:
+        """Add ``other``'s counters to these, field by field (in place)."""
+        mine, theirs = self.__dict__, other.__dict__
         for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+            mine[name] += theirs[name]
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,7 @@ class StepScheduler:
                              f"got {ends[i] - starts[i]}")
         if counts is None:
             phase = starts % bs
-            need = (phase == 0).view(np.int8)       # the token opens a block
+            need = phase == 0       # the token opens a block (a 0/1 mask)
         else:
             need = -(-ends // bs) - requests.num_blocks[rows]
         total = int(np.count_nonzero(need)) if counts is None else int(need.sum())
@@ -220,8 +220,8 @@ class StepScheduler:
         kv = self.kv
         if kv.num_free_blocks >= total:
             return kv._allocate(total, ())
-        # (an int8 need is a 0/1 mask: one block for each row it marks)
-        return kv._allocate(total, (), [1] * total if need.dtype == np.int8
+        # (a bool need is a 0/1 mask: one block for each row it marks)
+        return kv._allocate(total, (), [1] * total if need.dtype == np.bool_
                             else need[need > 0].tolist())
 
     def _plan_snapshots(self, rows, starts, ends, counts, closing) -> None:
