@@ -252,7 +252,7 @@ class RequestTable:
         self.request_to_mamba_state_idx[row] = slot
         if self.hashing:
             self.hashes[row, :len(hashes)] = hashes
-            self.digests[row] = np.frombuffer(digest, np.uint8)
+            self._scalars.digests[DIGEST_BYTES * row:DIGEST_BYTES * (row + 1)] = digest
             self.hashed[row] = len(hashes)
             self.salts[row], self.keys[row] = salt, dict(keys or {})
             tail = len(hashes)   # a key of the partial tail block waits for it to complete
