@@ -1,0 +1,191 @@
+"""The rows of the Mamba boundary tracking that hold entries (docs/design.md §6 and §8, issue 24).
+
+:class:`~.mamba_intermediate.IntermediateStates` keeps a step's boundary entries in per-row
+arrays over every request row; a serving step fills one or two rows. :class:`EntryRows` notes
+the rows that may hold entries (a superset, at most ``TRACKED`` of them), so the commit reads
+and clears those rows one by one through kept memoryviews instead of scanning every row with
+NumPy. Invariants (checked by :meth:`EntryRows.broken_invariants`):
+
+- ``pending`` is True whenever some row holds an entry (a scratch entry or an EOS entry);
+- while ``rows`` is a set, every row holding an entry is in it; ``rows`` is None (untracked:
+  the arrays are scanned) once more than ``TRACKED`` rows were noted, or after a writer of the
+  arrays set ``pending`` itself, until the next full :meth:`EntryRows.clear`.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+from .._checks import index_array
+from .scalar_views import ScalarViews
+
+__all__ = ["TRACKED", "EntryRows"]
+
+TRACKED = 64
+_PLAIN_INT = {int}
+
+
+class EntryRows:
+    """The pending flag and the rows that may hold entries of the tracking arrays.
+
+    Parameters
+    ----------
+    offsets, block_ids : int32 [max_requests, K]
+    counts, eos_block_ids : int32 [max_requests]
+        The tracking arrays of :class:`~.mamba_intermediate.IntermediateStates` (its own,
+        never rebound; the packing invariants are its).
+
+    Attributes
+    ----------
+    pending : bool
+        Whether some row may hold an entry. Setting it True from outside (after writing the
+        arrays directly) makes the rows untracked.
+    rows : set of int or None
+        A superset of the rows holding entries, or None (untracked).
+    """
+
+    def __init__(self, offsets, block_ids, counts, eos_block_ids):
+        self._arrays = (offsets, block_ids, counts, eos_block_ids)
+        self.max_requests, self.width = offsets.shape
+        self._views = ScalarViews(offsets=offsets, block_ids=block_ids, counts=counts,
+                                  eos=eos_block_ids)
+        self._zeros, self._none = (array("i", [v] * self.width) for v in (0, -1))
+        self._pending, self.rows = False, set()
+
+    @property
+    def pending(self) -> bool:
+        return self._pending
+
+    @pending.setter
+    def pending(self, value) -> None:
+        self._pending = bool(value)
+        if self._pending:
+            self.rows = None
+
+    def track(self, rows) -> None:
+        """Note that ``rows`` (Python ints) may hold entries now; they are pending."""
+        tracked = self.rows
+        if tracked is not None:
+            if len(tracked) + len(rows) > TRACKED:
+                self.rows = None
+            else:
+                tracked.update(rows)
+        self._pending = True
+
+    def drop_scratch(self, rows: np.ndarray, listed: list) -> None:
+        """Clear the scratch entries (not the EOS entries) of ``rows`` (int64, and the same as
+        Python ints in ``listed``)."""
+        tracked = self.rows
+        if not self._pending or tracked is not None and tracked.isdisjoint(listed):
+            return      # none of them holds an entry
+        if tracked is None:
+            offsets, block_ids, counts, _ = self._arrays
+            offsets[rows] = 0
+            block_ids[rows] = -1
+            counts[rows] = 0
+            return
+        for row in tracked.intersection(listed):
+            self._drop_row_scratch(row)
+
+    def _drop_row_scratch(self, row: int) -> None:
+        views = self._views
+        n = views.counts[row]
+        if n:       # (the entries beyond a row's count are clear)
+            base = row * self.width
+            views.offsets[base:base + n] = self._zeros[:n]
+            views.block_ids[base:base + n] = self._none[:n]
+            views.counts[row] = 0
+
+    def write_row(self, row: int, offsets: list, block_ids: list, eos: int) -> None:
+        """Replace the entries of ``row``: ``offsets`` / ``block_ids`` (at most ``K``, Python
+        ints) and the EOS block ``eos`` (-1: none); notes the row if it holds an entry."""
+        views, base, k, n = self._views, row * self.width, self.width, len(offsets)
+        views.offsets[base:base + k] = array("i", offsets + [0] * (k - n))
+        views.block_ids[base:base + k] = array("i", block_ids + [-1] * (k - n))
+        views.counts[row] = n
+        views.eos[row] = eos
+        if n or eos >= 0:
+            self.track((row,))
+
+    def write_eos(self, listed: list, block_ids: list) -> None:
+        """Set the EOS entries of rows ``listed`` to ``block_ids`` (Python ints)."""
+        eos = self._views.eos
+        for row, block in zip(listed, block_ids):
+            eos[row] = block
+        self.track(listed)
+
+    def entries(self, limit: int):
+        """``(block_ids, eos_rows, num_scratch)``: the blocks of the scratch entries (rows in
+        ascending order, each row's in order), then of the EOS entries (of ``eos_rows``,
+        ascending), as lists; None when over ``limit`` entries may be pending."""
+        _, _, counts_array, eos_array = self._arrays
+        views = self._views
+        counts, ids, eos = views.counts, views.block_ids, views.eos
+        if self.rows is None:
+            rows = counts_array.nonzero()[0].tolist()
+            eos_rows = (eos_array >= 0).nonzero()[0].tolist()
+        else:
+            tracked = sorted(self.rows)
+            rows = [row for row in tracked if counts[row]]
+            eos_rows = [row for row in tracked if eos[row] >= 0]
+        if self.width * len(rows) + len(eos_rows) > limit:
+            return None
+        block_ids, k = [], self.width
+        for row in rows:
+            block_ids += ids[row * k:row * k + counts[row]]
+        num_scratch = len(block_ids)
+        block_ids += [eos[row] for row in eos_rows]
+        return block_ids, eos_rows, num_scratch
+
+    def clear(self, rows=None) -> None:
+        """Forget the entries of ``rows`` (default: every row). Raises ``IndexError`` (nothing
+        changes) when a row is out of range."""
+        if rows is None:
+            if self._pending:
+                self._forget(self.rows)
+                self._pending = False
+            self.rows = set()      # nothing is pending: every row is clear
+            return
+        listed = type(rows) is list and set(map(type, rows)) <= _PLAIN_INT and \
+            (not rows or 0 <= min(rows) and max(rows) < self.max_requests)
+        sel = rows if listed else index_array("rows", rows, self.max_requests)
+        tracked = self.rows
+        if not self._pending:
+            return      # every row is clear already
+        if tracked is None:
+            self._forget(None, sel)
+            _, _, counts, eos = self._arrays
+            self._pending = bool(np.count_nonzero(counts) or np.count_nonzero(eos >= 0))
+            return
+        gone = tracked.intersection(sel if listed else sel.tolist())
+        self._forget(gone)
+        tracked -= gone
+        counts, eos = self._views.counts, self._views.eos
+        self._pending = any(counts[row] or eos[row] >= 0 for row in tracked)
+
+    def _forget(self, rows, sel=slice(None)) -> None:
+        """Clear ``rows`` one by one, or (None) the rows of ``sel`` with NumPy."""
+        if rows is None:
+            offsets, block_ids, counts, eos = self._arrays
+            offsets[sel] = 0
+            block_ids[sel] = -1
+            counts[sel] = 0
+            eos[sel] = -1
+            return
+        eos = self._views.eos
+        for row in rows:
+            self._drop_row_scratch(row)
+            eos[row] = -1
+
+    def broken_invariants(self) -> list[str]:
+        """Every broken invariant (module docstring); empty when all hold."""
+        _, _, counts, eos = self._arrays
+        held = set(np.flatnonzero((counts != 0) | (eos >= 0)).tolist())
+        problems = []
+        if not self._pending and held:
+            problems.append("intermediate entries pending while none are flagged")
+        if self.rows is not None and not held <= self.rows:
+            problems.append(f"rows with entries not tracked: {sorted(held - self.rows)[:8]}")
+        return problems
