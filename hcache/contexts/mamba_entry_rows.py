@@ -68,26 +68,10 @@ class EntryRows:
         """Note that ``rows`` (Python ints) may hold entries now; they are pending."""
         tracked = self.rows
         if tracked is not None:
-            if len(tracked) + len(rows) > TRACKED:
+            tracked.update(rows)
+            if len(tracked) > TRACKED:
                 self.rows = None
-            else:
-                tracked.update(rows)
         self._pending = True
-
-    def drop_scratch(self, rows: np.ndarray, listed: list) -> None:
-        """Clear the scratch entries (not the EOS entries) of ``rows`` (int64, and the same as
-        Python ints in ``listed``)."""
-        tracked = self.rows
-        if not self._pending or tracked is not None and tracked.isdisjoint(listed):
-            return      # none of them holds an entry
-        if tracked is None:
-            offsets, block_ids, counts, _ = self._arrays
-            offsets[rows] = 0
-            block_ids[rows] = -1
-            counts[rows] = 0
-            return
-        for row in tracked.intersection(listed):
-            self._drop_row_scratch(row)
 
     def _drop_row_scratch(self, row: int) -> None:
         views = self._views
@@ -101,43 +85,63 @@ class EntryRows:
     def write_row(self, row: int, offsets: list, block_ids: list, eos: int) -> None:
         """Replace the entries of ``row``: ``offsets`` / ``block_ids`` (at most ``K``, Python
         ints) and the EOS block ``eos`` (-1: none); notes the row if it holds an entry."""
-        views, base, k, n = self._views, row * self.width, self.width, len(offsets)
-        views.offsets[base:base + k] = array("i", offsets + [0] * (k - n))
-        views.block_ids[base:base + k] = array("i", block_ids + [-1] * (k - n))
-        views.counts[row] = n
+        views, base = self._views, row * self.width
+        self._drop_row_scratch(row)
+        if offsets:
+            off, ids = views.offsets, views.block_ids
+            for i, (o, b) in enumerate(zip(offsets, block_ids), base):
+                off[i], ids[i] = o, b
+            views.counts[row] = len(offsets)
         views.eos[row] = eos
-        if n or eos >= 0:
+        if offsets or eos >= 0:
             self.track((row,))
 
-    def write_eos(self, listed: list, block_ids: list) -> None:
-        """Set the EOS entries of rows ``listed`` to ``block_ids`` (Python ints)."""
+    def write_eos(self, rows: list, block_ids: list) -> None:
+        """Replace the entries of distinct ``rows`` (Python ints) by EOS entries of
+        ``block_ids`` (Python ints)."""
+        tracked = self.rows
+        if not self._pending or tracked is not None and tracked.isdisjoint(rows):
+            pass        # none of them holds an entry
+        elif tracked is None:
+            offsets, block_ids_array, counts, _ = self._arrays
+            offsets[rows] = 0
+            block_ids_array[rows] = -1
+            counts[rows] = 0
+        else:
+            for row in tracked.intersection(rows):
+                self._drop_row_scratch(row)
         eos = self._views.eos
-        for row, block in zip(listed, block_ids):
+        for row, block in zip(rows, block_ids):
             eos[row] = block
-        self.track(listed)
+        self.track(rows)
 
     def entries(self, limit: int):
         """``(block_ids, eos_rows, num_scratch)``: the blocks of the scratch entries (rows in
         ascending order, each row's in order), then of the EOS entries (of ``eos_rows``,
         ascending), as lists; None when over ``limit`` entries may be pending."""
-        _, _, counts_array, eos_array = self._arrays
-        views = self._views
+        views, k = self._views, self.width
         counts, ids, eos = views.counts, views.block_ids, views.eos
         if self.rows is None:
+            _, _, counts_array, eos_array = self._arrays
             rows = counts_array.nonzero()[0].tolist()
             eos_rows = (eos_array >= 0).nonzero()[0].tolist()
+            eos_ids = [eos[row] for row in eos_rows]
         else:
-            tracked = sorted(self.rows)
-            rows = [row for row in tracked if counts[row]]
-            eos_rows = [row for row in tracked if eos[row] >= 0]
-        if self.width * len(rows) + len(eos_rows) > limit:
+            rows, eos_rows, eos_ids = [], [], []
+            for row in sorted(self.rows):
+                if counts[row]:
+                    rows.append(row)
+                block = eos[row]
+                if block >= 0:
+                    eos_rows.append(row)
+                    eos_ids.append(block)
+        if k * len(rows) + len(eos_rows) > limit:
             return None
-        block_ids, k = [], self.width
+        block_ids = []
         for row in rows:
             block_ids += ids[row * k:row * k + counts[row]]
         num_scratch = len(block_ids)
-        block_ids += [eos[row] for row in eos_rows]
-        return block_ids, eos_rows, num_scratch
+        return block_ids + eos_ids, eos_rows, num_scratch
 
     def clear(self, rows=None) -> None:
         """Forget the entries of ``rows`` (default: every row). Raises ``IndexError`` (nothing
@@ -174,9 +178,10 @@ class EntryRows:
             counts[sel] = 0
             eos[sel] = -1
             return
-        eos = self._views.eos
+        counts, eos = self._views.counts, self._views.eos
         for row in rows:
-            self._drop_row_scratch(row)
+            if counts[row]:
+                self._drop_row_scratch(row)
             eos[row] = -1
 
     def broken_invariants(self) -> list[str]:

@@ -267,12 +267,11 @@ class IntermediateStates:
             self.eos_block_ids[rows[has_eos]] = eos
             self._rows.track(rows[has_eos].tolist())
 
-    def plan_eos(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
+    def plan_eos(self, rows: list, block_ids: list) -> None:
         """:meth:`plan_batch` of one-token chunks that each end on a block boundary: the EOS
-        entries ``block_ids`` (any int dtype) of distinct checked ``rows``, nothing else."""
-        listed = rows.tolist()
-        self._rows.drop_scratch(rows, listed)   # (entries of an uncommitted step: replaced)
-        self._rows.write_eos(listed, block_ids.tolist())
+        entries ``block_ids`` of distinct checked ``rows`` (lists of Python ints), nothing
+        else (entries of an uncommitted step are replaced)."""
+        self._rows.write_eos(rows, block_ids)
 
     def targets(self) -> list[tuple[int, int, int]]:
         """``(request_row, offset, scratch_index)`` of every pending boundary state, packed

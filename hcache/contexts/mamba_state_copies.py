@@ -36,6 +36,9 @@ from ..runtime.stream_order import StreamOrder
 
 __all__ = ["MambaStateCopies", "check_live_states", "context_parts", "state_shapes"]
 
+# Host copies of up to this many states go one by one (Python ints), more as one gather.
+_FEW = 4
+
 
 def context_parts(context):
     """``(kv_block_allocator, mamba_conv_states, mamba_ssm_states)`` of a context; raises
@@ -186,10 +189,10 @@ class MambaStateCopies:
                               np.array(dst, np.int32), stream=stream)
                 return
             pairs = self._whole[direction]
-            if n == 1:
-                src, dst = int(src[0]), int(dst[0])
-                for src_states, dst_states in pairs:
-                    dst_states[:, dst] = src_states[:, src]
+            if n <= _FEW:       # a state at a time: cheaper than a gather's index arrays
+                for s, d in zip(src, dst):
+                    for src_states, dst_states in pairs:
+                        dst_states[:, d] = src_states[:, s]
                 return
             src, dst = np.asarray(src, np.intp), np.asarray(dst, np.intp)
             for src_states, dst_states in pairs:
@@ -279,7 +282,7 @@ class MambaStateCopies:
         """:meth:`store_from_live` of arguments the caller built valid (distinct owned slots,
         rows with a live slot)."""
         live = to_host(self.context.request_to_mamba_state_idx)
-        live = [live.item(rows[0])] if len(rows) == 1 else live[rows]
+        live = list(map(live.item, rows)) if len(rows) <= _FEW else live[rows]
         self._copy("live_to_cache", live, slots, 0, stream)
 
     def restore_to_live(self, request_indices, block_ids, *, stream=None,
