@@ -85,20 +85,28 @@ class EntryRows:
     def write_row(self, row: int, offsets: list, block_ids: list, eos: int) -> None:
         """Replace the entries of ``row``: ``offsets`` / ``block_ids`` (at most ``K``, Python
         ints) and the EOS block ``eos`` (-1: none); notes the row if it holds an entry."""
-        views, base = self._views, row * self.width
-        self._drop_row_scratch(row)
-        if offsets:
-            off, ids = views.offsets, views.block_ids
-            for i, (o, b) in enumerate(zip(offsets, block_ids), base):
-                off[i], ids[i] = o, b
-            views.counts[row] = len(offsets)
+        views, n = self._views, len(offsets)
+        off, ids, counts = views.offsets, views.block_ids, views.counts
+        i = base = row * self.width
+        for i, o, b in zip(range(base, base + n), offsets, block_ids):
+            off[i], ids[i] = o, b
+        for i in range(base + n, base + counts[row]):     # the row's former entries beyond
+            off[i], ids[i] = 0, -1
+        counts[row] = n
         views.eos[row] = eos
-        if offsets or eos >= 0:
-            self.track((row,))
+        if n or eos >= 0:
+            tracked = self.rows
+            if tracked is not None:
+                tracked.add(row)
+                if len(tracked) > TRACKED:
+                    self.rows = None
+            self._pending = True
 
-    def write_eos(self, rows: list, block_ids: list) -> None:
-        """Replace the entries of distinct ``rows`` (Python ints) by EOS entries of
-        ``block_ids`` (Python ints)."""
+    def write_eos(self, rows, block_ids) -> None:
+        """Replace the entries of distinct ``rows`` by EOS entries of ``block_ids``: lists of
+        Python ints, or (for many) int arrays."""
+        arrays = type(rows) is not list
+        rows_array, rows = (rows, rows.tolist()) if arrays else (None, rows)
         tracked = self.rows
         if not self._pending or tracked is not None and tracked.isdisjoint(rows):
             pass        # none of them holds an entry
@@ -110,9 +118,12 @@ class EntryRows:
         else:
             for row in tracked.intersection(rows):
                 self._drop_row_scratch(row)
-        eos = self._views.eos
-        for row, block in zip(rows, block_ids):
-            eos[row] = block
+        if arrays:
+            self._arrays[3][rows_array] = block_ids
+        else:
+            eos = self._views.eos
+            for row, block in zip(rows, block_ids):
+                eos[row] = block
         self.track(rows)
 
     def entries(self, limit: int):

@@ -267,10 +267,10 @@ class IntermediateStates:
             self.eos_block_ids[rows[has_eos]] = eos
             self._rows.track(rows[has_eos].tolist())
 
-    def plan_eos(self, rows: list, block_ids: list) -> None:
+    def plan_eos(self, rows, block_ids) -> None:
         """:meth:`plan_batch` of one-token chunks that each end on a block boundary: the EOS
-        entries ``block_ids`` of distinct checked ``rows`` (lists of Python ints), nothing
-        else (entries of an uncommitted step are replaced)."""
+        entries ``block_ids`` of distinct checked ``rows`` (lists of Python ints, or int
+        arrays), nothing else (entries of an uncommitted step are replaced)."""
         self._rows.write_eos(rows, block_ids)
 
     def targets(self) -> list[tuple[int, int, int]]:

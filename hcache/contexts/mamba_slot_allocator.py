@@ -312,9 +312,9 @@ class MambaSlotAllocator:
         self._intermediate.plan_prompt(row, ctx.request_to_kv_block_ids[row], skip, n, matched,
                                        required, extra, ctx.block_size_tokens, ctx.mamba_chunk_size)
 
-    def _plan_eos(self, rows: list, block_ids: list) -> None:
+    def _plan_eos(self, rows, block_ids) -> None:
         """Unchecked :meth:`compute_and_store_offsets_batch` of a decode step (own rows, and
-        the blocks their EOS entries keep, as lists of Python ints)."""
+        the blocks their EOS entries keep: lists of Python ints, or int arrays)."""
         self._intermediate.plan_eos(rows, block_ids)
 
     def intermediate_targets(self) -> list[tuple[int, int, int]]:

@@ -192,11 +192,11 @@ class MambaStateCopies:
             if n <= _FEW:       # a state at a time: cheaper than a gather's index arrays
                 for s, d in zip(src, dst):
                     for src_states, dst_states in pairs:
-                        dst_states[:, d] = src_states[:, s]
+                        dst_states[d] = src_states[s]
                 return
             src, dst = np.asarray(src, np.intp), np.asarray(dst, np.intp)
             for src_states, dst_states in pairs:
-                dst_states[:, dst] = src_states.take(src, axis=1)
+                dst_states[dst] = src_states.take(src, axis=0)
             return
         src_dev, dst_dev = self._idx_dev[2 * lane], self._idx_dev[2 * lane + 1]
         with launch_scope(self.device, stream, self.order):
@@ -369,9 +369,9 @@ def _no_live_slot(name: str, row: int, live: int) -> ValueError:
 
 def _pairs(src_conv, src_ssm, dst_conv, dst_ssm) -> list:
     """The (source, destination) host state arrays of a copy direction, for the kinds of state
-    that exist, as ``[num_mamba_layers, slots]`` arrays of one opaque record per state (views:
-    a gather moves whole states, not elements)."""
-    return [(_records(src), _records(dst))
+    that exist, as ``[slots, num_mamba_layers]`` arrays of one opaque record per state (views:
+    a gather moves whole states, not elements; a slot's states of every layer are one row)."""
+    return [(_records(src).T, _records(dst).T)
             for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm)) if src is not None]
 
 

@@ -233,12 +233,12 @@ class StepScheduler:
         if closing is False:
             return      # one token each, none on a boundary: no snapshot (rows are clear)
         if closing is not None:     # one token each: the closing rows' EOS entries only
-            at, table = closing.nonzero()[0], self.requests.request_to_kv_block_ids
-            if len(at) > 4:
-                rows = rows[at]
-                self.mamba._plan_eos(rows.tolist(), table[rows, ends[at] // bs - 1].tolist())
+            table = self.requests.request_to_kv_block_ids
+            if np.count_nonzero(closing) > 4:
+                rows = rows[closing]
+                self.mamba._plan_eos(rows, table[rows, ends[closing] // bs - 1])
                 return
-            at = at.tolist()
+            at = closing.nonzero()[0].tolist()
             rows = [rows.item(i) for i in at]
             self.mamba._plan_eos(rows, [table.item(r, ends.item(i) // bs - 1)
                                         for r, i in zip(rows, at)])
