@@ -34,7 +34,7 @@ class UntrackedRows(EntryRows):
 def oracle_of(ctx):
     """Turn ``ctx`` into the oracle: untracked rows, general EOS planning, general commit."""
     m, scheduler = ctx.mamba_slot_allocator, ctx._scheduler
-    m._intermediate._rows.__class__ = UntrackedRows
+    m._intermediate.entry_rows.__class__ = UntrackedRows
     m.lean_commit = False
     plan = scheduler._plan_snapshots
 
@@ -122,13 +122,14 @@ def test_the_workload_reaches_every_path(monkeypatch):
     the rows alone below)."""
     seen = dict.fromkeys(["eos few", "eos many", "scratch read", "release clear", "overflow"],
                          0)
-    write_eos, entries, clear, track = (EntryRows.write_eos, EntryRows.entries,
-                                        EntryRows.clear, EntryRows.track)
+    write_eos, entries, clear = EntryRows.write_eos, EntryRows.entries, EntryRows.clear
 
     def counting_write_eos(self, rows, block_ids):
         if type(self) is EntryRows:
             seen["eos few" if type(rows) is list else "eos many"] += 1
-        return write_eos(self, rows, block_ids)
+        was = self.rows is not None
+        write_eos(self, rows, block_ids)
+        seen["overflow"] += was and self.rows is None
 
     def counting_entries(self, limit):
         got = entries(self, limit)
@@ -141,15 +142,10 @@ def test_the_workload_reaches_every_path(monkeypatch):
             seen["release clear"] += bool(self.rows.intersection(rows))
         return clear(self, rows)
 
-    def counting_track(self, rows):
-        was = self.rows is not None
-        track(self, rows)
-        seen["overflow"] += was and self.rows is None
     monkeypatch.setattr(EntryRows, "write_eos", counting_write_eos)
     monkeypatch.setattr(EntryRows, "entries", counting_entries)
     monkeypatch.setattr(EntryRows, "clear", counting_clear)
-    monkeypatch.setattr(EntryRows, "track", counting_track)
-    monkeypatch.setattr(mamba_entry_rows, "TRACKED", 6)    # (a small limit: it is reached)
+    monkeypatch.setattr(mamba_entry_rows, "TRACKED", 3)    # (a small limit: it is reached)
     for seed in range(8):
         drive(seed, 50)
     assert all(seen.values()), seen
@@ -248,7 +244,7 @@ def test_rows_equal_the_numpy_scans(max_requests, data):
             r, b = data.draw(row), data.draw(st.integers(0, 99))
             for rows, arrays in twins:
                 arrays[3][r] = b
-                rows.pending = True
+                rows.flag(True)
         fast, slow = twins
         for a, b in zip(fast[1], slow[1], strict=True):
             np.testing.assert_array_equal(a, b)

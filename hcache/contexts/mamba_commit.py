@@ -81,7 +81,7 @@ def commit_general(m, stream) -> int:
 def commit_lean(m, stream) -> int | None:
     """:func:`commit_general` of allocator ``m`` in plain Python, or None (nothing changed)
     when the step's entries fall outside the cases it handles (see the module docstring)."""
-    inter = m._intermediate
+    inter = m._intermediate.entry_rows
     if not inter.pending:
         return 0        # nothing planned since the last commit: the tracking is clear
     entries = inter.entries(LEAN_MAX_ENTRIES)

@@ -40,8 +40,8 @@ class EntryRows:
     Attributes
     ----------
     pending : bool
-        Whether some row may hold an entry. Setting it True from outside (after writing the
-        arrays directly) makes the rows untracked.
+        Whether some row may hold an entry (a writer of the arrays other than these methods
+        sets it through :meth:`flag`).
     rows : set of int or None
         A superset of the rows holding entries, or None (untracked).
     """
@@ -52,16 +52,13 @@ class EntryRows:
         self._views = ScalarViews(offsets=offsets, block_ids=block_ids, counts=counts,
                                   eos=eos_block_ids)
         self._zeros, self._none = (array("i", [v] * self.width) for v in (0, -1))
-        self._pending, self.rows = False, set()
+        self.pending, self.rows = False, set()
 
-    @property
-    def pending(self) -> bool:
-        return self._pending
-
-    @pending.setter
-    def pending(self, value) -> None:
-        self._pending = bool(value)
-        if self._pending:
+    def flag(self, pending) -> None:
+        """Set :attr:`pending` after writing the arrays directly (True: the rows written are
+        unknown, so they are no longer tracked)."""
+        self.pending = bool(pending)
+        if self.pending:
             self.rows = None
 
     def track(self, rows) -> None:
@@ -71,7 +68,7 @@ class EntryRows:
             tracked.update(rows)
             if len(tracked) > TRACKED:
                 self.rows = None
-        self._pending = True
+        self.pending = True
 
     def _drop_row_scratch(self, row: int) -> None:
         views = self._views
@@ -100,7 +97,7 @@ class EntryRows:
                 tracked.add(row)
                 if len(tracked) > TRACKED:
                     self.rows = None
-            self._pending = True
+            self.pending = True
 
     def write_eos(self, rows, block_ids) -> None:
         """Replace the entries of distinct ``rows`` by EOS entries of ``block_ids``: lists of
@@ -108,7 +105,7 @@ class EntryRows:
         arrays = type(rows) is not list
         rows_array, rows = (rows, rows.tolist()) if arrays else (None, rows)
         tracked = self.rows
-        if not self._pending or tracked is not None and tracked.isdisjoint(rows):
+        if not self.pending or tracked is not None and tracked.isdisjoint(rows):
             pass        # none of them holds an entry
         elif tracked is None:
             offsets, block_ids_array, counts, _ = self._arrays
@@ -124,7 +121,11 @@ class EntryRows:
             eos = self._views.eos
             for row, block in zip(rows, block_ids):
                 eos[row] = block
-        self.track(rows)
+        if tracked is not None:     # (track, inline)
+            tracked.update(rows)
+            if len(tracked) > TRACKED:
+                self.rows = None
+        self.pending = True
 
     def entries(self, limit: int):
         """``(block_ids, eos_rows, num_scratch)``: the blocks of the scratch entries (rows in
@@ -138,14 +139,10 @@ class EntryRows:
             eos_rows = (eos_array >= 0).nonzero()[0].tolist()
             eos_ids = [eos[row] for row in eos_rows]
         else:
-            rows, eos_rows, eos_ids = [], [], []
-            for row in sorted(self.rows):
-                if counts[row]:
-                    rows.append(row)
-                block = eos[row]
-                if block >= 0:
-                    eos_rows.append(row)
-                    eos_ids.append(block)
+            tracked = sorted(self.rows)
+            rows = [row for row in tracked if counts[row]]
+            eos_rows = [row for row in tracked if eos[row] >= 0]
+            eos_ids = [eos[row] for row in eos_rows]
         if k * len(rows) + len(eos_rows) > limit:
             return None
         block_ids = []
@@ -157,28 +154,42 @@ class EntryRows:
     def clear(self, rows=None) -> None:
         """Forget the entries of ``rows`` (default: every row). Raises ``IndexError`` (nothing
         changes) when a row is out of range."""
+        tracked = self.rows
         if rows is None:
-            if self._pending:
-                self._forget(self.rows)
-                self._pending = False
-            self.rows = set()      # nothing is pending: every row is clear
+            if tracked is None:
+                if self.pending:
+                    self._forget(None)
+                self.rows = set()
+            elif tracked:
+                if self.pending:
+                    counts, eos = self._views.counts, self._views.eos
+                    for row in tracked:
+                        if counts[row]:
+                            self._drop_row_scratch(row)
+                        eos[row] = -1
+                tracked.clear()
+            self.pending = False      # every row is clear
             return
         listed = type(rows) is list and set(map(type, rows)) <= _PLAIN_INT and \
             (not rows or 0 <= min(rows) and max(rows) < self.max_requests)
         sel = rows if listed else index_array("rows", rows, self.max_requests)
-        tracked = self.rows
-        if not self._pending:
+        if not self.pending:
             return      # every row is clear already
         if tracked is None:
             self._forget(None, sel)
             _, _, counts, eos = self._arrays
-            self._pending = bool(np.count_nonzero(counts) or np.count_nonzero(eos >= 0))
+            self.pending = bool(np.count_nonzero(counts) or np.count_nonzero(eos >= 0))
             return
         gone = tracked.intersection(sel if listed else sel.tolist())
-        self._forget(gone)
-        tracked -= gone
+        if gone:
+            self._forget(gone)
+            tracked -= gone
         counts, eos = self._views.counts, self._views.eos
-        self._pending = any(counts[row] or eos[row] >= 0 for row in tracked)
+        for row in tracked:
+            if counts[row] or eos[row] >= 0:
+                return      # still pending
+        tracked.clear()
+        self.pending = False
 
     def _forget(self, rows, sel=slice(None)) -> None:
         """Clear ``rows`` one by one, or (None) the rows of ``sel`` with NumPy."""
@@ -200,7 +211,7 @@ class EntryRows:
         _, _, counts, eos = self._arrays
         held = set(np.flatnonzero((counts != 0) | (eos >= 0)).tolist())
         problems = []
-        if not self._pending and held:
+        if not self.pending and held:
             problems.append("intermediate entries pending while none are flagged")
         if self.rows is not None and not held <= self.rows:
             problems.append(f"rows with entries not tracked: {sorted(held - self.rows)[:8]}")

@@ -67,6 +67,8 @@ class IntermediateStates:
         Per row, the block that keeps the live state at commit, or -1.
     pending : bool
         Whether anything may be pending (a step without snapshots skips all work).
+    entry_rows : EntryRows
+        The rows that may hold entries, and the step's entries read and cleared by row.
     """
 
     def __init__(self, device, num_mamba_layers, max_requests, conv_states_shape,
@@ -85,11 +87,11 @@ class IntermediateStates:
         self.block_ids = np.full((R, _K), -1, dtype=np.int32)
         self.counts = np.zeros(R, dtype=np.int32)
         self.eos_block_ids = np.full(R, -1, dtype=np.int32)
-        self._rows = EntryRows(self.offsets, self.block_ids, self.counts, self.eos_block_ids)
+        self.entry_rows = EntryRows(self.offsets, self.block_ids, self.counts, self.eos_block_ids)
 
-    pending = property(lambda self: self._rows.pending,
-                       lambda self, value: setattr(self._rows, "pending", value),
-                       doc="Whether anything may be pending (set True by a writer of the arrays).")
+    pending = property(lambda self: self.entry_rows.pending,
+                       lambda self, value: self.entry_rows.flag(value),
+                       doc="Whether anything may be pending (set by a writer of the arrays).")
 
     def plan(self, row, req, skip_tokens, prefill_chunk_length, num_matched_blocks,
              matched_block_ids, overall_required_blocks, *, block_table, block_size,
@@ -198,7 +200,7 @@ class IntermediateStates:
             raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary "
                              f"of row {row}, got {table[:max(columns) + 1].tolist()}")
         n = len(offsets)
-        self._rows.write_row(row, offsets, block_ids[:n], block_ids[-1] if len(columns) > n
+        self.entry_rows.write_row(row, offsets, block_ids[:n], block_ids[-1] if len(columns) > n
                              else -1)
 
     def plan_batch(self, rows, chunk_starts, seq_lens, boundaries, eos_columns, *,
@@ -262,16 +264,16 @@ class IntermediateStates:
             self.offsets[rows] = offsets
             self.block_ids[rows] = blocks
             self.counts[rows] = counts
-            self._rows.track(rows.tolist())
+            self.entry_rows.track(rows.tolist())
         if len(eos):
             self.eos_block_ids[rows[has_eos]] = eos
-            self._rows.track(rows[has_eos].tolist())
+            self.entry_rows.track(rows[has_eos].tolist())
 
     def plan_eos(self, rows, block_ids) -> None:
         """:meth:`plan_batch` of one-token chunks that each end on a block boundary: the EOS
         entries ``block_ids`` of distinct checked ``rows`` (lists of Python ints, or int
         arrays), nothing else (entries of an uncommitted step are replaced)."""
-        self._rows.write_eos(rows, block_ids)
+        self.entry_rows.write_eos(rows, block_ids)
 
     def targets(self) -> list[tuple[int, int, int]]:
         """``(request_row, offset, scratch_index)`` of every pending boundary state, packed
@@ -331,12 +333,12 @@ class IntermediateStates:
     def entries(self, limit: int):
         """:meth:`collect` as lists: ``(block_ids, eos_rows, num_scratch)``, None when over
         ``limit`` entries may be pending."""
-        return self._rows.entries(limit)
+        return self.entry_rows.entries(limit)
 
     def clear(self, rows=None) -> None:
         """Forget the pending entries of ``rows`` (default: every row). Raises ``IndexError``
         (nothing changes) when a row is out of range."""
-        self._rows.clear(rows)
+        self.entry_rows.clear(rows)
 
     def reset(self) -> None:
         """Forget every entry and zero the scratch (device fills, no allocation)."""
@@ -355,4 +357,4 @@ class IntermediateStates:
         unused = np.arange(_K)[None, :] >= self.counts[:, None]
         if (self.offsets[unused] != 0).any() or (self.block_ids[unused] != -1).any():
             problems.append("intermediate entries beyond a row's count")
-        return problems + self._rows.broken_invariants()
+        return problems + self.entry_rows.broken_invariants()

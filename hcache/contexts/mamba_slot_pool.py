@@ -242,13 +242,12 @@ class MambaSlotPool:
 
     def _evict_listed(self, victims: list):
         """:meth:`evict` of the blocks ``victims`` (Python ints), item by item, as lists."""
-        views, owned, slots = self._scalars, self.owned, []
+        views, owned = self._scalars, self.owned
         block_to_slot, slot_to_block = views.block_to_slot, views.slot_to_block
-        for b in victims:
-            s = block_to_slot[b]
+        slots = [block_to_slot[b] for b in victims]
+        for b, s in zip(victims, slots):
             block_to_slot[b] = slot_to_block[s] = -1
             owned[b] = 0
-            slots.append(s)
         return slots, victims
 
     def release(self, block_ids: np.ndarray) -> None:
