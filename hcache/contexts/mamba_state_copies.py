@@ -188,15 +188,15 @@ class MambaStateCopies:
                 ops.slot_copy(getattr(self, "_" + direction), np.array(src, np.int32),
                               np.array(dst, np.int32), stream=stream)
                 return
-            pairs = self._whole[direction]
+            pairs, by_slot = self._whole[direction]
             if n <= _FEW:       # a state at a time: cheaper than a gather's index arrays
                 for s, d in zip(src, dst):
-                    for src_states, dst_states in pairs:
+                    for src_states, dst_states in by_slot:
                         dst_states[d] = src_states[s]
                 return
             src, dst = np.asarray(src, np.intp), np.asarray(dst, np.intp)
             for src_states, dst_states in pairs:
-                dst_states[dst] = src_states.take(src, axis=0)
+                dst_states[:, dst] = src_states.take(src, axis=1)
             return
         src_dev, dst_dev = self._idx_dev[2 * lane], self._idx_dev[2 * lane + 1]
         with launch_scope(self.device, stream, self.order):
@@ -367,12 +367,14 @@ def _no_live_slot(name: str, row: int, live: int) -> ValueError:
                       f"{live}")
 
 
-def _pairs(src_conv, src_ssm, dst_conv, dst_ssm) -> list:
+def _pairs(src_conv, src_ssm, dst_conv, dst_ssm) -> tuple:
     """The (source, destination) host state arrays of a copy direction, for the kinds of state
-    that exist, as ``[slots, num_mamba_layers]`` arrays of one opaque record per state (views:
-    a gather moves whole states, not elements; a slot's states of every layer are one row)."""
-    return [(_records(src).T, _records(dst).T)
-            for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm)) if src is not None]
+    that exist, as ``[num_mamba_layers, slots]`` arrays of one opaque record per state (views:
+    a gather moves whole states, not elements), and the same transposed (a slot's states of
+    every layer one row: one state at a time indexes them faster)."""
+    pairs = [(_records(src), _records(dst))
+             for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm)) if src is not None]
+    return pairs, [(src.T, dst.T) for src, dst in pairs]
 
 
 def _records(states):
