@@ -82,14 +82,11 @@ class EntryRows:
     def write_row(self, row: int, offsets: list, block_ids: list, eos: int) -> None:
         """Replace the entries of ``row``: ``offsets`` / ``block_ids`` (at most ``K``, Python
         ints) and the EOS block ``eos`` (-1: none); notes the row if it holds an entry."""
-        views, n = self._views, len(offsets)
-        off, ids, counts = views.offsets, views.block_ids, views.counts
-        i = base = row * self.width
-        for i, o, b in zip(range(base, base + n), offsets, block_ids):
-            off[i], ids[i] = o, b
-        for i in range(base + n, base + counts[row]):     # the row's former entries beyond
-            off[i], ids[i] = 0, -1
-        counts[row] = n
+        k, n, views = self.width, len(offsets), self._views
+        offsets_array, block_ids_array, _, _ = self._arrays
+        offsets_array[row] = offsets + [0] * (k - n)
+        block_ids_array[row] = block_ids + [-1] * (k - n)
+        views.counts[row] = n
         views.eos[row] = eos
         if n or eos >= 0:
             tracked = self.rows
