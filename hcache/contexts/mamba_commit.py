@@ -81,7 +81,7 @@ def commit_general(m, stream) -> int:
 def commit_lean(m, stream) -> int | None:
     """:func:`commit_general` of allocator ``m`` in plain Python, or None (nothing changed)
     when the step's entries fall outside the cases it handles (see the module docstring)."""
-    inter = m._intermediate
+    inter = m._intermediate.entry_rows
     if not inter.pending:
         return 0        # nothing planned since the last commit: the tracking is clear
     entries = inter.entries(LEAN_MAX_ENTRIES)
@@ -96,44 +96,52 @@ def commit_lean(m, stream) -> int | None:
     kv, pool, mamba_map = m._kv, m._pool, m._hashes.hash_to_block_id
     hashes = list(map(kv.block_hashes.item, bids))
     if min(hashes) > 0 and mamba_map.keys().isdisjoint(hashes) and len(set(bids)) == len(bids):
-        picked = list(range(len(bids)))     # registered, uncached, distinct: all are kept
+        picked, kept = None, bids   # registered, uncached, distinct: all are kept
     else:
         picked = _kept(bids, hashes, mamba_map)
-    owned = pool.owned
-    new = [bids[i] for i in picked if not owned[bids[i]]]
-    free, refs, stamps = pool.free_count, kv.block_ref_counts, m._timestamps()
+        kept = [bids[i] for i in picked]
+    owned, free = pool.owned, pool.free_count
+    new = [b for b in kept if not owned[b]]
+    refs, stamps = kv.block_ref_counts, m._timestamps()
     if len(new) > free:
         if m._hashes.has_awaiting():
             return None     # a shortage may free the slots of private awaiting states first
-        kept = [bids[i] for i in picked]
         # every candidate is evicted below: the heap drops their entries now
         candidates = pool._evictable.take_oldest(len(new) - free, owned, refs, stamps, set(kept))
         available = free + len(candidates)
         if len(new) > available:   # keep owners and the first `available` new blocks
-            picked, new = _owners_and_first(picked, bids, owned, available), new[:available]
+            picked = _owners_and_first(range(len(bids)) if picked is None else picked, bids,
+                                       owned, available)
+            new = new[:available]
+        excluded, kept = kept, kept if picked is None else [bids[i] for i in picked]
     slots = pool.take_free(min(len(new), free))
     if len(new) > free:      # the oldest evictable blocks outside the kept ones
-        taken, victims = pool.evict(len(new) - free, refs, stamps, exclude=kept,
+        taken, victims = pool.evict(len(new) - free, refs, stamps, exclude=excluded,
                                     candidates=candidates)
-        slots += taken.tolist()
+        slots += taken if type(taken) is list else taken.tolist()
         m._hashes.drop_blocks(victims, kv.block_hashes)
     pool.assign(new, slots, refs, stamps)
-    if len(new) < len(picked):      # owners keep their slots
+    if len(new) < len(kept):      # owners keep their slots
         slot_of, owner_slot = dict(zip(new, slots)), pool.block_to_slot.item
-        slots = [slot_of[b] if b in slot_of else owner_slot(b)
-                 for b in [bids[i] for i in picked]]
-    k = bisect_left(picked, num_inter)      # the scratch entries come first
-    if k:
-        m._copies.scratch_to_cache_unchecked(picked[:k], slots[:k], stream)
-    if k < len(picked):
-        m._copies.store_live_unchecked(slots[k:], [eos_rows[i - num_inter] for i in picked[k:]],
-                                       stream)
-    if len(picked) == len(bids):
+        slots = [slot_of[b] if b in slot_of else owner_slot(b) for b in kept]
+    copies = m._copies
+    if picked is None:      # the scratch entries come first
+        if num_inter:
+            copies.scratch_to_cache_unchecked(list(range(num_inter)), slots[:num_inter],
+                                              stream)
+        if num_inter < len(bids):
+            copies.store_live_unchecked(slots[num_inter:], eos_rows, stream)
         mamba_map.update(zip(hashes, bids))
     else:
+        k = bisect_left(picked, num_inter)
+        if k:
+            copies.scratch_to_cache_unchecked(picked[:k], slots[:k], stream)
+        if k < len(picked):
+            copies.store_live_unchecked(slots[k:], [eos_rows[i - num_inter] for i in picked[k:]],
+                                        stream)
         mamba_map.update([(hashes[i], bids[i]) for i in picked])
     inter.clear()
-    return len(picked)
+    return len(kept)
 
 
 def _kept(bids: list, hashes: list, mamba_map: dict) -> list:

@@ -115,7 +115,8 @@ class MambaHashMap:
         are skipped), found under their ``kv_block_hashes``."""
         m = self.hash_to_block_id
         if m:   # a block is in the map under its KV hash only, and none other is under that hash
-            for h in kv_block_hashes[block_ids].tolist():
+            for h in (map(kv_block_hashes.item, block_ids) if type(block_ids) is list
+                      else kv_block_hashes[block_ids].tolist()):
                 m.pop(h, None)
 
     def drop_hashes(self, hashes) -> None:

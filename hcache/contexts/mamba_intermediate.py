@@ -16,16 +16,18 @@ MAX_INTERMEDIATE_OFFSETS_PER_REQUEST``; checked by :meth:`IntermediateStates.bro
   ``block_ids[r]`` (the rest are 0 / -1);
 - ``eos_block_ids[r]`` is the block whose live state is kept at commit, or -1;
 - ``pending`` is True whenever some row has a pending entry or an EOS entry, so a step without
-  snapshots costs no work.
+  snapshots costs no work, and the rows holding entries are noted while they are few
+  (:class:`~.mamba_entry_rows.EntryRows`), so a step's few entries cost no scan of every row.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .._checks import as_int, host_ints, index_array
+from .._checks import as_int, host_ints
 from ..runtime.device import launch_scope, stream_handle, to_host, upload_ints, zeros
 from ..runtime.stream_order import StreamOrder
+from .mamba_entry_rows import EntryRows
 from .mamba_plan_checks import checked_batch, prompt_length
 
 __all__ = ["MAX_INTERMEDIATE_OFFSETS_PER_REQUEST", "IntermediateStates"]
@@ -36,6 +38,7 @@ _K = MAX_INTERMEDIATE_OFFSETS_PER_REQUEST
 
 _PLAIN_INT = {int}
 _NO_EXTRA = np.zeros(0, np.int64)
+
 
 class IntermediateStates:
     """Scratch outputs and per-row tracking of the boundary states one step keeps.
@@ -64,6 +67,8 @@ class IntermediateStates:
         Per row, the block that keeps the live state at commit, or -1.
     pending : bool
         Whether anything may be pending (a step without snapshots skips all work).
+    entry_rows : EntryRows
+        The rows that may hold entries, and the step's entries read and cleared by row.
     """
 
     def __init__(self, device, num_mamba_layers, max_requests, conv_states_shape,
@@ -82,7 +87,11 @@ class IntermediateStates:
         self.block_ids = np.full((R, _K), -1, dtype=np.int32)
         self.counts = np.zeros(R, dtype=np.int32)
         self.eos_block_ids = np.full(R, -1, dtype=np.int32)
-        self.pending = False
+        self.entry_rows = EntryRows(self.offsets, self.block_ids, self.counts, self.eos_block_ids)
+
+    pending = property(lambda self: self.entry_rows.pending,
+                       lambda self, value: self.entry_rows.flag(value),
+                       doc="Whether anything may be pending (set by a writer of the arrays).")
 
     def plan(self, row, req, skip_tokens, prefill_chunk_length, num_matched_blocks,
              matched_block_ids, overall_required_blocks, *, block_table, block_size,
@@ -191,12 +200,8 @@ class IntermediateStates:
             raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary "
                              f"of row {row}, got {table[:max(columns) + 1].tolist()}")
         n = len(offsets)
-        self.offsets[row] = offsets + [0] * (_K - n)
-        self.block_ids[row] = block_ids[:n] + [-1] * (_K - n)
-        self.counts[row] = n
-        self.eos_block_ids[row] = block_ids[-1] if len(columns) > n else -1
-        if columns:
-            self.pending = True
+        self.entry_rows.write_row(row, offsets, block_ids[:n], block_ids[-1] if len(columns) > n
+                             else -1)
 
     def plan_batch(self, rows, chunk_starts, seq_lens, boundaries, eos_columns, *,
                    block_table, block_size, chunk_size) -> None:
@@ -259,20 +264,16 @@ class IntermediateStates:
             self.offsets[rows] = offsets
             self.block_ids[rows] = blocks
             self.counts[rows] = counts
-            self.pending = True
+            self.entry_rows.track(rows.tolist())
         if len(eos):
             self.eos_block_ids[rows[has_eos]] = eos
-            self.pending = True
+            self.entry_rows.track(rows[has_eos].tolist())
 
-    def plan_eos(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
+    def plan_eos(self, rows, block_ids) -> None:
         """:meth:`plan_batch` of one-token chunks that each end on a block boundary: the EOS
-        entries ``block_ids`` (any int dtype) of distinct checked ``rows``, nothing else."""
-        if self.pending:     # rows may hold entries of an uncommitted step: replace them
-            self.offsets[rows] = 0
-            self.block_ids[rows] = -1
-            self.counts[rows] = 0
-        self.eos_block_ids[rows] = block_ids
-        self.pending = True
+        entries ``block_ids`` of distinct checked ``rows`` (lists of Python ints, or int
+        arrays), nothing else (entries of an uncommitted step are replaced)."""
+        self.entry_rows.write_eos(rows, block_ids)
 
     def targets(self) -> list[tuple[int, int, int]]:
         """``(request_row, offset, scratch_index)`` of every pending boundary state, packed
@@ -332,29 +333,12 @@ class IntermediateStates:
     def entries(self, limit: int):
         """:meth:`collect` as lists: ``(block_ids, eos_rows, num_scratch)``, None when over
         ``limit`` entries may be pending."""
-        rows = self.counts.nonzero()[0].tolist()
-        eos_rows = (self.eos_block_ids >= 0).nonzero()[0].tolist()
-        if _K * len(rows) + len(eos_rows) > limit:
-            return None
-        block_ids = []
-        for row in rows:
-            block_ids += self.block_ids[row, :self.counts[row]].tolist()
-        num_scratch = len(block_ids)
-        block_ids += map(self.eos_block_ids.item, eos_rows)
-        return block_ids, eos_rows, num_scratch
+        return self.entry_rows.entries(limit)
 
     def clear(self, rows=None) -> None:
         """Forget the pending entries of ``rows`` (default: every row). Raises ``IndexError``
         (nothing changes) when a row is out of range."""
-        sel = slice(None) if rows is None else index_array("rows", rows, self.max_requests)
-        if not self.pending:
-            return      # nothing pending: every row is clear already
-        self.offsets[sel] = 0
-        self.block_ids[sel] = -1
-        self.counts[sel] = 0
-        self.eos_block_ids[sel] = -1
-        self.pending = rows is not None and bool(np.count_nonzero(self.counts)
-                                                 or np.count_nonzero(self.eos_block_ids >= 0))
+        self.entry_rows.clear(rows)
 
     def reset(self) -> None:
         """Forget every entry and zero the scratch (device fills, no allocation)."""
@@ -373,6 +357,4 @@ class IntermediateStates:
         unused = np.arange(_K)[None, :] >= self.counts[:, None]
         if (self.offsets[unused] != 0).any() or (self.block_ids[unused] != -1).any():
             problems.append("intermediate entries beyond a row's count")
-        if not self.pending and (self.counts.any() or (self.eos_block_ids >= 0).any()):
-            problems.append("intermediate entries pending while none are flagged")
-        return problems
+        return problems + self.entry_rows.broken_invariants()

@@ -312,9 +312,10 @@ class MambaSlotAllocator:
         self._intermediate.plan_prompt(row, ctx.request_to_kv_block_ids[row], skip, n, matched,
                                        required, extra, ctx.block_size_tokens, ctx.mamba_chunk_size)
 
-    def _plan_eos(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
-        """Unchecked :meth:`compute_and_store_offsets_batch` of a decode step (own rows)."""
-        self._intermediate.plan_eos(rows, block_ids)
+    def _plan_eos(self, rows, block_ids) -> None:
+        """Unchecked :meth:`compute_and_store_offsets_batch` of a decode step (own rows, and
+        the blocks their EOS entries keep: lists of Python ints, or int arrays)."""
+        self._intermediate.entry_rows.write_eos(rows, block_ids)    # (plan_eos, one call less)
 
     def intermediate_targets(self) -> list[tuple[int, int, int]]:
         """:meth:`IntermediateStates.targets`: ``(request_row, offset, scratch_index)``."""

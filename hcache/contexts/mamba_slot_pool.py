@@ -185,22 +185,26 @@ class MambaSlotPool:
     def take_free(self, n: int) -> list:
         """Pop ``n`` (<= :attr:`free_count`) slots off the free stack, top first, as
         :meth:`allocate` does."""
-        if not n:
-            return []
-        slots = self.free_slots[self.free_count - n:self.free_count][::-1].tolist()
-        self.free_count -= n
-        return slots
+        top, free = self.free_count, self._scalars.free_slots
+        if n == 1:
+            self.free_count = top - 1
+            return [free[top - 1]]
+        self.free_count = top - n
+        return free[top - n:top].tolist()[::-1]
 
     def assign(self, new: list, slots: list, ref_counts, timestamps) -> None:
         """:meth:`allocate`'s last step for distinct blocks ``new`` owning no slot (Python
         ints): each takes its slot of ``slots`` (taken off the free stack or evicted)."""
-        views, owned = self._scalars, self.owned
+        if len(new) != len(slots):
+            raise ValueError(f"slots: expected {len(new)} slots, got {len(slots)}")
+        views, owned, refs = self._scalars, self.owned, ref_counts.item
         block_to_slot, slot_to_block = views.block_to_slot, views.slot_to_block
-        for b, s in zip(new, slots, strict=True):
+        evictable = []
+        for b, s in zip(new, slots):
             block_to_slot[b], slot_to_block[s] = s, b
             owned[b] = 1
-        refs = ref_counts.item
-        evictable = [b for b in new if refs(b) == 0]
+            if not refs(b):
+                evictable.append(b)
         if evictable:
             self._evictable.push(evictable, timestamps)
             self._evictable.rebuild_if_large(self._owners, timestamps)
@@ -216,7 +220,7 @@ class MambaSlotPool:
         Returns
         -------
         (numpy.ndarray of int32, numpy.ndarray of int64)
-            The slots taken and their former blocks.
+            The slots taken and their former blocks (lists of ints for ``candidates`` a list).
 
         Raises
         ------
@@ -237,15 +241,14 @@ class MambaSlotPool:
         return slots, victims
 
     def _evict_listed(self, victims: list):
-        """:meth:`evict` of the blocks ``victims`` (Python ints), item by item."""
-        views, owned, slots = self._scalars, self.owned, []
+        """:meth:`evict` of the blocks ``victims`` (Python ints), item by item, as lists."""
+        views, owned = self._scalars, self.owned
         block_to_slot, slot_to_block = views.block_to_slot, views.slot_to_block
-        for b in victims:
-            s = block_to_slot[b]
+        slots = [block_to_slot[b] for b in victims]
+        for b, s in zip(victims, slots):
             block_to_slot[b] = slot_to_block[s] = -1
             owned[b] = 0
-            slots.append(s)
-        return np.array(slots, np.int32), np.array(victims, np.int64)
+        return slots, victims
 
     def release(self, block_ids: np.ndarray) -> None:
         """Push the slots of unique ``block_ids`` onto the free stack (blocks without one are

@@ -36,6 +36,9 @@ from ..runtime.stream_order import StreamOrder
 
 __all__ = ["MambaStateCopies", "check_live_states", "context_parts", "state_shapes"]
 
+# Host copies of up to this many states go one by one (Python ints), more as one gather.
+_FEW = 4
+
 
 def context_parts(context):
     """``(kv_block_allocator, mamba_conv_states, mamba_ssm_states)`` of a context; raises
@@ -185,11 +188,11 @@ class MambaStateCopies:
                 ops.slot_copy(getattr(self, "_" + direction), np.array(src, np.int32),
                               np.array(dst, np.int32), stream=stream)
                 return
-            pairs = self._whole[direction]
-            if n == 1:
-                src, dst = int(src[0]), int(dst[0])
-                for src_states, dst_states in pairs:
-                    dst_states[:, dst] = src_states[:, src]
+            pairs, by_slot = self._whole[direction]
+            if n <= _FEW:       # a state at a time: cheaper than a gather's index arrays
+                for s, d in zip(src, dst):
+                    for src_states, dst_states in by_slot:
+                        dst_states[d] = src_states[s]
                 return
             src, dst = np.asarray(src, np.intp), np.asarray(dst, np.intp)
             for src_states, dst_states in pairs:
@@ -279,7 +282,7 @@ class MambaStateCopies:
         """:meth:`store_from_live` of arguments the caller built valid (distinct owned slots,
         rows with a live slot)."""
         live = to_host(self.context.request_to_mamba_state_idx)
-        live = [live.item(rows[0])] if len(rows) == 1 else live[rows]
+        live = list(map(live.item, rows)) if len(rows) <= _FEW else live[rows]
         self._copy("live_to_cache", live, slots, 0, stream)
 
     def restore_to_live(self, request_indices, block_ids, *, stream=None,
@@ -364,12 +367,14 @@ def _no_live_slot(name: str, row: int, live: int) -> ValueError:
                       f"{live}")
 
 
-def _pairs(src_conv, src_ssm, dst_conv, dst_ssm) -> list:
+def _pairs(src_conv, src_ssm, dst_conv, dst_ssm) -> tuple:
     """The (source, destination) host state arrays of a copy direction, for the kinds of state
     that exist, as ``[num_mamba_layers, slots]`` arrays of one opaque record per state (views:
-    a gather moves whole states, not elements)."""
-    return [(_records(src), _records(dst))
-            for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm)) if src is not None]
+    a gather moves whole states, not elements), and the same transposed (a slot's states of
+    every layer one row: one state at a time indexes them faster)."""
+    pairs = [(_records(src), _records(dst))
+             for src, dst in ((src_conv, dst_conv), (src_ssm, dst_ssm)) if src is not None]
+    return pairs, [(src.T, dst.T) for src, dst in pairs]
 
 
 def _records(states):

@@ -233,9 +233,15 @@ class StepScheduler:
         if closing is False:
             return      # one token each, none on a boundary: no snapshot (rows are clear)
         if closing is not None:     # one token each: the closing rows' EOS entries only
-            rows = rows[closing]
-            self.mamba._plan_eos(rows, self.requests.request_to_kv_block_ids[
-                rows, ends[closing] // bs - 1])
+            at, table = closing.nonzero()[0], self.requests.request_to_kv_block_ids
+            if len(at) > 4:
+                rows = rows[at]
+                self.mamba._plan_eos(rows, table[rows, ends[at] // bs - 1])
+                return
+            # a few: element by element, through the request table's kept view
+            rows, width, cells = rows[at].tolist(), table.shape[1], self.requests._scalars.table
+            self.mamba._plan_eos(rows, [cells[r * width + e // bs - 1]
+                                        for r, e in zip(rows, ends[at].tolist())])
             return
         eos = ends % bs == 0
         single = counts is None or counts.max() == 1
