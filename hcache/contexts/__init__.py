@@ -10,7 +10,8 @@ One concept per module; each owner composes its collaborators:
 - ``paged_kv_pool`` (:class:`PagedKVPool`): per-layer paged K/V arrays;
 - ``mamba_slot_allocator`` (:class:`MambaSlotAllocator`) owns a ``mamba_slot_pool.MambaSlotPool``
   (slots, free stack, LRU eviction), a ``mamba_hash_map.MambaHashMap``, a
-  ``mamba_intermediate.IntermediateStates`` (mid-prefill snapshots) and a
+  ``mamba_intermediate.IntermediateStates`` (mid-prefill snapshots, the rows holding them noted
+  by a ``mamba_entry_rows.EntryRows``) and a
   ``mamba_state_copies.MambaStateCopies`` (cache arrays and every copy into or out of them);
   ``mamba_commit`` keeps a step's boundary states (a lean path for a step's few entries, the
   general one as its oracle);
