@@ -11,7 +11,11 @@ counts, timestamps, forest and leaves. Functions of the allocator ``kv``, passed
 
 from __future__ import annotations
 
-__all__ = ["deregister_peeled", "hand_out", "release_one_each"]
+import numpy as np
+
+from .block_observers import notify
+
+__all__ = ["deregister_peeled", "hand_out", "hand_out_victims", "release_one_each"]
 
 
 def deregister_peeled(kv, victims: list) -> set:
@@ -33,6 +37,21 @@ def hand_out(kv, block_ids: list) -> None:
     for b in block_ids:
         refs[b] = 1
         stamps[b] = clock
+
+
+def hand_out_victims(kv, victims: list, counts: list | None) -> np.ndarray:
+    """Finish an allocation whose peel took ``victims`` (committed) and that empties the free
+    stack: the victims are unregistered (the ``deregistering`` hook first) and the allocation
+    hands out every free block and victim, in the order of ``kv._free.pop`` (``counts`` None)
+    or ``pop_per_request`` after :func:`deregister_peeled`; then the observers are told.
+    Returns the ids (int32)."""
+    if kv.deregistering is not None:
+        kv.deregistering(victims)
+    hashes, _ = kv._forest.unlink_listed(victims)
+    listed = kv._free.empty_with(victims, counts)
+    hand_out(kv, listed)       # (timestamps set: a victim's 0 in between is never seen)
+    notify(kv._observers, victims, hashes)
+    return np.array(listed, np.int32)
 
 
 def release_one_each(kv, block_ids: list) -> list:

@@ -64,6 +64,22 @@ class FreeBlockStack:
         self.top = 0
         return out
 
+    def empty_with(self, victims: list, counts: list | None) -> list:
+        """What :meth:`push` ``(victims)`` then :meth:`pop` ``(top)`` (``counts`` None) or
+        :meth:`pop_per_request` ``(counts, top)`` return, as a list, without the pushes: the
+        stack empties (a serving step's allocation that evicted)."""
+        free = self._scalars.ids[: self.top].tolist()       # bottom first
+        top, self.top = self.top, 0
+        if counts is None:
+            victims = victims[::-1]
+            victims += reversed(free)
+            return victims
+        if counts.count(1) == len(counts):      # one each: the free ones top down, then victims
+            free.reverse()
+            free += victims
+            return free
+        return per_request_order(free + victims, top, counts)
+
 
 def per_request_order(stack: list, top: int, counts: list) -> list:
     """The blocks consecutive allocations of ``counts[i]`` blocks take off a free stack whose
