@@ -15,7 +15,7 @@ import numpy as np
 
 from .block_observers import notify
 
-__all__ = ["deregister_peeled", "hand_out", "hand_out_victims", "release_one_each"]
+__all__ = ["deregister_peeled", "hand_out", "hand_out_stack", "release_one_each"]
 
 
 def deregister_peeled(kv, victims: list) -> set:
@@ -39,18 +39,14 @@ def hand_out(kv, block_ids: list) -> None:
         stamps[b] = clock
 
 
-def hand_out_victims(kv, victims: list, counts: list | None) -> np.ndarray:
-    """Finish an allocation whose peel took ``victims`` (committed) and that empties the free
-    stack: the victims are unregistered (the ``deregistering`` hook first) and the allocation
-    hands out every free block and victim, in the order of ``kv._free.pop`` (``counts`` None)
-    or ``pop_per_request`` after :func:`deregister_peeled`; then the observers are told.
-    Returns the ids (int32)."""
-    if kv.deregistering is not None:
-        kv.deregistering(victims)
-    hashes, _ = kv._forest.unlink_listed(victims)
-    listed = kv._free.empty_with(victims, counts)
-    hand_out(kv, listed)       # (timestamps set: a victim's 0 in between is never seen)
-    notify(kv._observers, victims, hashes)
+def hand_out_stack(kv, deregistered: tuple, counts: list | None, top: int) -> np.ndarray:
+    """Finish an allocation that empties the free stack, ``top`` blocks of which were free
+    before its eviction pushed the victims: hand out the stack as ``kv._free.pop`` (``counts``
+    None) or ``pop_per_request`` would, then tell the observers ``deregistered`` (what
+    ``kv._deregister`` returned). Returns the ids (int32)."""
+    listed = kv._free.pop_all_listed(counts, top)
+    hand_out(kv, listed)
+    notify(kv._observers, *deregistered)
     return np.array(listed, np.int32)
 
 

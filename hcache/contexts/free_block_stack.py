@@ -64,21 +64,20 @@ class FreeBlockStack:
         self.top = 0
         return out
 
-    def empty_with(self, victims: list, counts: list | None) -> list:
-        """What :meth:`push` ``(victims)`` then :meth:`pop` ``(top)`` (``counts`` None) or
-        :meth:`pop_per_request` ``(counts, top)`` return, as a list, without the pushes: the
-        stack empties (a serving step's allocation that evicted)."""
-        free = self._scalars.ids[: self.top].tolist()       # bottom first
-        top, self.top = self.top, 0
+    def pop_all_listed(self, counts: list | None, top: int) -> list:
+        """What :meth:`pop` ``(self.top)`` (``counts`` None) or :meth:`pop_per_request`
+        ``(counts, top)`` return, as a list (no NumPy call on a step's few blocks)."""
+        stack = self._scalars.ids[: self.top].tolist()      # bottom first
+        self.top = 0
         if counts is None:
-            victims = victims[::-1]
-            victims += reversed(free)
-            return victims
+            stack.reverse()
+            return stack
         if counts.count(1) == len(counts):      # one each: the free ones top down, then victims
-            free.reverse()
-            free += victims
-            return free
-        return per_request_order(free + victims, top, counts)
+            out = stack[:top]
+            out.reverse()
+            out += stack[top:]
+            return out
+        return per_request_order(stack, top, counts)
 
 
 def per_request_order(stack: list, top: int, counts: list) -> list:

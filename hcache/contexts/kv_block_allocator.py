@@ -25,7 +25,7 @@ from .block_forest import BlockForest
 from .block_id_sets import counted
 from .block_observers import checked_observer, notify
 from .evictable_leaves import EvictableLeaves
-from .few_blocks import deregister_peeled, hand_out, hand_out_victims, release_one_each
+from .few_blocks import deregister_peeled, hand_out, hand_out_stack, release_one_each
 from .free_block_stack import FreeBlockStack
 from .kv_block_invariants import broken_kv_block_invariants
 from .scalar_views import ScalarViews
@@ -211,9 +211,9 @@ class KVBlockAllocator:
             evicted = self._peel(n - top, keep) if self.caches_released_blocks else None
             if evicted is None:
                 return None
-            if n <= _LISTED:    # the stack empties: the victims pass from the forest to holders
-                return hand_out_victims(self, evicted, counts)
             pending = self._deregister(evicted)     # pushed on the stack, in peel order
+            if n <= _LISTED:    # the stack empties, popped as a list
+                return hand_out_stack(self, pending, counts, top)
         ids = self._free.pop(n) if pending is None or counts is None \
             else self._free.pop_per_request(counts, top)
         if n <= _FEW:       # (a NumPy write through a few int32 ids costs more)
