@@ -36,6 +36,10 @@ __all__ = ["compute_block_hashes", "chain_block_hashes", "prompt_block_hashes", 
 
 _MOD = (1 << 63) - 1
 _MOD_U64 = np.uint64(_MOD)
+_FIRST_WORD = struct.Struct("<Q").unpack_from     # a digest's first 8 bytes, little-endian
+# Up to this many digests, chain_cells reads each one's hash as it goes (one call each); more
+# are joined and read at once (a fixed four calls).
+_FEW_CELLS = 4
 DIGEST_BYTES = 32   # a SHA-256 digest; an unsalted chain starts from DIGEST_BYTES zero bytes
 # Prefix of a salt's root message: it is no block message (those start with a digest, and no
 # digest starts with these bytes but by a 2^-144 chance), so a salted root is no block's digest.
@@ -320,13 +324,14 @@ def chain_cells(digests: memoryview, tokens: memoryview, cells: list, step: int,
     list of int
         The new blocks' hashes, in the order of ``cells``.
     """
-    sha, width, new = hashlib.sha256, DIGEST_BYTES, []
+    sha, width, word, new = hashlib.sha256, DIGEST_BYTES, _FIRST_WORD, []
+    few = len(cells) <= _FEW_CELLS      # hashes read one at a time, else all at once
     for r, c in cells:
         at, start = r * width, r * span + c * step
         digest = sha(digests[at:at + width].tobytes() + tokens[start:start + step]).digest()
         digests[at:at + width] = digest
-        new.append(digest)
-    return _listed_hashes(b"".join(new), len(new))
+        new.append(word(digest)[0] % _MOD + 1 if few else digest)
+    return new if few else _listed_hashes(b"".join(new), len(new))
 
 
 def _listed_hashes(joined: bytes, m: int) -> list[int]:

@@ -95,7 +95,6 @@ class BlockRegistration:
         self._dropped: dict = {}        # hash -> last commit count at its deregistration
         self._drop_log: deque = deque()     # (commit count, hashes) in deregistration order
         self.prune_dropped = True       # False: keep every drop until the backlog drains
-        kv_block_allocator.add_blocks_deregistered_observer(self._on_deregistered)
 
     def reset(self) -> None:
         """Forget the backlog (the requests are gone)."""
@@ -236,16 +235,12 @@ class BlockRegistration:
                               self._dropped, entangled)
 
     def deregistering(self, block_ids: np.ndarray) -> None:
-        """Before the KV allocator deregisters ``block_ids``: :func:`~.backlog_duplicates.
-        mark_rows_of` them, while a backlog could hold a block their hashes make private."""
+        """Before the KV allocator deregisters ``block_ids`` (int64), while a backlog could hold
+        a block their hashes make private: :func:`~.backlog_duplicates.mark_rows_of` them, and
+        remember when their hashes leave the map (no observer call is needed for that)."""
         if self.queued:
             mark_rows_of(block_ids, self.requests, self.kv._forest, self.marked, self._scratch)
-
-    def _on_deregistered(self, block_ids, hashes) -> None:
-        """Observer of the KV allocator: remember when the hashes left the map, while blocks
-        that completed earlier may still duplicate them."""
-        if self.queued:
-            listed = list(hashes)
+            listed = self.kv.block_hashes[block_ids].tolist()
             self._dropped.update(dict.fromkeys(listed, self._commits))
             self._drop_log.append((self._commits, listed))
 

@@ -117,9 +117,10 @@ class EvictableLeaves:
         promoted: list[int] = []    # parents made members (pushed) or set aside by the peel
         aside: list[int] = []       # heap entries of kept blocks
         remaining: dict[int, int] = {}      # children left of the parents touched (2 or more)
+        taken = 0       # always len(out)
         # A promoted parent that the next pop would return is taken at once (the chain walk
         # below): it never enters the heap, and is a member only if it ends the peel untaken.
-        while len(out) < n:
+        while taken < n:
             if not heap:
                 break
             entry = pop(heap)
@@ -133,6 +134,7 @@ class EvictableLeaves:
             popped.append(b)
             while True:         # b was just taken off the heap, or promoted ahead of its top
                 out.append(b)
+                taken += 1
                 p = parent_ids[b]
                 if p < 0:
                     break
@@ -145,7 +147,7 @@ class EvictableLeaves:
                 if ref_counts[p]:
                     break
                 entry = timestamps[p] << _SHIFT | p
-                if p in keep or len(out) == n or heap and not entry < heap[0]:
+                if p in keep or taken == n or heap and not entry < heap[0]:
                     promoted.append(p)
                     if p in keep:
                         aside.append(entry)
@@ -157,7 +159,7 @@ class EvictableLeaves:
         for entry in aside:
             member[entry & _BLOCK] = 1
             push(heap, entry)
-        if len(out) < n or not commit:      # as before: the popped members back, no promotion
+        if taken < n or not commit:     # as before: the popped members back, no promotion
             for b in popped:
                 member[b] = 1
                 push(heap, timestamps[b] << _SHIFT | b)
@@ -165,7 +167,7 @@ class EvictableLeaves:
                 member[p] = 0
         if len(heap) > self._limit:
             self._rebuild(timestamps)
-        return None if len(out) < n else out
+        return None if taken < n else out
 
     def _rebuild(self, timestamps) -> None:
         ids = np.flatnonzero(self.member)

@@ -11,7 +11,11 @@ counts, timestamps, forest and leaves. Functions of the allocator ``kv``, passed
 
 from __future__ import annotations
 
-__all__ = ["deregister_peeled", "hand_out", "release_one_each"]
+import numpy as np
+
+from .block_observers import notify
+
+__all__ = ["deregister_peeled", "hand_out", "hand_out_stack", "release_one_each"]
 
 
 def deregister_peeled(kv, victims: list) -> set:
@@ -33,6 +37,17 @@ def hand_out(kv, block_ids: list) -> None:
     for b in block_ids:
         refs[b] = 1
         stamps[b] = clock
+
+
+def hand_out_stack(kv, deregistered: tuple, counts: list | None, top: int) -> np.ndarray:
+    """Finish an allocation that empties the free stack, ``top`` blocks of which were free
+    before its eviction pushed the victims: hand out the stack as ``kv._free.pop`` (``counts``
+    None) or ``pop_per_request`` would, then tell the observers ``deregistered`` (what
+    ``kv._deregister`` returned). Returns the ids (int32)."""
+    listed = kv._free.pop_all_listed(counts, top)
+    hand_out(kv, listed)
+    notify(kv._observers, *deregistered)
+    return np.array(listed, np.int32)
 
 
 def release_one_each(kv, block_ids: list) -> list:

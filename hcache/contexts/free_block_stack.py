@@ -64,6 +64,21 @@ class FreeBlockStack:
         self.top = 0
         return out
 
+    def pop_all_listed(self, counts: list | None, top: int) -> list:
+        """What :meth:`pop` ``(self.top)`` (``counts`` None) or :meth:`pop_per_request`
+        ``(counts, top)`` return, as a list (no NumPy call on a step's few blocks)."""
+        stack = self._scalars.ids[: self.top].tolist()      # bottom first
+        self.top = 0
+        if counts is None:
+            stack.reverse()
+            return stack
+        if counts.count(1) == len(counts):      # one each: the free ones top down, then victims
+            out = stack[:top]
+            out.reverse()
+            out += stack[top:]
+            return out
+        return per_request_order(stack, top, counts)
+
 
 def per_request_order(stack: list, top: int, counts: list) -> list:
     """The blocks consecutive allocations of ``counts[i]`` blocks take off a free stack whose

@@ -25,7 +25,7 @@ from .block_forest import BlockForest
 from .block_id_sets import counted
 from .block_observers import checked_observer, notify
 from .evictable_leaves import EvictableLeaves
-from .few_blocks import deregister_peeled, hand_out, release_one_each
+from .few_blocks import deregister_peeled, hand_out, hand_out_stack, release_one_each
 from .free_block_stack import FreeBlockStack
 from .kv_block_invariants import broken_kv_block_invariants
 from .scalar_views import ScalarViews
@@ -212,6 +212,8 @@ class KVBlockAllocator:
             if evicted is None:
                 return None
             pending = self._deregister(evicted)     # pushed on the stack, in peel order
+            if n <= _LISTED:    # the stack empties, popped as a list
+                return hand_out_stack(self, pending, counts, top)
         ids = self._free.pop(n) if pending is None or counts is None \
             else self._free.pop_per_request(counts, top)
         if n <= _FEW:       # (a NumPy write through a few int32 ids costs more)
@@ -339,10 +341,9 @@ class KVBlockAllocator:
         if n == 0 or not self.caches_released_blocks:
             return n == 0
         victims = self._peel(n)
-        if victims is None:
-            return False
-        notify(self._observers, *self._deregister(victims))
-        return True
+        if victims is not None:
+            notify(self._observers, *self._deregister(victims))
+        return victims is not None
 
     def reset(self) -> None:
         """Free every block, clear hashes, counts and the clock; observers stay (only release
@@ -365,7 +366,7 @@ class KVBlockAllocator:
         """The first ``n`` victims (a list) of leaf peeling, keeping ``keep`` and the blocks the
         backlog will link to (:meth:`EvictableLeaves.peel`), or None."""
         pinned = () if self.pending_parents is None else self.pending_parents()
-        keep = set(keep).union(pinned.tolist()) if len(pinned) else set(keep)
+        keep = set(keep).union(pinned.tolist()) if len(pinned) else set(keep) if keep else ()
         forest, views = self._forest._scalars, self._scalars
         return self._leaves.peel(n, forest.parent_ids, forest.child_counts, views.refs,
                                  views.stamps, keep, commit)

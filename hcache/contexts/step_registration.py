@@ -100,13 +100,18 @@ def _register_few(requests, kv_block_allocator, rows, first, upto, grew, limit) 
     ``upto``: their complete blocks after the step) on Python scalars: the same hashes,
     registrations and row counts, in the same order (prompt rows first, then the others), or
     None, having changed nothing, for a step it leaves to the general path."""
+    now, later = [], []     # prompt rows (hashed), rows completing their next block
     if len(grew) > READ_ROWS:
         rows, upto = rows[grew], upto[grew]
-        grown = zip(rows.tolist(), first[grew].tolist(), upto.tolist(),
-                    requests.hashed[rows].tolist())
+        rows_l, first_l, upto_l = rows.tolist(), first[grew].tolist(), upto.tolist()
+        hashed_l = requests.hashed[rows].tolist()
+        if hashed_l == first_l and upto_l == [f + 1 for f in first_l]:     # (decode only)
+            later = list(zip(rows_l, first_l))
+            grown = ()
+        else:
+            grown = zip(rows_l, first_l, upto_l, hashed_l)
     else:
         grown = _read(rows, first, upto, grew.tolist(), requests.hashed)
-    now, later = [], []     # prompt rows (hashed), rows completing their next block
     for r, f, u, h in grown:
         if h >= u:
             now.append((r, f, u))
