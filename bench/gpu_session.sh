@@ -14,8 +14,8 @@
 #   suite.txt      the whole test suite with 12 workers (issue 29), beside the sanitizers
 #   (probe)        into bench.txt: Nsight Compute's device time of each decode write launch
 #                  (bench/probe_decode.py), free of host gaps
-#   ab.txt         the serving loop's in-process A/B against a carried .ab/hcache_base, and
-#                  at pool x4 against x1 (bench/ab/)
+#   ab.txt         the serving loop's in-process A/B against a carried .ab/hcache_base, at
+#                  pool x4 against x1, and the block-16 step against its floor (bench/ab/)
 # The benches run alone (their timings); the sanitizers (one process) and the suite overlap.
 # ONLY="stage ..." runs those stages alone (a follow-up call); PROFILE_HOST=1 runs the host
 # bench under cProfile into host.prof.
@@ -89,6 +89,8 @@ fi
 for block in 16 256; do     # and the pool's size: x4 against x1 of this checkout, interleaved
     stage ab 60 "$OUT/ab.txt" python3 bench/ab/pool_scale_inprocess.py $block 4 150
 done
+# and the floor: an idealised block-16 step against the real one (docs/design.md §8)
+stage ab 30 "$OUT/ab.txt" python3 bench/ab/decode_floor_inprocess.py 300
 HOST=(python3 -m hcache bench --host --quick --out "$OUT")
 [ "${PROFILE_HOST:-0}" = 1 ] && HOST=(python3 -m cProfile -o "$OUT/host.prof" -m hcache bench \
                                      --host --quick --out "$OUT")
