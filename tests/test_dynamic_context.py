@@ -26,6 +26,7 @@ from hcache.contexts import (
     PagedKVPool,
     compute_block_hashes,
 )
+from hcache.contexts.backlog_duplicates import PendingParents
 from hcache.errors import CacheCapacityError
 
 # --- helpers -------------------------------------------------------------------------------
@@ -282,10 +283,16 @@ def twin(ctx):
     try:
         for cls in owners:
             del cls.__deepcopy__, cls.__reduce_ex__
-        return copy.deepcopy(ctx, {id(np): np})
+        new = copy.deepcopy(ctx, {id(np): np})
     finally:
         for cls, (deep, reduce) in saved.items():
             cls.__deepcopy__, cls.__reduce_ex__ = deep, reduce
+    # A copied allocator keeps a detached snapshot of its backlog hooks (PendingParents): wire
+    # the copy's pinning and drop recording to the copy's registration, as the context does.
+    watch = PendingParents(new._registration)
+    new.kv_block_allocator.pending_parents = watch
+    new.kv_block_allocator.deregistering = watch.deregistering
+    return new
 
 
 def plans_of(plans):
@@ -633,3 +640,48 @@ def test_an_array_id_after_a_cached_batch_is_refused_as_unhashable():
     with pytest.raises(TypeError, match=r"request_ids\[0\]: expected a hashable id"):
         ctx.extend_requests([np.array([5, 6])], [6])
     assert (ctx.num_computed_tokens(5), ctx.block_ids(5).tolist()) == before
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 5])
+def test_a_twin_with_a_registration_backlog_follows_the_original(seed):
+    """``twin`` is the oracle of many tests: with a backlog (budget 1), its copy records the
+    blocks dropped while blocks wait (the drop hook of the copy's allocator) and pins the
+    blocks the backlog will link to, as the original does, so both end in the same state."""
+    rng = np.random.default_rng(seed)
+    ctxs = [make_ctx(14, bs=2, mamba=1, slots=8, rows=4, registration_budget=1)]
+    live, next_id = [], 0
+    for step in range(60):
+        u = rng.random()
+        if u < 0.3 or not live:
+            kind, arg = 0, (next_id, rng.integers(0, 3, int(rng.integers(1, 9))).tolist())
+            next_id += 1
+        elif u < 0.8:
+            kind, arg = 1, rng.integers(0, 3, len(live)).tolist()
+        else:
+            kind, arg = 2, live[int(rng.integers(len(live)))]
+        done = []
+        for c in ctxs:
+            try:
+                if kind == 0:
+                    c.add_request(*arg)
+                elif kind == 1:
+                    c.extend_requests(live, arg)
+                else:
+                    c.release_requests([arg])
+                done.append(True)
+            except (CacheCapacityError, ValueError):     # no room, or a sequence is full
+                done.append(False)
+            if (c._requests.pending_end >= 0).any():
+                c.commit_step()
+        assert len(set(done)) == 1
+        if done[0] and kind == 0:
+            live.append(arg[0])
+        elif done[0] and kind == 2:
+            live.remove(arg)
+        if step == 10:
+            ctxs.append(twin(ctxs[0]))
+        if len(ctxs) == 2:
+            a, b = (c._registration for c in ctxs)
+            assert (a._dropped, list(a._drop_log)) == (b._dropped, list(b._drop_log))
+    original, copied = ctxs
+    assert state(original) == state(copied)

@@ -150,5 +150,7 @@ def test_the_backlog_records_every_drop_an_observer_would(seed):
         if any(ctx._requests.pending_end >= 0):
             ctx.commit_step()
         ctx.check_invariants()
+        # the map the backlog reads: each hash's last drop in the (pruned) log
+        assert reg._dropped == {h: c for c, hashes in reg._drop_log for h in hashes}
     assert recorded == log
     event(f"drops recorded: {min(len(log), 3)}+")

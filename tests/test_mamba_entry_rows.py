@@ -204,14 +204,49 @@ def rows_twins(max_requests):
     return made
 
 
+class ArraysModel:
+    """The four tracking arrays written as the docstrings of :class:`EntryRows` say, with
+    NumPy and nothing of EntryRows: the oracle of its writes and reads."""
+
+    def __init__(self, max_requests, k=3):
+        self.offsets = np.zeros((max_requests, k), np.int32)
+        self.block_ids = np.full((max_requests, k), -1, np.int32)
+        self.counts = np.zeros(max_requests, np.int32)
+        self.eos = np.full(max_requests, -1, np.int32)
+
+    def clear(self, rows=slice(None)):
+        self.offsets[rows], self.block_ids[rows], self.counts[rows], self.eos[rows] = 0, -1, 0, -1
+
+    def write_row(self, row, offsets, block_ids, eos):
+        self.clear(row)
+        n = len(offsets)
+        self.offsets[row, :n], self.block_ids[row, :n], self.counts[row] = offsets, block_ids, n
+        self.eos[row] = eos
+
+    def write_eos(self, rows, block_ids):
+        self.clear(list(rows))
+        self.eos[list(rows)] = block_ids
+
+    def arrays(self):
+        return self.offsets, self.block_ids, self.counts, self.eos
+
+    def entries(self, limit):
+        rows, eos_rows = np.flatnonzero(self.counts), np.flatnonzero(self.eos >= 0)
+        if self.offsets.shape[1] * len(rows) + len(eos_rows) > limit:
+            return None
+        scratch = [b for r in rows for b in self.block_ids[r, :self.counts[r]].tolist()]
+        return scratch + self.eos[eos_rows].tolist(), eos_rows.tolist(), len(scratch)
+
+
 @settings(max_examples=80, deadline=None)
 @given(st.integers(2, 20), st.data())
 def test_rows_equal_the_numpy_scans(max_requests, data):
     """Random writes of rows (scratch and EOS entries), EOS entries of a few rows (lists) or
     many (arrays) replacing what rows hold, clears of some rows (lists or arrays) or all, and
-    direct writes flagged through ``pending``: the arrays, the flag and the entries read equal
-    the untracked twin's, and every row holding an entry stays noted."""
-    twins = rows_twins(max_requests)
+    direct writes flagged through ``pending``: the arrays and the entries read equal those of
+    a NumPy model of the documented writes (:class:`ArraysModel`), the arrays, the flag and
+    the entries equal the untracked twin's, and every row holding an entry stays noted."""
+    twins, model = rows_twins(max_requests), ArraysModel(max_requests)
     row = st.integers(0, max_requests - 1)
     for _ in range(data.draw(st.integers(1, 25))):
         op = data.draw(st.sampled_from(["row", "eos", "clear rows", "clear", "direct"]))
@@ -220,9 +255,10 @@ def test_rows_equal_the_numpy_scans(max_requests, data):
             offsets = sorted(data.draw(st.lists(st.integers(1, 50), min_size=n, max_size=n,
                                                 unique=True)))
             ids = data.draw(st.lists(st.integers(0, 99), min_size=n, max_size=n))
-            eos = data.draw(st.integers(-1, 99))
+            eos = data.draw(st.one_of(st.just(-1), st.integers(0, 99)))     # -1: no EOS entry
             for rows, _ in twins:
                 rows.write_row(r, offsets, ids, eos)
+            model.write_row(r, offsets, ids, eos)
         elif op == "eos":
             rs = data.draw(st.lists(row, min_size=1, max_size=max_requests, unique=True))
             ids = data.draw(st.lists(st.integers(0, 99), min_size=len(rs), max_size=len(rs)))
@@ -232,24 +268,29 @@ def test_rows_equal_the_numpy_scans(max_requests, data):
                     rows.write_eos(np.array(rs, np.int64), np.array(ids, np.int32))
                 else:
                     rows.write_eos(list(rs), list(ids))
+            model.write_eos(rs, ids)
         elif op == "clear rows":
             rs = data.draw(st.lists(row, max_size=max_requests))
             as_array = data.draw(st.booleans())
             for rows, _ in twins:
                 rows.clear(np.array(rs, np.int64) if as_array else list(rs))
+            model.clear(list(rs))
         elif op == "clear":
             for rows, _ in twins:
                 rows.clear()
+            model.clear()
         else:       # a writer of the arrays flags them (the tracking is given up)
             r, b = data.draw(row), data.draw(st.integers(0, 99))
             for rows, arrays in twins:
                 arrays[3][r] = b
                 rows.flag(True)
+            model.eos[r] = b
         fast, slow = twins
-        for a, b in zip(fast[1], slow[1], strict=True):
-            np.testing.assert_array_equal(a, b)
+        for a, b, c in zip(fast[1], slow[1], model.arrays(), strict=True):
+            np.testing.assert_array_equal(a, c)
+            np.testing.assert_array_equal(b, c)
         assert fast[0].pending == slow[0].pending
-        assert fast[0].entries(10**6) == slow[0].entries(10**6)
+        assert fast[0].entries(10**6) == slow[0].entries(10**6) == model.entries(10**6)
         assert fast[0].broken_invariants() == []
         limit = data.draw(st.integers(0, 8))
-        assert fast[0].entries(limit) == slow[0].entries(limit)
+        assert fast[0].entries(limit) == slow[0].entries(limit) == model.entries(limit)
