@@ -89,12 +89,7 @@ class EntryRows:
         views.counts[row] = n
         views.eos[row] = eos
         if n or eos >= 0:
-            tracked = self.rows
-            if tracked is not None:
-                tracked.add(row)
-                if len(tracked) > TRACKED:
-                    self.rows = None
-            self.pending = True
+            self.track((row,))
 
     def write_eos(self, rows, block_ids) -> None:
         """Replace the entries of distinct ``rows`` by EOS entries of ``block_ids``: lists of
@@ -118,11 +113,7 @@ class EntryRows:
             eos = self._views.eos
             for row, block in zip(rows, block_ids):
                 eos[row] = block
-        if tracked is not None:     # (track, inline)
-            tracked.update(rows)
-            if len(tracked) > TRACKED:
-                self.rows = None
-        self.pending = True
+        self.track(rows)
 
     def entries(self, limit: int):
         """``(block_ids, eos_rows, num_scratch)``: the blocks of the scratch entries (rows in
