@@ -38,6 +38,25 @@ def full_state(ctx):
         ctx.mamba_conv_states.tobytes(), ctx.mamba_ssm_states.tobytes()
 
 
+def twin_steps(fast, oracle, rng, check=lambda fast, oracle: None):
+    """``(both, commit)`` for driving two contexts alike: ``both(f)`` calls ``f`` on each and
+    asserts the same outcome and full state (and ``check``), returning the outcome;
+    ``commit()`` writes the same random Mamba states into both, then commits both."""
+    def both(f):
+        got = [outcome(lambda c=c: f(c)) for c in (fast, oracle)]
+        assert got[0] == got[1]
+        assert full_state(fast) == full_state(oracle)
+        check(fast, oracle)
+        return got[0]
+
+    def commit():
+        state_seed = int(rng.integers(2**32))
+        for c in (fast, oracle):
+            write_random_states(c, state_seed)
+        both(lambda c: c.commit_step())
+    return both, commit
+
+
 def drive(seed, steps, *, lean=True):
     """Run a lean context (``lean``: its path on) beside a general one."""
     rng = np.random.default_rng(seed)
@@ -48,19 +67,8 @@ def drive(seed, steps, *, lean=True):
     fast, oracle = make_ctx(blocks, **kw), make_ctx(blocks, **kw)
     fast.mamba_slot_allocator.lean_commit = lean
     oracle.mamba_slot_allocator.lean_commit = False
-    twins, next_id = (fast, oracle), 0
-
-    def both(f):
-        got = [outcome(lambda c=c: f(c)) for c in twins]
-        assert got[0] == got[1]
-        assert full_state(fast) == full_state(oracle)
-        return got[0]
-
-    def commit():
-        state_seed = int(rng.integers(2**32))
-        for c in twins:
-            write_random_states(c, state_seed)
-        both(lambda c: c.commit_step())
+    next_id = 0
+    both, commit = twin_steps(fast, oracle, rng)
 
     for _ in range(steps):
         op = rng.integers(10)
@@ -82,7 +90,7 @@ def drive(seed, steps, *, lean=True):
             both(lambda c, g=gone: c.release_requests(g))
         else:
             both(lambda c: c.register_completed_blocks())
-    for c in twins:
+    for c in (fast, oracle):
         c.check_invariants()
 
 

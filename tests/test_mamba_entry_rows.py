@@ -17,9 +17,9 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
-from test_decode_fast_paths import outcome, plan_tuple, random_prompt, write_random_states
+from test_decode_fast_paths import plan_tuple, random_prompt
 from test_dynamic_context import make_ctx
-from test_mamba_commit_lean import full_state
+from test_mamba_commit_lean import twin_steps
 
 from hcache.contexts import mamba_entry_rows
 from hcache.contexts.mamba_entry_rows import EntryRows
@@ -59,22 +59,13 @@ def drive(seed, steps):
               registration_budget=[None, None, 1][int(rng.integers(3))])
     blocks = int(rng.integers(4 * rows, 8 * rows))
     fast, oracle = make_ctx(blocks, **kw), oracle_of(make_ctx(blocks, **kw))
-    twins, next_id = (fast, oracle), 0
+    next_id = 0
     full = rng.integers(2)      # start with every row admitted (many rows close blocks at once)
 
-    def both(f):
-        got = [outcome(lambda c=c: f(c)) for c in twins]
-        assert got[0] == got[1]
+    def tracked_alike(fast, oracle):
         assert tracking(fast) == tracking(oracle)
-        assert full_state(fast) == full_state(oracle)
         assert fast.mamba_slot_allocator._intermediate.broken_invariants() == []
-        return got[0]
-
-    def commit():
-        state_seed = int(rng.integers(2**32))
-        for c in twins:
-            write_random_states(c, state_seed)
-        both(lambda c: c.commit_step())
+    both, commit = twin_steps(fast, oracle, rng, tracked_alike)
 
     for _ in range(steps):
         op = rng.integers(12)
@@ -102,7 +93,7 @@ def drive(seed, steps):
             live = fast.request_ids
             gone = [r for r in live if rng.integers(3) == 0][:3] or live[:1]
             both(lambda c, g=gone: c.release_requests(g))
-    for c in twins:
+    for c in (fast, oracle):
         c.check_invariants()
 
 

@@ -117,10 +117,9 @@ class EvictableLeaves:
         promoted: list[int] = []    # parents made members (pushed) or set aside by the peel
         aside: list[int] = []       # heap entries of kept blocks
         remaining: dict[int, int] = {}      # children left of the parents touched (2 or more)
-        taken = 0       # always len(out)
         # A promoted parent that the next pop would return is taken at once (the chain walk
         # below): it never enters the heap, and is a member only if it ends the peel untaken.
-        while taken < n:
+        while len(out) < n:
             if not heap:
                 break
             entry = pop(heap)
@@ -134,7 +133,6 @@ class EvictableLeaves:
             popped.append(b)
             while True:         # b was just taken off the heap, or promoted ahead of its top
                 out.append(b)
-                taken += 1
                 p = parent_ids[b]
                 if p < 0:
                     break
@@ -147,7 +145,7 @@ class EvictableLeaves:
                 if ref_counts[p]:
                     break
                 entry = timestamps[p] << _SHIFT | p
-                if p in keep or taken == n or heap and not entry < heap[0]:
+                if p in keep or len(out) == n or heap and not entry < heap[0]:
                     promoted.append(p)
                     if p in keep:
                         aside.append(entry)
@@ -159,7 +157,7 @@ class EvictableLeaves:
         for entry in aside:
             member[entry & _BLOCK] = 1
             push(heap, entry)
-        if taken < n or not commit:     # as before: the popped members back, no promotion
+        if len(out) < n or not commit:      # as before: the popped members back, no promotion
             for b in popped:
                 member[b] = 1
                 push(heap, timestamps[b] << _SHIFT | b)
@@ -167,7 +165,7 @@ class EvictableLeaves:
                 member[p] = 0
         if len(heap) > self._limit:
             self._rebuild(timestamps)
-        return None if taken < n else out
+        return None if len(out) < n else out
 
     def _rebuild(self, timestamps) -> None:
         ids = np.flatnonzero(self.member)

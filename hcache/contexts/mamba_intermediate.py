@@ -200,8 +200,8 @@ class IntermediateStates:
             raise ValueError(f"request_to_kv_block_ids: expected a block at every boundary "
                              f"of row {row}, got {table[:max(columns) + 1].tolist()}")
         n = len(offsets)
-        self.entry_rows.write_row(row, offsets, block_ids[:n], block_ids[-1] if len(columns) > n
-                             else -1)
+        eos = block_ids[-1] if len(columns) > n else -1
+        self.entry_rows.write_row(row, offsets, block_ids[:n], eos)
 
     def plan_batch(self, rows, chunk_starts, seq_lens, boundaries, eos_columns, *,
                    block_table, block_size, chunk_size) -> None:

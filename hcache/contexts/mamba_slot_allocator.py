@@ -315,7 +315,7 @@ class MambaSlotAllocator:
     def _plan_eos(self, rows, block_ids) -> None:
         """Unchecked :meth:`compute_and_store_offsets_batch` of a decode step (own rows, and
         the blocks their EOS entries keep: lists of Python ints, or int arrays)."""
-        self._intermediate.entry_rows.write_eos(rows, block_ids)    # (plan_eos, one call less)
+        self._intermediate.plan_eos(rows, block_ids)
 
     def intermediate_targets(self) -> list[tuple[int, int, int]]:
         """:meth:`IntermediateStates.targets`: ``(request_row, offset, scratch_index)``."""
